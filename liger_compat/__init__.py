@@ -1,0 +1,74 @@
+"""liger_compat: fused Triton kernels for LLM training on whatever transformers / trl you have.
+
+``import liger_compat`` as the first line of a training script installs post-import hooks:
+shims for a library are applied when, and only when, that library is imported (before or
+after liger_compat). Importing this package does not import torch, transformers or trl.
+
+Public API: :func:`check`, :func:`apply`, :func:`revert`, :func:`configure`, ``__version__``.
+``LIGER_COMPAT_DISABLE=1`` turns everything off; ``LIGER_COMPAT_KERNELS`` picks kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+__version__ = "0.1.0"
+__all__ = ["check", "apply", "revert", "configure", "__version__"]
+
+from . import _config
+from .compat import check
+from .shims import REGISTRY as _REGISTRY
+from .shims import load_all as _load_all
+
+
+def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None) -> None:
+    """Change settings at run time.
+
+    ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
+    back on. ``kernels`` is ``"all"``, ``"none"`` or names from ``rms_norm, rope, swiglu, geglu,
+    fused_linear_cross_entropy``; shims whose kernels are deselected are reverted. ``debug=True``
+    turns on input checks that need a host sync (target range checks).
+    """
+    s = _config.settings
+    if kernels is not None:
+        s.kernels = _config.parse_kernels(kernels)  # raises before anything changes
+        s.source["kernels"] = "configure()"
+    if debug is not None:
+        s.debug = bool(debug)
+        s.source["debug"] = "configure()"
+    if enabled is not None:
+        s.disabled = not enabled
+        s.source["disabled"] = "configure()"
+    if s.disabled:
+        _REGISTRY.revert()
+        return
+    if kernels is not None or enabled:
+        # re-apply under the new kernel selection
+        if _REGISTRY.active:
+            _REGISTRY.revert()
+        _REGISTRY.apply()
+
+
+def apply(model: Any = None, kernels: str | Iterable[str] | None = None) -> Any:
+    """Apply every shim whose target library is imported, and patch ``model`` if given.
+
+    Idempotent. Returns ``model`` so it can be used inline: ``model = apply(model)``.
+    """
+    if kernels is not None:
+        _config.settings.kernels = _config.parse_kernels(kernels)
+        _config.settings.source["kernels"] = "apply()"
+    if _config.settings.disabled:
+        return model
+    _load_all()
+    _REGISTRY.apply(model)
+    return model
+
+
+def revert() -> list[str]:
+    """Undo every patch liger_compat made (classes and model instances). Returns any errors."""
+    return _REGISTRY.revert()
+
+
+_load_all()
+if not _config.settings.disabled:
+    _REGISTRY.activate()

@@ -1,0 +1,91 @@
+"""Process-wide settings: which kernels are enabled and whether liger_compat is active.
+
+Read once from the environment (``LIGER_COMPAT_DISABLE``, ``LIGER_COMPAT_KERNELS``,
+``LIGER_COMPAT_DEBUG``) and changed afterwards with :func:`liger_compat.configure`.
+Kept free of heavy imports: importing ``liger_compat`` must not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+#: Every kernel the package provides, by the name used in ``LIGER_COMPAT_KERNELS``
+#: and ``configure(kernels=...)``.
+ALL_KERNELS: tuple[str, ...] = (
+    "fused_linear_cross_entropy",
+    "rms_norm",
+    "rope",
+    "swiglu",
+    "geglu",
+)
+
+_ALIASES = {
+    "flce": "fused_linear_cross_entropy",
+    "cross_entropy": "fused_linear_cross_entropy",
+    "rmsnorm": "rms_norm",
+    "rotary": "rope",
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) -> frozenset[str]:
+    """Turn ``"all"``, ``"none"``, ``"rms_norm,rope"`` or a list of names into a set.
+
+    Raises ``ValueError`` naming the unknown kernel and the valid names.
+    """
+    if value is None:
+        return frozenset(ALL_KERNELS)
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    else:
+        items = [str(v).strip() for v in value]
+    if len(items) == 1 and items[0].lower() == "all":
+        return frozenset(ALL_KERNELS)
+    if len(items) == 0 or (len(items) == 1 and items[0].lower() == "none"):
+        return frozenset()
+    chosen = set()
+    for item in items:
+        name = _ALIASES.get(item.lower(), item.lower())
+        if name not in ALL_KERNELS:
+            raise ValueError(
+                f"unknown kernel {item!r} in kernels=; valid names: {', '.join(ALL_KERNELS)}, 'all', 'none'"
+            )
+        chosen.add(name)
+    return frozenset(chosen)
+
+
+@dataclass
+class Settings:
+    disabled: bool = False
+    kernels: frozenset[str] = field(default_factory=lambda: frozenset(ALL_KERNELS))
+    debug: bool = False
+    #: where a setting came from, for the report
+    source: dict[str, str] = field(default_factory=dict)
+
+
+def _from_env() -> Settings:
+    s = Settings()
+    if os.environ.get("LIGER_COMPAT_DISABLE", "").strip().lower() in _TRUE:
+        s.disabled = True
+        s.source["disabled"] = "LIGER_COMPAT_DISABLE"
+    env_kernels = os.environ.get("LIGER_COMPAT_KERNELS")
+    if env_kernels is not None:
+        try:
+            s.kernels = parse_kernels(env_kernels)
+            s.source["kernels"] = "LIGER_COMPAT_KERNELS"
+        except ValueError as exc:  # a bad env var must not break the import
+            s.source["kernels"] = f"default (ignored LIGER_COMPAT_KERNELS: {exc})"
+    if os.environ.get("LIGER_COMPAT_DEBUG", "").strip().lower() in _TRUE:
+        s.debug = True
+        s.source["debug"] = "LIGER_COMPAT_DEBUG"
+    return s
+
+
+settings: Settings = _from_env()
+
+
+def kernel_enabled(name: str) -> bool:
+    """True when liger_compat is active and kernel ``name`` is selected."""
+    return (not settings.disabled) and name in settings.kernels

@@ -1,0 +1,70 @@
+"""Device facts for the report: accelerator, capability, and whether Triton can run kernels.
+
+This imports torch (and triton, when present), so only ``check()`` calls it, never the
+import of ``liger_compat``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from . import versions
+
+#: Triton's NVIDIA backend targets compute capability 7.5 and newer (Turing+); 8.0+ for bf16.
+MIN_TRITON_CAPABILITY = (7, 5)
+
+
+@dataclass
+class DeviceInfo:
+    torch_available: bool
+    cuda_available: bool = False
+    device_count: int = 0
+    gpu_name: str | None = None
+    capability: str | None = None
+    cuda_runtime: str | None = None
+    hip: bool = False
+    triton_installed: bool = False
+    triton_interpret: bool = False
+    kernel_backend: str = "torch reference"
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip() in ("1", "true", "True")
+
+
+def detect() -> DeviceInfo:
+    info = DeviceInfo(torch_available=versions.installed("torch").installed)
+    info.triton_installed = versions.installed("triton").installed
+    info.triton_interpret = interpret_mode()
+    if not info.torch_available:
+        info.kernel_backend = "none"
+        info.reason = "torch is not installed"
+        return info
+    import torch
+
+    info.cuda_available = bool(torch.cuda.is_available())
+    info.hip = getattr(torch.version, "hip", None) is not None
+    info.cuda_runtime = getattr(torch.version, "hip", None) or getattr(torch.version, "cuda", None)
+    if info.cuda_available:
+        info.device_count = torch.cuda.device_count()
+        info.gpu_name = torch.cuda.get_device_name(0)
+        major, minor = torch.cuda.get_device_capability(0)
+        info.capability = f"{major}.{minor}"
+        if not info.triton_installed:
+            info.reason = "triton is not installed: GPU tensors use the torch reference"
+        elif not info.hip and (major, minor) < MIN_TRITON_CAPABILITY:
+            info.reason = f"compute capability {major}.{minor} is below Triton's minimum {MIN_TRITON_CAPABILITY[0]}.{MIN_TRITON_CAPABILITY[1]}"
+        else:
+            info.kernel_backend = "triton (HIP)" if info.hip else "triton (CUDA)"
+    elif info.triton_interpret and info.triton_installed:
+        info.kernel_backend = "triton interpreter (TRITON_INTERPRET=1)"
+        info.reason = "no GPU: Triton kernels run in the interpreter on CPU tensors"
+    else:
+        info.reason = "no GPU: CPU tensors use the torch reference (chunked for the fused loss)"
+    return info

@@ -1,0 +1,226 @@
+"""The ``check()`` report: what is installed, what is patched, what is known to break.
+
+The report is plain data (``to_dict()`` / ``to_json()``) with a printable text form.
+Building it patches nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _config
+from . import device as _device
+from . import known_issues, scenarios, versions
+
+
+@dataclass
+class IssueStatus:
+    id: str
+    title: str
+    applies: bool
+    mitigated: bool
+    detail: str
+
+    @property
+    def unmitigated(self) -> bool:
+        return self.applies and not self.mitigated
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "applies": self.applies,
+                "mitigated": self.mitigated, "detail": self.detail}
+
+
+@dataclass
+class Report:
+    liger_compat_version: str
+    python: str
+    versions: dict[str, str | None]
+    device: dict[str, Any]
+    settings: dict[str, Any]
+    shims: list[dict[str, Any]]
+    issues: list[IssueStatus]
+    families: dict[str, str]
+    matrix: dict[str, Any]
+    conflicts: list[dict[str, str]]
+    load_errors: list[str] = field(default_factory=list)
+    scenarios: list[scenarios.ScenarioResult] | None = None
+
+    # -- verdict ----------------------------------------------------------------------------
+    @property
+    def unmitigated(self) -> list[IssueStatus]:
+        return [i for i in self.issues if i.unmitigated]
+
+    @property
+    def failed_scenarios(self) -> list[scenarios.ScenarioResult]:
+        return [s for s in (self.scenarios or []) if s.outcome == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.unmitigated and not self.failed_scenarios
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    # -- output -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "liger_compat": self.liger_compat_version,
+            "python": self.python,
+            "versions": self.versions,
+            "device": self.device,
+            "settings": self.settings,
+            "shims": self.shims,
+            "known_issues": [i.to_dict() for i in self.issues],
+            "families": self.families,
+            "matrix": self.matrix,
+            "conflicts": self.conflicts,
+            "load_errors": self.load_errors,
+            "scenarios": None if self.scenarios is None else [s.to_dict() for s in self.scenarios],
+            "ok": self.ok,
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        kw.setdefault("indent", 2)
+        return json.dumps(self.to_dict(), **kw)
+
+    def __str__(self) -> str:
+        return format_text(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
+        p.text(str(self))
+
+    def print(self, file: Any = None) -> None:
+        print(str(self), file=file or sys.stdout)
+
+
+def _table(headers: list[str], rows: list[list[str]], max_width: int = 60) -> list[str]:
+    def clip(s: str) -> str:
+        s = str(s)
+        return s if len(s) <= max_width else s[: max_width - 1] + "…"
+
+    rows = [[clip(c) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+    line = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    out = [line(headers), "  " + "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in rows]
+    return out
+
+
+def format_text(r: Report) -> str:
+    out = [f"liger_compat {r.liger_compat_version}  (python {r.python})", ""]
+    out.append("Installed")
+    out += _table(["package", "version"], [[k, v or "not installed"] for k, v in r.versions.items()])
+    d = r.device
+    out += ["", "Device"]
+    if d.get("cuda_available"):
+        out.append(f"  GPU: {d.get('gpu_name')} (capability {d.get('capability')}, {d.get('device_count')} visible)")
+    else:
+        out.append("  GPU: none")
+    out.append(f"  kernels run on: {d.get('kernel_backend')}" + (f"  ({d['reason']})" if d.get("reason") else ""))
+    s = r.settings
+    out.append(f"  liger_compat: {'DISABLED' if s['disabled'] else 'active'}; kernels: {', '.join(s['kernels']) or 'none'}")
+    out += ["", "Shims"]
+    if r.shims:
+        out += _table(["shim", "state", "fixes", "reason"],
+                      [[x["id"], x["state"], ",".join(x["fixes"]) or "-", x["reason"] or "-"] for x in r.shims])
+    else:
+        out.append("  (none registered)")
+    for e in r.load_errors:
+        out.append(f"  shim module failed to load: {e}")
+    out += ["", "Known issues"]
+    out += _table(["id", "applies here", "state", "issue"],
+                  [[i.id, "yes" if i.applies else "no",
+                    ("mitigated" if i.mitigated else "NOT MITIGATED") if i.applies else "-",
+                    i.title] for i in r.issues])
+    for i in r.issues:
+        if i.unmitigated:
+            out.append(f"  ! {i.id}: {i.detail}")
+    if r.families:
+        out += ["", "Model families"]
+        out += _table(["family", "state"], [[k, v] for k, v in r.families.items()])
+    out += ["", "Version matrix"]
+    m = r.matrix
+    out.append(f"  {m.get('summary', 'unavailable')}")
+    if r.conflicts:
+        out += ["", "Conflicts"]
+        out += _table(["target", "patched by", "detail"], [[c["what"], c["by"], c["detail"]] for c in r.conflicts])
+    if r.scenarios is not None:
+        out += ["", "Scenarios (--deep)"]
+        if r.scenarios:
+            out += _table(["scenario", "issue", "outcome", "seconds", "detail"],
+                          [[x.id, x.issue or "-", x.outcome, f"{x.seconds:.2f}", x.detail or "-"] for x in r.scenarios],
+                          max_width=80)
+        else:
+            out.append("  (none registered)")
+    out += ["", "Verdict: " + ("OK" if r.ok else
+                               "PROBLEMS: " + ", ".join([f"{i.id} not mitigated" for i in r.unmitigated] +
+                                                        [f"scenario {x.id} failed" for x in r.failed_scenarios]))]
+    return "\n".join(out)
+
+
+def _issue_status(issue: known_issues.KnownIssue, shim_states: dict[str, str],
+                  installed: dict[str, versions.PackageVersion]) -> IssueStatus:
+    applies = issue.applies(installed)
+    states = {sid: shim_states.get(sid, "not registered") for sid in issue.mitigated_by}
+    # "waiting": the shim applies when its trigger module is imported; "not needed": its
+    # feature probe found the installed library already behaves
+    mitigated = bool(states) and all(st in ("applied", "waiting", "not needed") for st in states.values())
+    detail = "; ".join(f"{sid}: {st}" for sid, st in states.items())
+    if applies and not mitigated:
+        detail = f"affects {', '.join(f'{k} {installed[k].raw}' for k in issue.affects if k in installed)}; {detail}"
+    return IssueStatus(issue.id, issue.title, applies, mitigated, detail)
+
+
+def _families() -> dict[str, str]:
+    try:
+        from ..shims import families  # provided by the model shims
+    except ImportError:
+        return {}
+    try:
+        return dict(families.family_states())
+    except Exception as exc:
+        return {"(error)": f"{type(exc).__name__}: {exc}"}
+
+
+def _matrix(installed: dict[str, versions.PackageVersion]) -> dict[str, Any]:
+    try:
+        from ..matrix import verification_status
+    except ImportError:
+        return {"summary": "no version matrix in this build"}
+    try:
+        return dict(verification_status(installed["transformers"].raw, installed["trl"].raw))
+    except Exception as exc:
+        return {"summary": f"matrix lookup failed: {type(exc).__name__}: {exc}"}
+
+
+def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: Any = None) -> Report:
+    from .. import __version__
+    from ..shims import REGISTRY, load_all
+
+    load_all()
+    installed = versions.all_installed()
+    scen = scenarios.run_all(ctx, progress) if deep else None
+    shim_list = [s.status() for s in REGISTRY.shims()]
+    shim_states = {s["id"]: s["state"] for s in shim_list}
+    st = _config.settings
+    return Report(
+        liger_compat_version=__version__,
+        python=sys.version.split()[0],
+        versions={k: v.raw for k, v in installed.items()},
+        device=_device.detect().to_dict(),
+        settings={"disabled": st.disabled, "kernels": sorted(st.kernels), "debug": st.debug, "source": dict(st.source)},
+        shims=shim_list,
+        issues=[_issue_status(i, shim_states, installed) for i in known_issues.KNOWN_ISSUES],
+        families=_families(),
+        matrix=_matrix(installed),
+        conflicts=[c.to_dict() for c in REGISTRY.conflicts],
+        load_errors=list(REGISTRY.load_errors),
+        scenarios=scen,
+    )

@@ -1,0 +1,108 @@
+"""Scenario smoke tests that ``check --deep`` runs on a tiny randomly initialised model.
+
+A scenario reproduces one known situation (F1..F5 and later ones) with the real
+installed libraries and says whether liger_compat handles it. Shim modules register
+them with :func:`scenario`; registration is cheap, the function body imports what it needs.
+
+A scenario function takes a :class:`Context` and returns a short detail string on success,
+raises :class:`Skip` when it cannot run here (a library missing, say), and raises anything
+else on failure.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import versions
+
+
+class Skip(Exception):
+    """Raised by a scenario that cannot run on this installation; the message says why."""
+
+
+@dataclass
+class Context:
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass
+class Scenario:
+    id: str
+    title: str
+    func: Callable[[Context], str | None]
+    issue: str | None = None
+    requires: tuple[str, ...] = ()
+
+
+@dataclass
+class ScenarioResult:
+    id: str
+    title: str
+    issue: str | None
+    outcome: str  # passed / failed / skipped
+    detail: str = ""
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "issue": self.issue,
+            "outcome": self.outcome,
+            "detail": self.detail,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+_SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(id: str, title: str, *, issue: str | None = None, requires: tuple[str, ...] = ()):
+    """Decorator registering a scenario under ``id``."""
+
+    def deco(func: Callable[[Context], str | None]) -> Callable[[Context], str | None]:
+        if id in _SCENARIOS:
+            raise ValueError(f"scenario id {id!r} registered twice")
+        _SCENARIOS[id] = Scenario(id, title, func, issue, tuple(requires))
+        return func
+
+    return deco
+
+
+def registered() -> list[Scenario]:
+    return list(_SCENARIOS.values())
+
+
+def unregister(id: str) -> None:
+    _SCENARIOS.pop(id, None)
+
+
+def run_all(ctx: Context | None = None, progress: Callable[[int, int, Scenario], None] | None = None) -> list[ScenarioResult]:
+    ctx = ctx or Context()
+    results = []
+    items = registered()
+    for i, sc in enumerate(items):
+        if progress is not None:
+            progress(i, len(items), sc)
+        missing = [r for r in sc.requires if not versions.installed(r).installed]
+        if missing:
+            results.append(ScenarioResult(sc.id, sc.title, sc.issue, "skipped", f"needs {', '.join(missing)}"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            detail = sc.func(ctx) or ""
+            outcome = "passed"
+        except Skip as exc:
+            detail, outcome = str(exc), "skipped"
+        except Exception as exc:
+            tb = traceback.extract_tb(exc.__traceback__)
+            where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
+            detail, outcome = f"{type(exc).__name__}: {exc}{where}", "failed"
+        results.append(ScenarioResult(sc.id, sc.title, sc.issue, outcome, detail, time.perf_counter() - t0))
+    return results

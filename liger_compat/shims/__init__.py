@@ -1,0 +1,33 @@
+"""Shims: one small module per upstream change liger_compat adapts to.
+
+Every module listed in :data:`SHIM_MODULES` registers its shims on import. Shim modules
+must stay cheap to import (no torch / transformers / trl at module level): importing
+``liger_compat`` imports them all so that ``check()`` can list every shim, and the actual
+patching happens in post-import hooks when the target library is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from ._registry import REGISTRY, Shim, State, register  # noqa: F401
+
+#: shim modules, imported in this order
+SHIM_MODULES: tuple[str, ...] = ()
+
+_loaded = False
+
+
+def load_all() -> None:
+    """Import every shim module once. A module that fails to import is logged, never raised."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for name in SHIM_MODULES:
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except Exception as exc:  # a broken shim module must not break `import liger_compat`
+            logging.getLogger("liger_compat").warning("liger_compat: shim module %s not loaded: %s", name, exc)
+            REGISTRY.load_errors.append(f"liger_compat.shims.{name}: {type(exc).__name__}: {exc}")

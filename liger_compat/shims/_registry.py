@@ -1,0 +1,266 @@
+"""The shim contract and registry.
+
+A shim is a small unit that adapts one upstream behaviour. It declares
+
+* ``id``: stable name, ``"<library>.<what>"``,
+* ``library``: the distribution whose versions gate it (``"transformers"``, ``"trl"``),
+* ``trigger``: the import name whose import applies it (a module or submodule, for example
+  ``"transformers.models.qwen2.modeling_qwen2"``); hooks are registered with
+  ``wrapt.register_post_import_hook`` so the order of imports does not matter,
+* ``target``: what it patches, in words (``"Qwen2ForCausalLM.forward"``),
+* ``versions``: a ``packaging`` specifier on ``library`` where it applies (empty: all),
+* ``probe(module)``: a feature probe run on the imported trigger module; returns ``None``
+  when the shim is needed, else the reason it is not (``"forward already accepts
+  logits_to_keep"``),
+* ``upstream``: the upstream change or issue it answers, ``fixes``: known-issue ids,
+* ``kernels``: the kernels it routes to; it is skipped when none of them is enabled,
+* ``_apply(module, patches)`` / optional ``_revert()``: the work; every attribute change goes
+  through ``patches`` (a :class:`~liger_compat.shims._patching.PatchSet`) so revert is exact,
+* optional ``apply_to_model(model, patches)``: instance-level patching for ``apply(model=...)``.
+
+A shim that raises while probing or applying is marked ``failed`` with the reason and the
+library keeps its native behaviour: the import never breaks.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import wrapt
+
+from .. import _config
+from ..compat import versions
+from ._patching import PatchSet
+
+log = logging.getLogger("liger_compat")
+
+
+class State(str, enum.Enum):
+    WAITING = "waiting"  # trigger module not imported yet
+    APPLIED = "applied"
+    NOT_NEEDED = "not needed"
+    FAILED = "failed"
+    DISABLED = "disabled"  # by LIGER_COMPAT_DISABLE / configure / kernel selection
+    REVERTED = "reverted"
+    CONFLICT = "conflict"  # another library patched the target first; left alone
+
+
+@dataclass
+class Shim:
+    id: str
+    library: str
+    trigger: str
+    target: str
+    upstream: str
+    versions: str = ""
+    fixes: tuple[str, ...] = ()
+    kernels: tuple[str, ...] = ()
+    description: str = ""
+    probe: Callable[[Any], str | None] | None = None
+    _apply: Callable[[Any, PatchSet], None] | None = None
+    _revert: Callable[[], None] | None = None
+    apply_to_model: Callable[[Any, PatchSet], bool] | None = None
+    #: conflict detector run before applying: returns a description of a foreign patch or None
+    conflict: Callable[[Any], str | None] | None = None
+
+    # runtime state, owned by the registry
+    state: State = State.WAITING
+    reason: str = ""
+    patches: PatchSet = field(default_factory=PatchSet)
+    model_patches: list[PatchSet] = field(default_factory=list)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "library": self.library,
+            "target": self.target,
+            "state": self.state.value,
+            "reason": self.reason,
+            "versions": self.versions or "any",
+            "fixes": list(self.fixes),
+            "upstream": self.upstream,
+            "kernels": list(self.kernels),
+        }
+
+
+@dataclass
+class Conflict:
+    what: str
+    by: str
+    detail: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"what": self.what, "by": self.by, "detail": self.detail}
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._shims: dict[str, Shim] = {}
+        self._hooked: set[str] = set()
+        self._lock = threading.RLock()
+        self.conflicts: list[Conflict] = []
+        self.load_errors: list[str] = []  # shim modules that failed to import
+        self.active = False  # hooks fire only while active
+
+    # -- registration -----------------------------------------------------------------------
+    def register(self, shim: Shim) -> Shim:
+        with self._lock:
+            if shim.id in self._shims:
+                raise ValueError(f"shim id {shim.id!r} registered twice")
+            if shim._apply is None:
+                raise ValueError(f"shim {shim.id!r} has no _apply")
+            self._shims[shim.id] = shim
+            if self.active:
+                self._hook(shim.trigger)
+            return shim
+
+    def shims(self) -> list[Shim]:
+        return list(self._shims.values())
+
+    def get(self, shim_id: str) -> Shim:
+        try:
+            return self._shims[shim_id]
+        except KeyError:
+            raise KeyError(f"no shim {shim_id!r}; known: {', '.join(sorted(self._shims))}") from None
+
+    def report_conflict(self, what: str, by: str, detail: str) -> None:
+        c = Conflict(what, by, detail)
+        if all(c != other for other in self.conflicts):
+            self.conflicts.append(c)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _hook(self, trigger: str) -> None:
+        if trigger in self._hooked:
+            return
+        self._hooked.add(trigger)
+        # fires at once if the module is already imported, else right after its import
+        wrapt.register_post_import_hook(self._on_import, trigger)
+
+    def _on_import(self, module: Any) -> None:
+        if not self.active:
+            return
+        name = getattr(module, "__name__", "")
+        for shim in self.shims():
+            if shim.trigger == name:
+                self._apply_one(shim, module)
+
+    def activate(self) -> None:
+        """Install post-import hooks for every trigger (idempotent)."""
+        with self._lock:
+            self.active = True
+            for shim in self.shims():
+                self._hook(shim.trigger)
+                if shim.state in (State.REVERTED, State.DISABLED):
+                    mod = sys.modules.get(shim.trigger)
+                    if mod is not None:
+                        self._apply_one(shim, mod)
+                    else:
+                        shim.state, shim.reason = State.WAITING, ""
+
+    # -- applying -----------------------------------------------------------------------------
+    def _apply_one(self, shim: Shim, module: Any) -> None:
+        with self._lock:
+            if shim.state == State.APPLIED:
+                return  # idempotent
+            if _config.settings.disabled:
+                shim.state, shim.reason = State.DISABLED, "LIGER_COMPAT_DISABLE / configure(enabled=False)"
+                return
+            if shim.kernels and not any(_config.kernel_enabled(k) for k in shim.kernels):
+                shim.state = State.DISABLED
+                shim.reason = f"kernels {', '.join(shim.kernels)} not selected"
+                return
+            lib = versions.installed(shim.library)
+            if shim.versions and lib.installed and not versions.matches(lib.raw, shim.versions):
+                shim.state = State.NOT_NEEDED
+                shim.reason = f"{shim.library} {lib.raw} is outside {shim.versions}"
+                return
+            try:
+                if shim.probe is not None:
+                    why_not = shim.probe(module)
+                    if why_not:
+                        shim.state, shim.reason = State.NOT_NEEDED, why_not
+                        return
+                if shim.conflict is not None:
+                    foreign = shim.conflict(module)
+                    if foreign:
+                        shim.state, shim.reason = State.CONFLICT, foreign
+                        self.report_conflict(shim.target, foreign, f"{shim.id} left the target alone")
+                        return
+                shim._apply(module, shim.patches)
+            except Exception as exc:
+                errors = shim.patches.revert()  # leave nothing half-applied
+                shim.state = State.FAILED
+                shim.reason = f"{type(exc).__name__}: {exc}" + (f" (revert: {errors})" if errors else "")
+                log.warning("liger_compat: shim %s failed, native behaviour kept: %s", shim.id, shim.reason)
+                log.debug("%s", traceback.format_exc())
+                return
+            shim.state, shim.reason = State.APPLIED, ""
+
+    def apply(self, model: Any = None) -> None:
+        """Activate hooks, apply every shim whose trigger is imported, then patch ``model``."""
+        self.activate()
+        for shim in self.shims():
+            mod = sys.modules.get(shim.trigger)
+            if mod is not None and shim.state != State.APPLIED:
+                self._apply_one(shim, mod)
+        if model is not None:
+            self.apply_model(model)
+
+    def apply_model(self, model: Any) -> list[str]:
+        """Instance-level patches. Returns the ids of shims that patched something."""
+        done = []
+        if _config.settings.disabled:
+            return done
+        for shim in self.shims():
+            if shim.apply_to_model is None:
+                continue
+            if shim.kernels and not any(_config.kernel_enabled(k) for k in shim.kernels):
+                continue
+            ps = PatchSet()
+            try:
+                if shim.apply_to_model(model, ps):
+                    shim.model_patches.append(ps)
+                    done.append(shim.id)
+            except Exception as exc:
+                ps.revert()
+                log.warning("liger_compat: shim %s could not patch the model: %s", shim.id, exc)
+        return done
+
+    def revert(self) -> list[str]:
+        """Undo every patch (classes and instances) and stop the hooks. Returns errors."""
+        errors: list[str] = []
+        with self._lock:
+            self.active = False
+            for shim in reversed(self.shims()):
+                for ps in reversed(shim.model_patches):
+                    errors += ps.revert()
+                shim.model_patches.clear()
+                if shim.state == State.APPLIED:
+                    if shim._revert is not None:
+                        try:
+                            shim._revert()
+                        except Exception as exc:
+                            errors.append(f"{shim.id}: {exc}")
+                    errors += shim.patches.revert()
+                    shim.state, shim.reason = State.REVERTED, "liger_compat.revert()"
+                elif shim.state in (State.WAITING, State.FAILED, State.NOT_NEEDED, State.CONFLICT):
+                    shim.state, shim.reason = State.REVERTED, "liger_compat.revert()"
+        return errors
+
+
+REGISTRY = Registry()
+
+
+def register(**kwargs: Any) -> Shim:
+    """Declare and register a shim; see the module docstring for the fields."""
+    return REGISTRY.register(Shim(**kwargs))
+
+
+def shims_for(library: str) -> Iterable[Shim]:
+    return [s for s in REGISTRY.shims() if s.library == library]
