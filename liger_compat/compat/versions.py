@@ -11,12 +11,13 @@ features of the release it leads to, which is what the shims' version gates ask 
 
 from __future__ import annotations
 
-import importlib.metadata as _md
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+if TYPE_CHECKING:  # imported lazily: `import liger_compat` must stay cheap
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
 
 #: import name -> distribution names to try, first found wins
 TRACKED: dict[str, tuple[str, ...]] = {
@@ -63,6 +64,8 @@ def parse_version(raw: str | None) -> Version | None:
     """``packaging`` Version of ``raw``, or None when absent or not PEP 440."""
     if raw is None:
         return None
+    from packaging.version import InvalidVersion, Version
+
     try:
         return Version(raw)
     except InvalidVersion:
@@ -71,6 +74,8 @@ def parse_version(raw: str | None) -> Version | None:
 
 def release_of(raw: str | Version | None) -> Version | None:
     """The release part only: ``4.48.0.dev0`` -> ``4.48.0``, ``2.13.0+cpu`` -> ``2.13.0``."""
+    from packaging.version import Version
+
     v = raw if isinstance(raw, Version) else parse_version(raw)
     if v is None:
         return None
@@ -82,6 +87,8 @@ def matches(raw: str | Version | None, spec: str | SpecifierSet) -> bool:
 
     Raises ``ValueError`` on a malformed specifier, naming it.
     """
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
     rel = release_of(raw)
     if rel is None:
         return False
@@ -95,6 +102,8 @@ def matches(raw: str | Version | None, spec: str | SpecifierSet) -> bool:
 
 @lru_cache(maxsize=None)
 def _lookup(name: str) -> PackageVersion:
+    import importlib.metadata as _md
+
     for dist in TRACKED.get(name, (name,)):
         try:
             return PackageVersion(name, dist, _md.version(dist))

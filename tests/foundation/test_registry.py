@@ -1,0 +1,244 @@
+"""The shim registry: hooks, gating, failure isolation, idempotence and exact revert.
+
+Each test uses its own Registry and a throwaway module written to a temp directory, so
+the real shims and libraries are untouched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import textwrap
+
+import pytest
+
+from liger_compat import _config
+from liger_compat.shims._patching import PatchSet, unwrap
+from liger_compat.shims._registry import Registry, Shim, State
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def target_module(tmp_path, monkeypatch):
+    """A fresh importable module ``lc_target_N`` (not yet imported) with a class to patch."""
+    name = f"lc_target_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            class Base:
+                def forward(self, x):
+                    return ("base", x)
+
+            class Model(Base):
+                def step(self, x):
+                    return x + 1
+
+                @staticmethod
+                def helper(x):
+                    return x * 2
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings(monkeypatch):
+    monkeypatch.setattr(_config, "settings", _config.Settings())
+
+
+def _wrap_step(module, patches: PatchSet) -> None:
+    patches.wrap(module.Model, "step", lambda wrapped, inst, args, kw: ("patched", wrapped(*args, **kw)))
+
+
+def make(name: str, **kw) -> Shim:
+    base = dict(id="test.step", library="packaging", trigger=name, target="Model.step",
+                upstream="test", _apply=_wrap_step)
+    base.update(kw)
+    return Shim(**base)
+
+
+def test_hook_applies_when_module_imported_after_activation(target_module):
+    reg = Registry()
+    shim = reg.register(make(target_module))
+    reg.activate()
+    assert shim.state == State.WAITING
+    mod = importlib.import_module(target_module)
+    assert shim.state == State.APPLIED
+    assert mod.Model().step(1) == ("patched", 2)
+
+
+def test_hook_applies_when_module_imported_before_activation(target_module):
+    mod = importlib.import_module(target_module)
+    reg = Registry()
+    shim = reg.register(make(target_module))
+    assert shim.state == State.WAITING  # not active yet: nothing happens on register
+    reg.activate()
+    assert shim.state == State.APPLIED
+    assert mod.Model().step(1) == ("patched", 2)
+
+
+def test_apply_twice_is_a_noop_and_revert_restores_exact_object(target_module):
+    mod = importlib.import_module(target_module)
+    original = mod.Model.__dict__["step"]
+    reg = Registry()
+    shim = reg.register(make(target_module))
+    reg.apply()
+    first = mod.Model.__dict__["step"]
+    reg.apply()
+    assert mod.Model.__dict__["step"] is first, "second apply stacked another wrapper"
+    assert unwrap(first) is original
+    assert reg.revert() == []
+    assert mod.Model.__dict__["step"] is original
+    assert shim.state == State.REVERTED
+    reg.apply()  # and back on again
+    assert shim.state == State.APPLIED and mod.Model().step(3) == ("patched", 4)
+
+
+def test_revert_of_inherited_attribute_deletes_the_override(target_module):
+    mod = importlib.import_module(target_module)
+
+    def patch_forward(module, patches):
+        patches.wrap(module.Model, "forward", lambda w, i, a, k: ("wrapped",) + w(*a, **k))
+
+    reg = Registry()
+    reg.register(make(target_module, _apply=patch_forward))
+    reg.apply()
+    assert "forward" in mod.Model.__dict__ and mod.Model().forward(1) == ("wrapped", "base", 1)
+    reg.revert()
+    assert "forward" not in mod.Model.__dict__
+    assert mod.Model.forward is mod.Base.forward
+
+
+def test_staticmethod_stays_static_under_wrapper(target_module):
+    mod = importlib.import_module(target_module)
+
+    def patch_helper(module, patches):
+        patches.wrap(module.Model, "helper", lambda w, i, a, k: w(*a, **k) + 100)
+
+    reg = Registry()
+    reg.register(make(target_module, _apply=patch_helper))
+    reg.apply()
+    assert mod.Model.helper(3) == 106 and mod.Model().helper(3) == 106
+    reg.revert()
+    assert mod.Model.helper(3) == 6
+
+
+def test_failing_apply_is_isolated_and_leaves_nothing_half_done(target_module):
+    mod = importlib.import_module(target_module)
+    original = mod.Model.__dict__["step"]
+
+    def half_then_fail(module, patches):
+        _wrap_step(module, patches)
+        raise RuntimeError("upstream moved the function")
+
+    reg = Registry()
+    shim = reg.register(make(target_module, _apply=half_then_fail))
+    reg.apply()  # must not raise
+    assert shim.state == State.FAILED and "upstream moved the function" in shim.reason
+    assert mod.Model.__dict__["step"] is original
+
+
+def test_failing_probe_is_isolated(target_module):
+    def bad_probe(module):
+        raise AttributeError("no such class")
+
+    reg = Registry()
+    shim = reg.register(make(target_module, probe=bad_probe))
+    importlib.import_module(target_module)
+    reg.apply()
+    assert shim.state == State.FAILED and "no such class" in shim.reason
+
+
+def test_probe_says_not_needed(target_module):
+    mod = importlib.import_module(target_module)
+    reg = Registry()
+    shim = reg.register(make(target_module, probe=lambda m: "already behaves"))
+    reg.apply()
+    assert shim.state == State.NOT_NEEDED and shim.reason == "already behaves"
+    assert mod.Model().step(1) == 2
+
+
+def test_version_gate(target_module):
+    importlib.import_module(target_module)
+    reg = Registry()
+    out = reg.register(make(target_module, id="a", versions="<1"))  # packaging is >= 20
+    inside = reg.register(make(target_module, id="b", versions=">=1", _apply=lambda m, p: None))
+    reg.apply()
+    assert out.state == State.NOT_NEEDED and "outside <1" in out.reason
+    assert inside.state == State.APPLIED
+
+
+def test_disabled_and_kernel_selection(target_module):
+    importlib.import_module(target_module)
+    reg = Registry()
+    shim = reg.register(make(target_module, kernels=("rope",)))
+    _config.settings.kernels = frozenset({"rms_norm"})
+    reg.apply()
+    assert shim.state == State.DISABLED and "rope" in shim.reason
+    _config.settings.kernels = frozenset(_config.ALL_KERNELS)
+    _config.settings.disabled = True
+    reg.revert()
+    reg.apply()
+    assert shim.state == State.DISABLED
+
+
+def test_conflict_leaves_target_alone(target_module):
+    mod = importlib.import_module(target_module)
+    original = mod.Model.__dict__["step"]
+    reg = Registry()
+    shim = reg.register(make(target_module, conflict=lambda m: "liger-kernel 0.8.5"))
+    reg.apply()
+    assert shim.state == State.CONFLICT
+    assert mod.Model.__dict__["step"] is original
+    assert reg.conflicts and reg.conflicts[0].by == "liger-kernel 0.8.5"
+
+
+def test_revert_refuses_to_drop_a_patch_stacked_on_top(target_module):
+    mod = importlib.import_module(target_module)
+    reg = Registry()
+    reg.register(make(target_module))
+    reg.apply()
+    foreign = lambda self, x: "foreign"  # noqa: E731
+    mod.Model.step = foreign
+    errors = reg.revert()
+    assert errors and "replaced again" in errors[0]
+    assert mod.Model.__dict__["step"] is foreign
+
+
+def test_model_level_patches_are_reverted(target_module):
+    mod = importlib.import_module(target_module)
+    inst = mod.Model()
+
+    def per_instance(model, patches):
+        patches.set(model, "step", lambda x: "instance")
+        return True
+
+    reg = Registry()
+    reg.register(make(target_module, apply_to_model=per_instance))
+    reg.apply(model=inst)
+    assert inst.step(1) == "instance"
+    reg.revert()
+    assert "step" not in inst.__dict__
+    assert inst.step(1) == 2  # class patch reverted too
+
+
+def test_duplicate_ids_and_missing_apply_are_rejected(target_module):
+    reg = Registry()
+    reg.register(make(target_module))
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.register(make(target_module))
+    with pytest.raises(ValueError, match="no _apply"):
+        reg.register(make(target_module, id="other", _apply=None))
+
+
+def test_patchset_rejects_missing_attribute():
+    class K:
+        pass
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        PatchSet().set(K, "nope", 1)

@@ -1,0 +1,190 @@
+"""check() report, the known-issue registry, scenarios and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import liger_compat
+from liger_compat.__main__ import main
+from liger_compat.compat import known_issues, report, scenarios, versions
+from liger_compat.compat.known_issues import KnownIssue
+from liger_compat.shims._registry import REGISTRY
+
+
+def _run(*args: str, env: dict | None = None, code: str | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "liger_compat", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=600)
+
+
+def test_report_structure_and_text():
+    r = liger_compat.check()
+    d = r.to_dict()
+    assert d["liger_compat"] == liger_compat.__version__
+    assert set(d["versions"]) == set(versions.TRACKED)
+    assert d["versions"]["torch"] == versions.installed("torch").raw
+    assert [i["id"] for i in d["known_issues"]] == [i.id for i in known_issues.KNOWN_ISSUES]
+    assert d["scenarios"] is None  # not deep
+    assert json.loads(r.to_json()) == json.loads(json.dumps(d))
+    text = str(r)
+    for heading in ("Installed", "Device", "Shims", "Known issues", "Version matrix", "Verdict"):
+        assert heading in text
+    assert r.exit_code == (0 if r.ok else 1)
+
+
+def test_known_issue_applies_follows_installed_versions():
+    fake = {"transformers": versions.PackageVersion("transformers", "transformers", "4.48.3"),
+            "trl": versions.PackageVersion("trl", "trl", "0.15.2")}
+    f3 = known_issues.by_id("F3")
+    assert f3.applies(fake)
+    fake["transformers"] = versions.PackageVersion("transformers", "transformers", "4.49.0")
+    assert not f3.applies(fake)
+    fake["trl"] = versions.PackageVersion("trl", "trl", None)
+    assert not known_issues.by_id("F1").applies(fake)
+    with pytest.raises(KeyError, match="F1"):
+        known_issues.by_id("F99")
+
+
+def test_issue_mitigation_reads_shim_states():
+    inst = {"transformers": versions.PackageVersion("transformers", "transformers", "4.48.3")}
+    issue = KnownIssue("T1", "t", "f", {"transformers": ">=4.45"}, ("s.a", "s.b"), "u")
+    st = report._issue_status(issue, {"s.a": "applied", "s.b": "waiting"}, inst)
+    assert st.applies and st.mitigated and not st.unmitigated
+    st = report._issue_status(issue, {"s.a": "applied", "s.b": "failed"}, inst)
+    assert st.unmitigated and "s.b: failed" in st.detail
+    st = report._issue_status(issue, {"s.a": "applied"}, inst)
+    assert st.unmitigated and "not registered" in st.detail
+
+
+@pytest.fixture
+def fake_issues(monkeypatch):
+    """Replace the known issues with two controlled ones."""
+    def install(*issues):
+        monkeypatch.setattr(known_issues, "KNOWN_ISSUES", tuple(issues))
+    return install
+
+
+def test_cli_exit_code_0_when_nothing_applies(fake_issues, capsys):
+    fake_issues(KnownIssue("T0", "never", "f", {"definitely-not-installed-pkg": ">=0"}, (), "u"))
+    assert main(["check", "--no-import"]) == 0
+    out = capsys.readouterr().out
+    assert "Verdict: OK" in out and "T0" in out
+
+
+def test_cli_exit_code_1_on_unmitigated_issue(fake_issues, capsys):
+    fake_issues(KnownIssue("T1", "always", "f", {"packaging": ">=0"}, ("no.such.shim",), "u"))
+    assert main(["check", "--no-import", "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["ok"] is False
+    assert d["known_issues"][0]["applies"] and not d["known_issues"][0]["mitigated"]
+
+
+def test_cli_usage_errors_exit_2():
+    assert _run("check", "--bogus").returncode == 2
+    assert _run("frobnicate").returncode == 2
+    assert _run().returncode == 2
+    r = _run("check", "--device", "tpu")
+    assert r.returncode == 2 and "--device" in r.stderr
+
+
+def test_deep_runs_scenarios_and_fails_on_a_failing_one(fake_issues, capsys):
+    fake_issues()
+    calls = []
+
+    @scenarios.scenario("T-pass", "passes", issue="T")
+    def _ok(ctx):
+        calls.append(ctx.device)
+        return "fine"
+
+    @scenarios.scenario("T-skip", "skips")
+    def _skip(ctx):
+        raise scenarios.Skip("not here")
+
+    @scenarios.scenario("T-need", "needs a missing package", requires=("definitely-not-installed-pkg",))
+    def _need(ctx):
+        raise AssertionError("must not run")
+
+    try:
+        assert main(["check", "--deep", "--no-import", "--device", "cpu"]) == 0
+        out = capsys.readouterr()
+        assert calls == ["cpu"]
+        assert "T-pass" in out.out and "passed" in out.out and "not here" in out.out
+        assert "needs definitely-not-installed-pkg" in out.out
+        assert "[1/" in out.err  # progress on stderr
+
+        @scenarios.scenario("T-fail", "fails")
+        def _bad(ctx):
+            raise RuntimeError("boom")
+
+        assert main(["check", "--deep", "--no-import", "--json"]) == 1
+        d = json.loads(capsys.readouterr().out)
+        failed = [s for s in d["scenarios"] if s["outcome"] == "failed"]
+        assert [s["id"] for s in failed] == ["T-fail"] and "boom" in failed[0]["detail"]
+    finally:
+        for sid in ("T-pass", "T-skip", "T-need", "T-fail"):
+            scenarios.unregister(sid)
+
+
+def test_check_without_transformers_and_trl_reports_them_absent():
+    code = textwrap.dedent(
+        """
+        import importlib.metadata as md, sys, json
+        HIDDEN = {"transformers", "trl"}
+        real = md.version
+        def version(name):
+            if name in HIDDEN:
+                raise md.PackageNotFoundError(name)
+            return real(name)
+        md.version = version
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in HIDDEN:
+                    raise ImportError(f"{name} hidden by the test")
+        sys.meta_path.insert(0, Block())
+        from liger_compat.__main__ import main
+        rc = main(["check", "--json"])
+        print("RC", rc)
+        """
+    )
+    r = _run(code=code)
+    assert r.returncode == 0, r.stderr
+    body, rc_line = r.stdout.rsplit("RC", 1)
+    d = json.loads(body)
+    assert d["versions"]["transformers"] is None and d["versions"]["trl"] is None
+    assert not any(i["applies"] for i in d["known_issues"])
+    assert int(rc_line) == 0
+
+
+def test_import_does_not_import_torch_or_transformers():
+    r = _run(code="import sys, liger_compat; print(sorted(m for m in ('torch','transformers','trl','triton') if m in sys.modules))")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_disable_env_turns_everything_off():
+    code = "import liger_compat, json; r = liger_compat.check(); print(json.dumps([r.settings['disabled'], liger_compat._REGISTRY.active]))"
+    r = _run(code=code, env={"LIGER_COMPAT_DISABLE": "1"})
+    assert json.loads(r.stdout) == [True, False]
+    r = _run(code=code, env={"LIGER_COMPAT_DISABLE": "0"})
+    assert json.loads(r.stdout) == [False, True]
+
+
+def test_kernels_env_and_configure():
+    code = "import liger_compat; print(sorted(liger_compat.check().settings['kernels']))"
+    r = _run(code=code, env={"LIGER_COMPAT_KERNELS": "rms_norm, rope"})
+    assert r.stdout.strip() == "['rms_norm', 'rope']"
+    r = _run(code=code, env={"LIGER_COMPAT_KERNELS": "rms_norm,warp_drive"})
+    assert r.returncode == 0  # a bad env var never breaks the import
+    with pytest.raises(ValueError, match="warp_drive"):
+        liger_compat.configure(kernels="warp_drive")
+
+
+def test_report_lists_registered_shims():
+    ids = {s["id"] for s in liger_compat.check().shims}
+    assert ids == {s.id for s in REGISTRY.shims()}
