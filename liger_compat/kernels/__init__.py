@@ -1,0 +1,34 @@
+"""Fused kernels with a pure-torch reference each (issue 3). Imports no transformers or trl.
+
+Public functional API:
+
+- :func:`fused_linear_cross_entropy` and :func:`cross_entropy` (``CrossEntropyOutput``)
+- :func:`rms_norm`
+- :func:`swiglu`, :func:`geglu`
+- :func:`apply_rotary_pos_emb`
+
+Every function dispatches through :mod:`liger_compat.kernels._dispatch`: CUDA tensors run the
+Triton kernels, CPU tensors the torch reference, and with ``TRITON_INTERPRET=1`` the Triton
+code runs on CPU. ``use_backend("torch" | "triton" | "auto")`` forces a path.
+"""
+
+from __future__ import annotations
+
+from ._dispatch import HAS_TRITON, last_backend, use_backend
+from .loss import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy
+from .gated_mlp import geglu, swiglu
+from .norm import rms_norm
+from .rope import apply_rotary_pos_emb
+
+__all__ = [
+    "fused_linear_cross_entropy",
+    "cross_entropy",
+    "CrossEntropyOutput",
+    "rms_norm",
+    "swiglu",
+    "geglu",
+    "apply_rotary_pos_emb",
+    "use_backend",
+    "last_backend",
+    "HAS_TRITON",
+]

@@ -1,0 +1,75 @@
+"""The one dispatch point of the kernels: Triton code or the pure-torch reference.
+
+Rules (issue 3): CUDA tensors run Triton; CPU tensors run the torch reference; with
+``TRITON_INTERPRET=1`` in the environment the Triton code runs on CPU tensors through Triton's
+interpreter. The environment is read on every call, so a test can tell which path ran from
+:data:`last_backend`. :func:`use_backend` forces one path (benchmarks, tests).
+
+Triton decides between compiled and interpreted kernels when a ``@triton.jit`` function is
+defined, so interpreted runs need ``TRITON_INTERPRET=1`` set before the kernel modules are
+imported; the interpreter tests therefore run in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+try:  # Triton is optional (no wheels for every platform); the reference always works
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the platform
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+_TRUE = {"1", "true", "yes", "on"}
+
+#: kernel name -> "triton" or "torch": the path the most recent call of that kernel took.
+last_backend: dict[str, str] = {}
+
+_forced: list[str] = []
+
+
+def interpret_mode() -> bool:
+    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Force ``"triton"``, ``"torch"`` or ``"auto"`` inside the ``with`` block."""
+    if backend not in ("triton", "torch", "auto"):
+        raise ValueError(f"backend must be 'triton', 'torch' or 'auto', got {backend!r}")
+    _forced.append(backend)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def choose(kernel: str, device: torch.device) -> str:
+    """Pick the backend for ``kernel`` on ``device`` and record it in :data:`last_backend`."""
+    forced = _forced[-1] if _forced else "auto"
+    if forced == "auto":
+        if not HAS_TRITON:
+            backend = "torch"
+        elif device.type == "cuda":
+            backend = "triton"
+        elif device.type == "cpu" and interpret_mode():
+            backend = "triton"
+        else:
+            backend = "torch"
+    else:
+        backend = forced
+        if backend == "triton" and not HAS_TRITON:
+            raise RuntimeError("use_backend('triton') but Triton is not importable")
+        if backend == "triton" and device.type == "cpu" and not interpret_mode():
+            raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before import")
+    last_backend[kernel] = backend
+    return backend

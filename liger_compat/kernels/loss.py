@@ -1,0 +1,462 @@
+"""Cross-entropy and fused linear cross-entropy (the LM-head loss without ``[N, V]`` logits).
+
+``fused_linear_cross_entropy(hidden, weight, target)`` is the loss of ``hidden @ weight.T (+ bias)``
+computed chunk by chunk over the rows: each chunk's logits are produced by one matmul, one
+row kernel turns them *in place* into the gradient of the loss with respect to them (while
+computing log-sum-exp, loss, z-loss, argmax for token accuracy and the softcap), and two more
+matmuls turn that into the chunk's ``grad_hidden`` rows and its share of ``grad_weight``. Only
+one chunk of logits ever exists. For a scalar loss the gradients are therefore computed in the
+forward pass and only scaled by ``grad_output`` in backward; for ``reduction="none"`` the
+backward recomputes the chunks with the per-row ``grad_output``.
+
+The row kernel has two implementations behind the one dispatch point
+(:func:`liger_compat.kernels._dispatch.choose`): the Triton kernel in ``_ce_triton.py`` and the
+torch reference :func:`ce_rows_torch` here. Gemma 2/3 final-logit softcapping, label smoothing,
+z-loss (``lse_square_scale * lse**2``, PaLM) and ``num_items_in_batch`` (transformers' gradient
+accumulation fix, 4.46) are options of both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import _checks, _dispatch
+
+__all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
+
+#: Bytes of chunk logits the fused loss may hold at once on an accelerator. The design target
+#: is < 64 MiB of extra peak memory at V=128256 (about 240 bf16 rows).
+FLCE_CHUNK_BYTES = 60 * 2**20
+#: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
+FLCE_CHUNK_BYTES_CPU = 8 * 2**20
+
+
+class CrossEntropyOutput(NamedTuple):
+    """Returned when ``return_z_loss`` or ``return_token_accuracy`` is set.
+
+    ``z_loss`` and ``token_accuracy`` are detached diagnostics (the z-loss is already part of
+    ``loss``); each is ``None`` unless asked for. Token accuracy is the fraction of non-ignored
+    positions whose argmax equals the target (0 when every position is ignored); with
+    ``reduction="none"`` both are per position.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class CEOptions:
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# the row kernel, torch reference
+# --------------------------------------------------------------------------------------------
+
+
+def ce_rows_torch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    opt: CEOptions,
+    *,
+    scale: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+):
+    """Reference for the row kernel on ``logits[C, V]``.
+
+    Without ``lse``: returns ``(loss, z_loss, lse, correct)`` per row (fp32; ``loss`` includes the
+    z-loss; ignored rows give 0). With ``grad``: writes ``scale * d loss_row / d logits`` into
+    ``grad`` (which may be ``logits`` itself); ``scale`` is a 0-d or ``[C]`` fp32 tensor.
+    """
+    C, V = logits.shape
+    z = logits.float()
+    t = None
+    if opt.softcap is not None:
+        t = torch.tanh(z / opt.softcap)
+        z = t * opt.softcap
+    valid = target != opt.ignore_index
+    in_range = (target >= 0) & (target < V)
+    tgt = torch.where(valid & in_range, target, torch.zeros_like(target)).long()
+    eps = opt.label_smoothing
+    s = opt.lse_square_scale
+    stats = None
+    if lse is None:
+        lse = torch.logsumexp(z, dim=-1)
+        zt = z.gather(1, tgt[:, None]).squeeze(1)
+        loss = lse - (1.0 - eps) * zt
+        if eps:
+            loss = loss - eps * z.mean(dim=-1)
+        zl = s * lse * lse
+        loss = loss + zl
+        zero = torch.zeros((), dtype=torch.float32, device=z.device)
+        loss = torch.where(valid, loss, zero)
+        loss = torch.where(valid & ~in_range, torch.full_like(loss, math.nan), loss)
+        zl = torch.where(valid, zl, zero)
+        correct = (z.argmax(dim=-1) == tgt) & valid
+        stats = (loss, zl, lse, correct)
+    if grad is not None:
+        d = torch.exp(z - lse[:, None])
+        if s:
+            d = d * (1.0 + 2.0 * s * lse)[:, None]
+        if eps:
+            d = d - eps / V
+        d.scatter_add_(1, tgt[:, None], torch.full((C, 1), -(1.0 - eps), device=z.device))
+        row = valid.float()
+        if scale is not None:
+            row = row * scale.float()
+        d = d * row[:, None]
+        if t is not None:
+            d = d * (1.0 - t * t)
+        grad.copy_(d)
+    return stats
+
+
+def _ce_rows(backend: str, *args, **kwargs):
+    if backend == "triton":
+        from ._ce_triton import ce_rows_triton
+
+        return ce_rows_triton(*args, **kwargs)
+    return ce_rows_torch(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch):
+    _checks.reduction(reduction)
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if float(lse_square_scale) < 0.0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    if num_items_in_batch is not None and reduction == "none":
+        raise ValueError("num_items_in_batch divides a summed loss; it cannot be used with reduction='none'")
+
+
+def _check_target(target, rows_shape, name_of_rows: str):
+    _checks.tensor("target", target)
+    _checks.integer_target("target", target)
+    rows_shape = tuple(rows_shape)
+    n = math.prod(rows_shape)
+    if tuple(target.shape) != rows_shape and not (target.dim() == 1 and target.numel() == n):
+        raise ValueError(
+            f"target has shape {tuple(target.shape)} but {name_of_rows} needs {rows_shape} (or a flat [{n}])"
+        )
+
+
+def _reduction_scale(target, opt, reduction, num_items_in_batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(number of non-ignored rows, the factor that turns summed row losses into the loss)."""
+    n_valid = (target != opt.ignore_index).sum()
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            n = num_items_in_batch.to(device=device, dtype=torch.float32)
+        else:
+            n = torch.tensor(float(num_items_in_batch), device=device)
+        return n_valid, 1.0 / n
+    if reduction == "mean":
+        return n_valid, 1.0 / n_valid.clamp(min=1).float()
+    return n_valid, torch.ones((), dtype=torch.float32, device=device)
+
+
+def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape, want_z, want_acc):
+    if reduction == "none":
+        loss = loss_rows.view(target_shape)
+        z = zl_rows.view(target_shape) if want_z else None
+        acc = correct.float().view(target_shape) if want_acc else None
+    else:
+        loss = loss_rows.sum() * scale
+        z = zl_rows.sum() * scale if want_z else None
+        acc = correct.sum().float() / n_valid.clamp(min=1).float() if want_acc else None
+    return loss, z, acc
+
+
+# --------------------------------------------------------------------------------------------
+# fused linear cross-entropy
+# --------------------------------------------------------------------------------------------
+
+
+def _chunk_rows(n: int, v: int, elem: int, backend: str, device: torch.device) -> int:
+    if device.type == "cpu":
+        budget = FLCE_CHUNK_BYTES_CPU if backend == "torch" else 2**20
+        rows = budget // (4 * v)
+    else:
+        rows = FLCE_CHUNK_BYTES // (elem * v)
+        rows = rows // 16 * 16 if rows >= 32 else rows
+    return int(max(1, min(n, rows)))
+
+
+def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
+    """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32.
+
+    Returns (stats per row or None, grad_hidden, grad_weight, grad_bias).
+    """
+    n, hdim = h.shape
+    v = w.shape[0]
+    need_gh, need_gw, need_gb = grads
+    any_grad = need_gh or need_gw or need_gb
+    rows = _chunk_rows(n, v, h.element_size(), backend, h.device)
+    f32 = torch.float32
+    loss = torch.empty(n, dtype=f32, device=h.device) if want_stats else None
+    zl = torch.empty(n, dtype=f32, device=h.device) if want_stats else None
+    correct = torch.empty(n, dtype=torch.bool, device=h.device) if want_stats else None
+    gh = torch.empty_like(h) if need_gh else None
+    # the torch reference accumulates grad_weight in fp32; the GPU path in the weight's dtype
+    # (an fp32 copy would cost 2x the weight in memory, over the extra-memory target)
+    acc_dtype = f32 if backend == "torch" else w.dtype
+    gw = torch.zeros(w.shape, dtype=acc_dtype, device=w.device) if need_gw else None
+    gb = torch.zeros(v, dtype=f32, device=w.device) if need_gb else None
+    buf = torch.empty(rows, v, dtype=h.dtype, device=h.device)
+    wt = w.t()
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        hc = h[start:end]
+        logits = buf[: end - start]
+        if b is not None:
+            torch.addmm(b, hc, wt, out=logits)
+        else:
+            torch.mm(hc, wt, out=logits)
+        sc = scale if scale.dim() == 0 else scale[start:end]
+        st = _ce_rows(
+            backend, logits, target[start:end], opt, scale=sc, grad=logits if any_grad else None
+        )
+        if want_stats:
+            loss[start:end], zl[start:end], _, correct[start:end] = st
+        if any_grad:
+            d = logits  # now holds d loss / d logits, in the input dtype
+            if need_gh:
+                torch.mm(d, w, out=gh[start:end])
+            if need_gw:
+                if acc_dtype == d.dtype:
+                    gw.addmm_(d.t(), hc)
+                else:
+                    gw += (d.t() @ hc).to(acc_dtype)
+            if need_gb:
+                gb += d.float().sum(0)
+    del buf
+    if gw is not None and gw.dtype != w.dtype:
+        gw = gw.to(w.dtype)
+    if gb is not None and b is not None:
+        gb = gb.to(b.dtype)
+    stats = (loss, zl, correct) if want_stats else None
+    return stats, gh, gw, gb
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, b, target, opt, reduction, num_items, backend, want_z, want_acc):
+        n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
+        needs = tuple(ctx.needs_input_grad[:3])
+        needs = (needs[0], needs[1], needs[2] and b is not None)
+        ctx.opt, ctx.backend, ctx.reduction = opt, backend, reduction
+        ctx.mode = None
+        if reduction != "none" and any(needs):
+            # scalar loss: all gradients now, scaled by grad_output in backward
+            stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True)
+            ctx.mode = "saved"
+            ctx.grads = (gh, gw, gb)
+        else:
+            stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True)
+            if any(needs):
+                ctx.mode = "recompute"
+                ctx.needs = needs
+                ctx.save_for_backward(h, w, b, target)
+        loss_rows, zl_rows, correct = stats
+        loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
+        outs = [loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(())]
+        ctx.mark_non_differentiable(outs[1], outs[2])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_z, _g_acc):
+        if ctx.mode is None:
+            return (None,) * 10
+        if ctx.mode == "saved":
+            gh, gw, gb = ctx.grads
+            ctx.grads = None
+            if not torch.equal(g_loss, torch.ones_like(g_loss)):
+                gh = gh * g_loss.to(gh.dtype) if gh is not None else None
+                gw = gw * g_loss.to(gw.dtype) if gw is not None else None
+                gb = gb * g_loss.to(gb.dtype) if gb is not None else None
+            return gh, gw, gb, None, None, None, None, None, None, None
+        h, w, b, target = ctx.saved_tensors
+        _, gh, gw, gb = _flce_pass(
+            h, w, b, target, ctx.opt, ctx.backend, scale=g_loss.float().reshape(-1), grads=ctx.needs, want_stats=False
+        )
+        return gh, gw, gb, None, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_token_accuracy: bool = False,
+    return_z_loss: bool = False,
+):
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without ``[N, V]`` logits.
+
+    ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``target`` ``hidden.shape[:-1]`` (or flat)
+    integer class ids, ``ignore_index`` rows excluded. ``reduction`` is ``"mean"`` (over
+    non-ignored rows; 0 when all are ignored), ``"sum"`` or ``"none"`` (per row, shaped like
+    ``target``). ``num_items_in_batch`` divides the summed loss instead (gradient accumulation).
+    ``softcap`` applies ``softcap * tanh(logits / softcap)`` first; ``lse_square_scale`` adds the
+    z-loss ``scale * lse**2`` per row. Returns the loss, or :class:`CrossEntropyOutput` when
+    ``return_z_loss`` or ``return_token_accuracy`` is set. Differentiable in hidden, weight, bias.
+    """
+    _checks.tensor("hidden", hidden)
+    _checks.tensor("weight", weight)
+    _checks.float_dtype("hidden", hidden)
+    _checks.float_dtype("weight", weight)
+    if bias is not None:
+        _checks.tensor("bias", bias)
+        _checks.float_dtype("bias", bias)
+    _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension [..., H]")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    hdim = hidden.shape[-1]
+    v = weight.shape[0]
+    if weight.shape[1] != hdim:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
+    if bias is not None and tuple(bias.shape) != (v,):
+        raise ValueError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
+    _check_target(target, hidden.shape[:-1], "hidden")
+    device = _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
+    _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
+    if v == 0:
+        raise ValueError("weight has 0 rows (vocabulary size 0)")
+    _checks.target_range("target", target, v, ignore_index)
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+        raise ValueError("num_items_in_batch must be a number or a one-element tensor")
+
+    opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
+    backend = _dispatch.choose("fused_linear_cross_entropy", device)
+    h2 = hidden.reshape(-1, hdim)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    t1 = target.reshape(-1)
+    want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
+    loss, z, acc = _FusedLinearCrossEntropy.apply(
+        h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc
+    )
+    if reduction == "none":
+        shape = tuple(hidden.shape[:-1])
+        loss = loss.view(shape)
+        z, acc = z.view(shape) if want_z else z, acc.view(shape) if want_acc else acc
+    if not (want_z or want_acc):
+        return loss
+    return CrossEntropyOutput(loss, z if want_z else None, acc if want_acc else None)
+
+
+# --------------------------------------------------------------------------------------------
+# cross-entropy on given logits
+# --------------------------------------------------------------------------------------------
+
+
+def _ce_row_chunks(n, v, backend, device):
+    if backend == "torch":
+        return max(1, min(n, FLCE_CHUNK_BYTES_CPU // (4 * v)))
+    return n  # the Triton kernel streams each row; no chunking needed
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, opt, reduction, num_items, backend, want_z, want_acc):
+        n, v = logits.shape
+        n_valid, scale = _reduction_scale(target, opt, reduction, num_items, logits.device)
+        f32 = torch.float32
+        loss = torch.empty(n, dtype=f32, device=logits.device)
+        zl = torch.empty_like(loss)
+        lse = torch.empty_like(loss)
+        correct = torch.empty(n, dtype=torch.bool, device=logits.device)
+        rows = _ce_row_chunks(n, v, backend, logits.device)
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            loss[s:e], zl[s:e], lse[s:e], correct[s:e] = _ce_rows(backend, logits[s:e], target[s:e], opt)
+        ctx.save_for_backward(logits, target, lse, scale)
+        ctx.opt, ctx.backend, ctx.reduction = opt, backend, reduction
+        out, z, acc = _finish(loss, zl, correct, n_valid, scale, reduction, (n,), want_z, want_acc)
+        outs = [out, z if z is not None else out.new_zeros(()), acc if acc is not None else out.new_zeros(())]
+        ctx.mark_non_differentiable(outs[1], outs[2])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_z, _g_acc):
+        logits, target, lse, scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 8
+        n, v = logits.shape
+        if ctx.reduction == "none":
+            sc = g_loss.float().reshape(-1)
+        else:
+            sc = (g_loss.float() * scale).reshape(())
+        grad = torch.empty_like(logits)
+        rows = _ce_row_chunks(n, v, ctx.backend, logits.device)
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            _ce_rows(
+                ctx.backend, logits[s:e], target[s:e], ctx.opt,
+                scale=sc if sc.dim() == 0 else sc[s:e], grad=grad[s:e], lse=lse[s:e],
+            )
+        return grad, None, None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_token_accuracy: bool = False,
+    return_z_loss: bool = False,
+):
+    """Cross-entropy on ``logits[..., V]`` with the options of :func:`fused_linear_cross_entropy`."""
+    _checks.tensor("logits", logits)
+    _checks.float_dtype("logits", logits)
+    _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
+    v = logits.shape[-1]
+    _check_target(target, logits.shape[:-1], "logits")
+    device = _checks.same_device(logits=logits, target=target)
+    _checks.target_range("target", target, v, ignore_index)
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+        raise ValueError("num_items_in_batch must be a number or a one-element tensor")
+    opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
+    backend = _dispatch.choose("cross_entropy", device)
+    l2 = logits.reshape(-1, v)
+    if l2.stride(-1) != 1:
+        l2 = l2.contiguous()
+    want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
+    loss, z, acc = _CrossEntropy.apply(l2, target.reshape(-1), opt, reduction, num_items_in_batch, backend, want_z, want_acc)
+    if reduction == "none":
+        shape = tuple(logits.shape[:-1])
+        loss = loss.view(shape)
+        z, acc = z.view(shape) if want_z else z, acc.view(shape) if want_acc else acc
+    if not (want_z or want_acc):
+        return loss
+    return CrossEntropyOutput(loss, z if want_z else None, acc if want_acc else None)

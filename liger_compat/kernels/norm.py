@@ -1,0 +1,95 @@
+"""RMSNorm: ``y = x / sqrt(mean(x**2) + eps) * (offset + weight)``, Llama and Gemma flavours.
+
+``casting="llama"`` follows transformers' ``LlamaRMSNorm``: the normalised activations are cast
+back to the input dtype before the weight multiplies them (output in the promoted dtype of input
+and weight). ``casting="gemma"`` follows ``GemmaRMSNorm``: everything in fp32, ``offset=1.0``
+(the weight is stored as ``w - 1``), output cast to the input dtype.
+
+Forward and backward in Triton (``_rms_norm_triton.py``) behind the one dispatch point; the
+torch reference below is what CPU tensors run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, _dispatch
+
+__all__ = ["rms_norm"]
+
+CASTINGS = ("llama", "gemma")
+
+
+def _out_dtype(x: torch.Tensor, w: torch.Tensor, casting: str) -> torch.dtype:
+    return torch.promote_types(x.dtype, w.dtype) if casting == "llama" else x.dtype
+
+
+def rms_norm_forward_torch(x2, w, eps, offset, casting):
+    """x2 [N, H] -> (y [N, H], rstd [N] fp32)."""
+    xf = x2.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    n = xf * rstd[:, None]
+    if casting == "llama":
+        n = n.to(x2.dtype).float()
+    y = n * (offset + w.float())
+    return y.to(_out_dtype(x2, w, casting)), rstd
+
+
+def rms_norm_backward_torch(dy, x2, w, rstd, offset, casting, need_dw=True):
+    xf = x2.float()
+    n = xf * rstd[:, None]
+    g = dy.float() * (offset + w.float())
+    dx = rstd[:, None] * (g - n * (g * n).mean(-1, keepdim=True))
+    dw = None
+    if need_dw:
+        nw = n.to(x2.dtype).float() if casting == "llama" else n
+        dw = (dy.float() * nw).sum(0)
+    return dx.to(x2.dtype), dw
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, eps, offset, casting, backend):
+        if backend == "triton":
+            from ._rms_norm_triton import rms_norm_forward_triton as fwd
+        else:
+            fwd = rms_norm_forward_torch
+        y, rstd = fwd(x2, w, eps, offset, casting)
+        ctx.save_for_backward(x2, w, rstd)
+        ctx.offset, ctx.casting, ctx.backend = offset, casting, backend
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, rstd = ctx.saved_tensors
+        if ctx.backend == "triton":
+            from ._rms_norm_triton import rms_norm_backward_triton as bwd
+        else:
+            bwd = rms_norm_backward_torch
+        dx, dw = bwd(dy.contiguous(), x2, w, rstd, ctx.offset, ctx.casting, ctx.needs_input_grad[1])
+        if dw is not None:
+            dw = dw.to(w.dtype)
+        return dx, dw, None, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"):
+    """RMSNorm over the last dimension of ``x`` (``[..., H]``) with ``weight[H]``."""
+    _checks.tensor("x", x)
+    _checks.tensor("weight", weight)
+    _checks.float_dtype("x", x)
+    _checks.float_dtype("weight", weight)
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [..., H] with H > 0, got shape {tuple(x.shape)}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}")
+    if not float(eps) >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    device = _checks.same_device(x=x, weight=weight)
+    backend = _dispatch.choose("rms_norm", device)
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = _RMSNorm.apply(x2, weight, float(eps), float(offset), casting, backend)
+    return y.view(*x.shape[:-1], x.shape[-1])

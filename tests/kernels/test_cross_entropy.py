@@ -1,0 +1,159 @@
+"""fused_linear_cross_entropy and cross_entropy against a float64 torch reference (CPU path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liger_compat.kernels import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy, last_backend
+from reference64 import ce64, rel_err
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# norm-relative tolerance on loss / gradients per input dtype
+TOL = {"fp32": 2e-5, "bf16": 3e-2, "fp16": 5e-3}
+
+
+def _inputs(seed, n, h, v, dtype, ignore_frac, with_bias):
+    g = torch.Generator().manual_seed(seed)
+    hid = (torch.randn(n, h, generator=g) * 2.0).to(dtype)
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    b = (torch.randn(v, generator=g) * 0.5).to(dtype) if with_bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_frac] = -100
+    return hid, w, b, t
+
+
+options = st.fixed_dictionaries(
+    {
+        "reduction": st.sampled_from(["mean", "sum", "none"]),
+        "label_smoothing": st.sampled_from([0.0, 0.1]),
+        "lse_square_scale": st.sampled_from([0.0, 1e-3]),
+        "softcap": st.sampled_from([None, 4.0]),
+    }
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 37),
+    h=st.integers(1, 45),
+    v=st.integers(2, 301),
+    dt=st.sampled_from(list(DT)),
+    opts=options,
+    with_bias=st.booleans(),
+    ignore_frac=st.sampled_from([0.0, 0.3]),
+)
+def test_flce_matches_float64(seed, n, h, v, dt, opts, with_bias, ignore_frac):
+    hid, w, b, t = _inputs(seed, n, h, v, DT[dt], ignore_frac, with_bias)
+    hid.requires_grad_(True)
+    w.requires_grad_(True)
+    if b is not None:
+        b.requires_grad_(True)
+    out = fused_linear_cross_entropy(hid, w, t, bias=b, return_token_accuracy=True, return_z_loss=True, **opts)
+    assert last_backend["fused_linear_cross_entropy"] == "torch"
+    assert isinstance(out, CrossEntropyOutput)
+
+    h64 = hid.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True) if b is not None else None
+    logits = h64 @ w64.T + (b64 if b64 is not None else 0)
+    ref, zref, acc_ref = ce64(logits, t, **opts)
+
+    tol = TOL[dt]
+    assert torch.isfinite(out.loss).all()
+    assert rel_err(out.loss, ref) <= tol or (out.loss.double() - ref).abs().max() < 1e-5
+    assert rel_err(out.z_loss, zref) <= tol or (out.z_loss.double() - zref).abs().max() < 1e-6
+    if dt == "fp32":  # argmax ties are not a concern with fp32 random data
+        assert torch.allclose(out.token_accuracy.double(), acc_ref, atol=1e-6)
+
+    g = torch.randn(ref.shape, dtype=torch.float64) if opts["reduction"] == "none" else torch.tensor(1.7, dtype=torch.float64)
+    (out.loss.double() * g).sum().backward()
+    (ref * g).sum().backward()
+    for mine, theirs in ((hid, h64), (w, w64), (b, b64)):
+        if mine is None:
+            continue
+        assert mine.grad.dtype == mine.dtype
+        err = rel_err(mine.grad, theirs.grad)
+        assert err <= tol or (mine.grad.double() - theirs.grad).abs().max() < 1e-5, err
+
+
+def test_flce_chunked_equals_single_chunk(monkeypatch):
+    """Many chunks (rows split across the chunk loop) give the same loss and gradients."""
+    import liger_compat.kernels.loss as ce_mod
+
+    hid, w, _, t = _inputs(3, 50, 16, 97, torch.float32, 0.2, False)
+    res = []
+    for budget in (4 * 97 * 7, 2**24):  # 7 rows per chunk vs all rows at once
+        monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", budget)
+        hh = hid.clone().requires_grad_(True)
+        ww = w.clone().requires_grad_(True)
+        loss = fused_linear_cross_entropy(hh, ww, t)
+        loss.backward()
+        res.append((loss.detach(), hh.grad, ww.grad))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_flce_num_items_in_batch_and_3d_shapes():
+    hid, w, _, t = _inputs(5, 24, 8, 33, torch.float32, 0.25, False)
+    hid3, t2 = hid.view(2, 12, 8), t.view(2, 12)
+    loss = fused_linear_cross_entropy(hid3, w, t2, num_items_in_batch=torch.tensor(40))
+    ref, _, _ = ce64(hid.double() @ w.double().T, t, num_items_in_batch=40)
+    assert abs(loss.item() - ref.item()) < 1e-5
+    per_row = fused_linear_cross_entropy(hid3, w, t2, reduction="none")
+    assert per_row.shape == (2, 12)
+
+
+def test_flce_all_ignored_is_zero_not_nan():
+    hid, w, b, t = _inputs(7, 9, 6, 13, torch.float32, 0.0, True)
+    t[:] = -100
+    hid.requires_grad_(True)
+    w.requires_grad_(True)
+    b.requires_grad_(True)
+    out = fused_linear_cross_entropy(hid, w, t, bias=b, return_token_accuracy=True, lse_square_scale=1e-3)
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert out.token_accuracy.item() == 0.0
+    for x in (hid, w, b):
+        assert torch.isfinite(x.grad).all() and x.grad.abs().max() == 0
+
+
+def test_flce_no_grad_inputs():
+    hid, w, _, t = _inputs(11, 6, 5, 17, torch.float32, 0.0, False)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(hid, w, t)
+    ref, _, _ = ce64(hid.double() @ w.double().T, t)
+    assert abs(loss.item() - ref.item()) < 1e-5
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 29),
+    v=st.integers(2, 513),
+    dt=st.sampled_from(list(DT)),
+    opts=options,
+    ignore_frac=st.sampled_from([0.0, 0.3]),
+)
+def test_cross_entropy_matches_float64(seed, n, v, dt, opts, ignore_frac):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * 3).to(DT[dt]).requires_grad_(True)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_frac] = -100
+    out = cross_entropy(logits, t, return_z_loss=True, return_token_accuracy=True, **opts)
+    l64 = logits.detach().double().requires_grad_(True)
+    ref, zref, acc = ce64(l64, t, **opts)
+    tol = TOL[dt]
+    assert rel_err(out.loss, ref) <= tol or (out.loss.double() - ref).abs().max() < 1e-5
+    assert rel_err(out.z_loss, zref) <= tol or (out.z_loss.double() - zref).abs().max() < 1e-6
+    if dt == "fp32":
+        assert torch.allclose(out.token_accuracy.double(), acc, atol=1e-6)
+    gout = torch.rand(ref.shape, dtype=torch.float64) + 0.5
+    (out.loss.double() * gout).sum().backward()
+    (ref * gout).sum().backward()
+    assert logits.grad.dtype == logits.dtype
+    err = rel_err(logits.grad, l64.grad)
+    assert err <= tol or (logits.grad.double() - l64.grad).abs().max() < 1e-5, err

@@ -1,0 +1,133 @@
+"""rms_norm, swiglu, geglu and apply_rotary_pos_emb against float64 references (CPU path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liger_compat.kernels import apply_rotary_pos_emb, geglu, last_backend, rms_norm, swiglu
+from reference64 import geglu64, rel_err, rms_norm64, rope64, swiglu64
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {"fp32": 1e-5, "bf16": 1.5e-2, "fp16": 2e-3}
+
+
+def _grads_close(pairs, tol):
+    for mine, ref in pairs:
+        assert mine.dtype == ref.dtype or mine.dtype != torch.float64
+        err = rel_err(mine, ref)
+        assert err <= tol, err
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.sampled_from([(1,), (3,), (2, 5), (17,)]),
+    h=st.integers(2, 300),  # H=1 makes d rms_norm / dx vanish (x / |x|)
+    dt=st.sampled_from(list(DT)),
+    wdt=st.sampled_from(["same", "fp32"]),
+    flavour=st.sampled_from([("llama", 0.0), ("gemma", 1.0), ("llama", 1.0)]),
+)
+def test_rms_norm_matches_float64(seed, rows, h, dt, wdt, flavour):
+    casting, offset = flavour
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*rows, h, generator=g) * 3 + 0.5).to(DT[dt]).requires_grad_(True)
+    w = (torch.randn(h, generator=g) * 0.5 + (0.0 if offset else 1.0)).to(DT[dt] if wdt == "same" else torch.float32)
+    w.requires_grad_(True)
+    y = rms_norm(x, w, 1e-6, offset=offset, casting=casting)
+    assert last_backend["rms_norm"] == "torch"
+    expect_dtype = torch.promote_types(x.dtype, w.dtype) if casting == "llama" else x.dtype
+    assert y.dtype == expect_dtype and y.shape == x.shape
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    ref = rms_norm64(x64, w64, 1e-6, offset)
+    tol = TOL[dt]
+    assert rel_err(y, ref) <= tol
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    (y.double() * dy).sum().backward()
+    (ref * dy).sum().backward()
+    assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
+    _grads_close([(x.grad, x64.grad), (w.grad, w64.grad)], tol * (1 if dt == "fp32" else 2))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=st.sampled_from([(1,), (7,), (3, 129), (2, 5, 33)]),
+    dt=st.sampled_from(list(DT)),
+    kind=st.sampled_from(["swiglu", "geglu"]),
+)
+def test_gated_mlp_matches_float64(seed, shape, dt, kind):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(*shape, generator=g) * 3).to(DT[dt]).requires_grad_(True)
+    b = (torch.randn(*shape, generator=g) * 2).to(DT[dt]).requires_grad_(True)
+    fn, ref_fn = (swiglu, swiglu64) if kind == "swiglu" else (geglu, geglu64)
+    y = fn(a, b)
+    assert last_backend[kind] == "torch"
+    assert y.dtype == a.dtype and y.shape == a.shape
+    a64 = a.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    ref = ref_fn(a64, b64)
+    tol = TOL[dt]
+    assert rel_err(y, ref) <= tol
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    (y.double() * dy).sum().backward()
+    (ref * dy).sum().backward()
+    _grads_close([(a.grad, a64.grad), (b.grad, b64.grad)], tol)
+
+
+def _rope_inputs(g, b, hq, hk, t, d, rot, dt, layout, batch_cos):
+    if layout == 1:
+        q = torch.randn(b, hq, t, d, generator=g)
+        k = torch.randn(b, hk, t, d, generator=g)
+    else:
+        q = torch.randn(b, t, hq, d, generator=g)
+        k = torch.randn(b, t, hk, d, generator=g)
+    ang = torch.rand(b if batch_cos else 1, t, rot // 2, generator=g) * 6.3
+    ang = torch.cat([ang, ang + 0.1 * torch.randn(ang.shape, generator=g)], -1)  # halves need not repeat
+    return q.to(dt).requires_grad_(True), k.to(dt).requires_grad_(True), ang.cos().to(dt), ang.sin().to(dt)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 2),
+    heads=st.sampled_from([(1, 1), (4, 2), (3, 1)]),
+    t=st.integers(1, 9),
+    dims=st.sampled_from([(8, 8), (12, 12), (16, 8), (10, 4), (64, 32)]),
+    dt=st.sampled_from(list(DT)),
+    layout=st.sampled_from([1, 2]),
+    batch_cos=st.booleans(),
+)
+def test_rope_matches_float64(seed, b, heads, t, dims, dt, layout, batch_cos):
+    g = torch.Generator().manual_seed(seed)
+    d, rot = dims
+    q, k, cos, sin = _rope_inputs(g, b, heads[0], heads[1], t, d, rot, DT[dt], layout, batch_cos)
+    qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
+    assert last_backend["rope"] == "torch"
+    assert qe.shape == q.shape and ke.shape == k.shape and qe.dtype == q.dtype
+    q64 = q.detach().double().requires_grad_(True)
+    k64 = k.detach().double().requires_grad_(True)
+    rq, rk = rope64(q64, cos, sin, layout), rope64(k64, cos, sin, layout)
+    tol = TOL[dt]
+    assert rel_err(qe, rq) <= tol and rel_err(ke, rk) <= tol
+    gq = torch.randn(qe.shape, generator=g, dtype=torch.float64)
+    gk = torch.randn(ke.shape, generator=g, dtype=torch.float64)
+    ((qe.double() * gq).sum() + (ke.double() * gk).sum()).backward()
+    ((rq * gq).sum() + (rk * gk).sum()).backward()
+    _grads_close([(q.grad, q64.grad), (k.grad, k64.grad)], tol)
+
+
+def test_rope_position_ids_with_table():
+    """transformers < 4.38 passed a [max_pos, rot] table and position_ids; rows are selected."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, generator=g)
+    k = torch.randn(2, 1, 5, 8, generator=g)
+    ang = torch.rand(20, 4, generator=g) * 6
+    ang = torch.cat([ang, ang], -1)
+    pos = torch.randint(0, 20, (2, 5), generator=g)
+    qe, ke = apply_rotary_pos_emb(q, k, ang.cos(), ang.sin(), position_ids=pos)
+    ref = rope64(q, ang.cos()[pos], ang.sin()[pos])
+    assert rel_err(qe, ref) < 1e-6
