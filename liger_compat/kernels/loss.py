@@ -189,8 +189,7 @@ def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape
 
 def _chunk_rows(n: int, v: int, elem: int, backend: str, device: torch.device) -> int:
     if device.type == "cpu":
-        budget = FLCE_CHUNK_BYTES_CPU if backend == "torch" else 2**20
-        rows = budget // (4 * v)
+        rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
         rows = FLCE_CHUNK_BYTES // (elem * v)
         rows = rows // 16 * 16 if rows >= 32 else rows

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liger_compat.kernels import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy, last_backend
+from harness import examples, expected_backend
 from reference64 import ce64, rel_err
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,7 +36,7 @@ options = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     n=st.integers(1, 37),
@@ -53,7 +54,7 @@ def test_flce_matches_float64(seed, n, h, v, dt, opts, with_bias, ignore_frac):
     if b is not None:
         b.requires_grad_(True)
     out = fused_linear_cross_entropy(hid, w, t, bias=b, return_token_accuracy=True, return_z_loss=True, **opts)
-    assert last_backend["fused_linear_cross_entropy"] == "torch"
+    assert last_backend["fused_linear_cross_entropy"] == expected_backend()
     assert isinstance(out, CrossEntropyOutput)
 
     h64 = hid.detach().double().requires_grad_(True)
@@ -129,7 +130,7 @@ def test_flce_no_grad_inputs():
     assert abs(loss.item() - ref.item()) < 1e-5
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     n=st.integers(1, 29),
@@ -144,6 +145,7 @@ def test_cross_entropy_matches_float64(seed, n, v, dt, opts, ignore_frac):
     t = torch.randint(0, v, (n,), generator=g)
     t[torch.rand(n, generator=g) < ignore_frac] = -100
     out = cross_entropy(logits, t, return_z_loss=True, return_token_accuracy=True, **opts)
+    assert last_backend["cross_entropy"] == expected_backend()
     l64 = logits.detach().double().requires_grad_(True)
     ref, zref, acc = ce64(l64, t, **opts)
     tol = TOL[dt]
@@ -157,3 +159,19 @@ def test_cross_entropy_matches_float64(seed, n, v, dt, opts, ignore_frac):
     assert logits.grad.dtype == logits.dtype
     err = rel_err(logits.grad, l64.grad)
     assert err <= tol or (logits.grad.double() - l64.grad).abs().max() < 1e-5, err
+
+
+def test_out_of_range_target_unchecked_gives_nan_not_a_crash():
+    """Without the (debug / CPU) range check the row kernel masks the bad target: NaN loss."""
+    from liger_compat.kernels.loss import CEOptions, _ce_rows
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 19, generator=g)
+    t = torch.tensor([3, 19, -100, -7])
+    loss, zl, lse, correct = _ce_rows(expected_backend(), logits, t, CEOptions())
+    assert torch.isnan(loss[1]) and torch.isnan(loss[3])
+    assert loss[2] == 0 and torch.isfinite(loss[0])
+    assert torch.allclose(lse.double(), torch.logsumexp(logits.double(), -1), atol=1e-5)
+    grad = torch.empty_like(logits)
+    _ce_rows(expected_backend(), logits, t, CEOptions(), scale=torch.tensor(1.0), grad=grad, lse=lse)
+    assert torch.isfinite(grad).all() and grad[2].abs().max() == 0

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from liger_compat.kernels import apply_rotary_pos_emb, geglu, last_backend, rms_norm, swiglu
+from harness import examples, expected_backend
 from reference64 import geglu64, rel_err, rms_norm64, rope64, swiglu64
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -21,7 +22,7 @@ def _grads_close(pairs, tol):
         assert err <= tol, err
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     rows=st.sampled_from([(1,), (3,), (2, 5), (17,)]),
@@ -37,7 +38,7 @@ def test_rms_norm_matches_float64(seed, rows, h, dt, wdt, flavour):
     w = (torch.randn(h, generator=g) * 0.5 + (0.0 if offset else 1.0)).to(DT[dt] if wdt == "same" else torch.float32)
     w.requires_grad_(True)
     y = rms_norm(x, w, 1e-6, offset=offset, casting=casting)
-    assert last_backend["rms_norm"] == "torch"
+    assert last_backend["rms_norm"] == expected_backend()
     expect_dtype = torch.promote_types(x.dtype, w.dtype) if casting == "llama" else x.dtype
     assert y.dtype == expect_dtype and y.shape == x.shape
     x64 = x.detach().double().requires_grad_(True)
@@ -52,7 +53,7 @@ def test_rms_norm_matches_float64(seed, rows, h, dt, wdt, flavour):
     _grads_close([(x.grad, x64.grad), (w.grad, w64.grad)], tol * (1 if dt == "fp32" else 2))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     shape=st.sampled_from([(1,), (7,), (3, 129), (2, 5, 33)]),
@@ -65,7 +66,7 @@ def test_gated_mlp_matches_float64(seed, shape, dt, kind):
     b = (torch.randn(*shape, generator=g) * 2).to(DT[dt]).requires_grad_(True)
     fn, ref_fn = (swiglu, swiglu64) if kind == "swiglu" else (geglu, geglu64)
     y = fn(a, b)
-    assert last_backend[kind] == "torch"
+    assert last_backend[kind] == expected_backend()
     assert y.dtype == a.dtype and y.shape == a.shape
     a64 = a.detach().double().requires_grad_(True)
     b64 = b.detach().double().requires_grad_(True)
@@ -90,7 +91,7 @@ def _rope_inputs(g, b, hq, hk, t, d, rot, dt, layout, batch_cos):
     return q.to(dt).requires_grad_(True), k.to(dt).requires_grad_(True), ang.cos().to(dt), ang.sin().to(dt)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
     b=st.integers(1, 2),
@@ -106,7 +107,7 @@ def test_rope_matches_float64(seed, b, heads, t, dims, dt, layout, batch_cos):
     d, rot = dims
     q, k, cos, sin = _rope_inputs(g, b, heads[0], heads[1], t, d, rot, DT[dt], layout, batch_cos)
     qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
-    assert last_backend["rope"] == "torch"
+    assert last_backend["rope"] == expected_backend()
     assert qe.shape == q.shape and ke.shape == k.shape and qe.dtype == q.dtype
     q64 = q.detach().double().requires_grad_(True)
     k64 = k.detach().double().requires_grad_(True)

@@ -1,0 +1,154 @@
+"""Triton row kernel of the (fused linear) cross-entropy: one pass for the statistics, one for
+the gradient, written in place over the logits when asked.
+
+Per row of ``logits[C, V]`` (read in blocks of ``BLOCK_V``, computed in fp32):
+
+* pass 1 (``STATS``): online max / sum-exp -> ``lse``; the target logit; the running argmax
+  (first index on ties, like ``torch.argmax``) for token accuracy; the row sum for label
+  smoothing; softcap ``c * tanh(z / c)`` applied on load;
+* pass 2 (``GRAD``): ``scale_row * d loss_row / d logits`` =
+  ``(softmax * (1 + 2 s lse) - eps / V - (1 - eps) * onehot) * (1 - tanh^2 if softcap)``,
+  stored in the gradient's dtype (bf16 in the fused loss, over the logits themselves).
+
+Targets outside ``[0, V)`` that are not ``ignore_index`` never address memory; the row's loss
+becomes NaN (the Python-side range check runs under ``settings.debug``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import triton, tl
+
+__all__ = ["ce_rows_triton"]
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp: exact at the limits (exp overflow -> 1), no libdevice needed
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _ce_row_kernel(
+    logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
+    loss_ptr, zloss_ptr, lse_ptr, correct_ptr, scale_ptr, stride_scale,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap,
+    STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_l
+    tgt = tl.load(target_ptr + row).to(tl.int64)
+    valid = tgt != ignore_index
+    in_range = (tgt >= 0) & (tgt < V)
+    tgt_safe = tl.where(valid & in_range, tgt, 0)
+    offs = tl.arange(0, BLOCK_V)
+
+    if STATS:
+        m = tl.zeros([], tl.float32) - float("inf")
+        s = tl.zeros([], tl.float32)
+        zsum = tl.zeros([], tl.float32)
+        best = tl.zeros([], tl.float32) - float("inf")
+        best_idx = tl.zeros([], tl.int64)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            mask = cols < V
+            z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if HAS_SOFTCAP:
+                z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
+            bm = tl.max(z, axis=0)
+            bi = tl.argmax(z, axis=0).to(tl.int64) + start
+            take = bm > best
+            best_idx = tl.where(take, bi, best_idx)
+            best = tl.where(take, bm, best)
+            m_new = tl.maximum(m, bm)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            if HAS_SMOOTHING:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        lse = m + tl.log(s)
+        zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
+        if HAS_SOFTCAP:
+            zt = softcap * _tanh(zt / softcap)
+        loss = lse - (1.0 - label_smoothing) * zt
+        if HAS_SMOOTHING:
+            loss -= label_smoothing * zsum / V
+        zl = lse_square_scale * lse * lse
+        loss += zl
+        loss = tl.where(valid, loss, 0.0)
+        loss = tl.where(valid & (~in_range), float("nan"), loss)
+        zl = tl.where(valid, zl, 0.0)
+        tl.store(loss_ptr + row, loss)
+        tl.store(zloss_ptr + row, zl)
+        tl.store(lse_ptr + row, lse)
+        tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+    else:
+        lse = tl.load(lse_ptr + row)
+
+    if GRAD:
+        scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)
+        p_scale = (1.0 + 2.0 * lse_square_scale * lse) * scale
+        smooth = label_smoothing / V * scale
+        hit = (1.0 - label_smoothing) * scale
+        g_row = grad_ptr + row * stride_g
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            mask = cols < V
+            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t = _tanh(x / softcap)
+                z = softcap * t
+            else:
+                z = x
+            d = tl.exp(z - lse) * p_scale - smooth
+            d = tl.where(cols == tgt_safe, d - hit, d)
+            if HAS_SOFTCAP:
+                d = d * (1.0 - t * t)
+            tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_v(v: int, device: torch.device) -> tuple[int, int]:
+    if device.type == "cpu":  # interpreter: small blocks keep numpy temporaries small
+        return min(triton.next_power_of_2(v), 1024), 1
+    return min(triton.next_power_of_2(v), 8192), 16
+
+
+def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None):
+    """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch`."""
+    c, v = logits.shape
+    if c == 0:
+        return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
+    assert logits.stride(-1) == 1
+    dev = logits.device
+    stats = lse is None
+    f32 = torch.float32
+    if stats:
+        loss = torch.empty(c, dtype=f32, device=dev)
+        zl = torch.empty(c, dtype=f32, device=dev)
+        lse = torch.empty(c, dtype=f32, device=dev)
+        correct = torch.empty(c, dtype=torch.int8, device=dev)
+    else:
+        loss = zl = correct = lse  # unused by the kernel in this mode
+    if grad is not None:
+        assert grad.stride(-1) == 1
+        if scale is None:
+            scale = torch.ones((), dtype=f32, device=dev)
+        scale = scale.to(f32)
+        stride_scale = 0 if scale.dim() == 0 else scale.stride(0)
+    else:
+        scale, stride_scale = lse, 0
+    block, warps = _block_v(v, dev)
+    _ce_row_kernel[(c,)](
+        logits, logits.stride(0), target.contiguous(), grad if grad is not None else logits,
+        grad.stride(0) if grad is not None else 0,
+        loss, zl, lse, correct, scale, stride_scale,
+        v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale,
+        opt.softcap if opt.softcap is not None else 1.0,
+        STATS=stats, GRAD=grad is not None, HAS_SOFTCAP=opt.softcap is not None,
+        HAS_SMOOTHING=opt.label_smoothing != 0.0, BLOCK_V=block, num_warps=warps,
+    )
+    if not stats:
+        return None
+    return loss, zl, lse, correct.view(torch.bool)

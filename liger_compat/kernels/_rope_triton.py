@@ -1,0 +1,104 @@
+"""Triton rotary embedding, forward and backward (the transposed rotation), any strides.
+
+``x`` is viewed as ``[B, X, Y, D]`` (leading dims merged or padded to three) and ``cos``/``sin``
+are expanded to ``[B, X, Y, rot]`` with stride 0 on broadcast dims, so one kernel serves the
+``[B, heads, T, D]`` and ``[B, T, heads, D]`` layouts, per-batch or shared ``cos``, and partial
+rotary (channels ``rot..D`` copied through). Each program handles ``BLOCK_R`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import triton, tl
+
+__all__ = ["rope_triton"]
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, o_ptr, c_ptr, s_ptr, n_rows, X, Y,
+    sxb, sxx, sxy, sob, sox, soy, scb, scx, scy, ssb, ssx, ssy,
+    HALF: tl.constexpr, PASS: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    b = rows // (X * Y)
+    xx = (rows // Y) % X
+    yy = rows % Y
+    xo = (b * sxb + xx * sxx + yy * sxy)[:, None]
+    oo = (b * sob + xx * sox + yy * soy)[:, None]
+    co = (b * scb + xx * scx + yy * scy)[:, None]
+    so = (b * ssb + xx * ssx + yy * ssy)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    m = rmask[:, None] & (cols < HALF)
+    x1 = tl.load(x_ptr + xo + cols, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + xo + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    c1 = tl.load(c_ptr + co + cols, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + co + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + so + cols, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + so + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    ty = o_ptr.dtype.element_ty
+    tl.store(o_ptr + oo + cols, y1.to(ty), mask=m)
+    tl.store(o_ptr + oo + HALF + cols, y2.to(ty), mask=m)
+    if PASS > 0:
+        pc = tl.arange(0, BLOCK_PASS)[None, :]
+        pm = rmask[:, None] & (pc < PASS)
+        xp = tl.load(x_ptr + xo + 2 * HALF + pc, mask=pm, other=0.0)
+        tl.store(o_ptr + oo + 2 * HALF + pc, xp.to(ty), mask=pm)
+
+
+def _as4(x: torch.Tensor, cos_u: torch.Tensor, sin_u: torch.Tensor):
+    """x -> [B, X, Y, D] view (copy only if needed), cos/sin expanded to its leading shape."""
+    rot = cos_u.shape[-1]
+    lead = x.shape[:-1]
+    c = cos_u.expand(*lead, rot)
+    s = sin_u.expand(*lead, rot)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    while x.dim() < 4:
+        x, c, s = x.unsqueeze(0), c.unsqueeze(0), s.unsqueeze(0)
+    if x.dim() > 4:
+        x = x.reshape(-1, *x.shape[-3:])
+        c = c.reshape(-1, *c.shape[-3:])
+        s = s.reshape(-1, *s.shape[-3:])
+    if c.stride(-1) != 1:
+        c = c.contiguous()
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    return x, c, s
+
+
+def _rope_one(x, cos_u, sin_u, backward, out_dtype):
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x4, c4, s4 = _as4(x, cos_u, sin_u)
+    o4 = out.view(x4.shape)
+    d = x4.shape[-1]
+    rot = c4.shape[-1]
+    half = rot // 2
+    bsz, xdim, ydim = x4.shape[:3]
+    n_rows = bsz * xdim * ydim
+    block_half = triton.next_power_of_2(half)
+    block_pass = triton.next_power_of_2(max(d - rot, 1))
+    block_r = max(1, min(64 if x.device.type == "cuda" else 16, 4096 // max(block_half * 2, 1)))
+    grid = (triton.cdiv(n_rows, block_r),)
+    _rope_kernel[grid](
+        x4, o4, c4, s4, n_rows, xdim, ydim,
+        *x4.stride()[:3], *o4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3],
+        HALF=half, PASS=d - rot, BACKWARD=backward,
+        BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=4,
+    )
+    return out
+
+
+def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k):
+    return _rope_one(q, cos_u, sin_u, backward, out_q), _rope_one(k, cos_u, sin_u, backward, out_k)

@@ -1,0 +1,146 @@
+"""CUDA tests (skipped without a GPU): the compiled Triton kernels at model-like shapes.
+
+Compared with float64 references on fresh random bf16/fp32 inputs, and the fused loss with the
+eager bf16 LM head (materialised logits, fp32 cross-entropy), which is what it replaces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_compat import _config
+from liger_compat.kernels import (
+    apply_rotary_pos_emb,
+    cross_entropy,
+    fused_linear_cross_entropy,
+    geglu,
+    last_backend,
+    rms_norm,
+    swiglu,
+)
+from reference64 import ce64, geglu64, rel_err, rms_norm64, rope64, swiglu64
+
+pytestmark = pytest.mark.gpu
+
+
+def _flce_inputs(n, h, v, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hid = (torch.randn(n, h, device="cuda", generator=g)).to(dtype)
+    w = (torch.randn(v, h, device="cuda", generator=g) / h**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+    return hid, w, t
+
+
+@pytest.mark.parametrize("n,h,v", [(1, 64, 1000), (1031, 1000, 32011), (4096, 2048, 128256)])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "label_smoothing": 0.1, "lse_square_scale": 1e-4}])
+def test_flce_bf16_vs_eager(n, h, v, opts):
+    hid, w, t = _flce_inputs(n, h, v, torch.bfloat16, n + v)
+    a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = fused_linear_cross_entropy(a, b, t, return_token_accuracy=True, **opts)
+    out.loss.backward()
+    assert last_backend["fused_linear_cross_entropy"] == "triton"
+    # eager LM head in fp32 (the precision reference)
+    h32, w32 = hid.float().requires_grad_(True), w.float().requires_grad_(True)
+    ref, _, acc = ce64(h32 @ w32.T, t, **opts)
+    ref.backward()
+    assert abs(out.loss.item() - ref.item()) <= 2e-3 * abs(ref.item()) + 1e-4
+    assert abs(out.token_accuracy.item() - acc.item()) <= 2.0 / max(1, n)
+    assert rel_err(a.grad, h32.grad) <= 1e-2
+    assert rel_err(b.grad, w32.grad) <= 2e-2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_flce_fp32_exact_options(reduction):
+    hid, w, t = _flce_inputs(300, 96, 5003, torch.float32, 7)
+    bias = torch.randn(5003, device="cuda")
+    opts = dict(reduction=reduction, softcap=20.0, label_smoothing=0.05, lse_square_scale=1e-3)
+    ps = [x.clone().requires_grad_(True) for x in (hid, w, bias)]
+    out = fused_linear_cross_entropy(ps[0], ps[1], t, bias=ps[2], return_z_loss=True, **opts)
+    p64 = [x.double().requires_grad_(True) for x in (hid, w, bias)]
+    ref, zref, _ = ce64(p64[0] @ p64[1].T + p64[2], t, **opts)
+    gout = torch.rand(ref.shape, device="cuda", dtype=torch.float64) + 0.5
+    (out.loss.double() * gout).sum().backward()
+    (ref * gout).sum().backward()
+    # fp32 matmuls on the GPU may use TF32: allow its error
+    tol = 1e-2 if torch.backends.cuda.matmul.allow_tf32 else 1e-4
+    assert rel_err(out.loss, ref) <= tol
+    for mine, theirs in zip(ps, p64):
+        assert rel_err(mine.grad, theirs.grad) <= tol
+
+
+def test_flce_all_ignored_and_bad_targets_on_gpu(monkeypatch):
+    hid, w, t = _flce_inputs(64, 32, 1000, torch.bfloat16, 3)
+    t[:] = -100
+    a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(a, b, t)
+    loss.backward()
+    assert loss.item() == 0.0 and a.grad.abs().max().item() == 0 and b.grad.abs().max().item() == 0
+    t[5] = 1000
+    monkeypatch.setattr(_config.settings, "debug", True)
+    with pytest.raises(ValueError, match="target"):
+        fused_linear_cross_entropy(hid, w, t)
+    monkeypatch.setattr(_config.settings, "debug", False)
+    assert torch.isnan(fused_linear_cross_entropy(hid, w, t))  # masked: no illegal access
+    torch.cuda.synchronize()
+
+
+def test_cross_entropy_gpu():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(777, 50257, device="cuda", generator=g) * 4).bfloat16().requires_grad_(True)
+    t = torch.randint(0, 50257, (777,), device="cuda", generator=g)
+    out = cross_entropy(logits, t, softcap=30.0)
+    out.backward()
+    l64 = logits.detach().double().requires_grad_(True)
+    ref = ce64(l64, t, softcap=30.0)[0]
+    ref.backward()
+    assert rel_err(out, ref) < 1e-3 and rel_err(logits.grad, l64.grad) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_elementwise_kernels_gpu(dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    x = (torch.randn(4099, 4097, device="cuda", generator=g) * 2).to(dtype).requires_grad_(True)
+    w = torch.randn(4097, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    for casting, off in (("llama", 0.0), ("gemma", 1.0)):
+        y = rms_norm(x, w, 1e-6, offset=off, casting=casting)
+        x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        r = rms_norm64(x64, w64, 1e-6, off)
+        dy = torch.randn_like(r)
+        gx, gw = torch.autograd.grad((y.double() * dy).sum(), (x, w))
+        rx, rw = torch.autograd.grad((r * dy).sum(), (x64, w64))
+        assert last_backend["rms_norm"] == "triton"
+        assert rel_err(y, r) < tol and rel_err(gx, rx) < 2 * tol and rel_err(gw, rw) < 2 * tol
+    for fn, ref in ((swiglu, swiglu64), (geglu, geglu64)):
+        a = (torch.randn(3, 1001, 14337, device="cuda", generator=g) * 3).to(dtype).requires_grad_(True)
+        b = torch.randn_like(a).requires_grad_(True)
+        y = fn(a, b)
+        a64, b64 = a.detach().double().requires_grad_(True), b.detach().double().requires_grad_(True)
+        r = ref(a64, b64)
+        dy = torch.randn_like(r)
+        ga, gb = torch.autograd.grad((y.double() * dy).sum(), (a, b))
+        ra, rb = torch.autograd.grad((r * dy).sum(), (a64, b64))
+        assert rel_err(y, r) < tol and rel_err(ga, ra) < tol and rel_err(gb, rb) < tol
+
+
+@pytest.mark.parametrize("d,rot,layout", [(128, 128, 1), (128, 64, 2), (80, 40, 1)])
+def test_rope_gpu(d, rot, layout):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shape_q = (2, 8, 333, d) if layout == 1 else (2, 333, 8, d)
+    shape_k = (2, 2, 333, d) if layout == 1 else (2, 333, 2, d)
+    q = torch.randn(shape_q, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    k = torch.randn(shape_k, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    ang = torch.rand(2, 333, rot // 2, device="cuda", generator=g) * 100
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
+    assert last_backend["rope"] == "triton"
+    rq, rk = rope64(q.detach(), cos, sin, layout), rope64(k.detach(), cos, sin, layout)
+    assert rel_err(qe, rq) < 1e-2 and rel_err(ke, rk) < 1e-2
+    gq, gk = torch.randn_like(rq), torch.randn_like(rk)
+    dq, dk = torch.autograd.grad((qe.double() * gq).sum() + (ke.double() * gk).sum(), (q, k))
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    rdq, rdk = torch.autograd.grad((rope64(q64, cos, sin, layout) * gq).sum() + (rope64(k64, cos, sin, layout) * gk).sum(), (q64, k64))
+    assert rel_err(dq, rdq) < 1e-2 and rel_err(dk, rdk) < 1e-2
