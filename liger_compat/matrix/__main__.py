@@ -1,0 +1,118 @@
+"""``python -m liger_compat.matrix COMMAND``: maintain the version matrix.
+
+  list                          the grid: cells, labels, why each is there
+  tox-ini [--check]             (re)generate tox.ini and constraints.txt from grid.toml
+  env-check CELL --out DIR      inside a tox env: assert the pins are what Python imports; write DIR/env.json
+  record DIR [DIR...]           merge tox results (DIR/env.json + DIR/junit.xml) into verified.json
+  readme [--check] [PATH]       rewrite the support table between the README markers
+  status [TRANSFORMERS TRL]     verification status of a pair (default: the installed one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import readme, results, toxgen
+from .grid import load as load_grid
+from .status import verification_status
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write_or_check(path: Path, text: str, check: bool) -> int:
+    current = path.read_text(encoding="utf-8") if path.exists() else None
+    if current == text:
+        print(f"{path}: up to date")
+        return 0
+    if check:
+        print(f"{path}: STALE (regenerate with `python -m liger_compat.matrix tox-ini`)", file=sys.stderr)
+        return 1
+    path.write_text(text, encoding="utf-8")
+    print(f"{path}: written")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m liger_compat.matrix", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list")
+    t = sub.add_parser("tox-ini")
+    t.add_argument("--check", action="store_true", help="exit 1 if tox.ini is stale instead of writing it")
+    t.add_argument("--root", type=Path, default=ROOT)
+    e = sub.add_parser("env-check")
+    e.add_argument("cell")
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--site", help="the env's site-packages: pins must be imported from there")
+    r = sub.add_parser("record")
+    r.add_argument("dirs", nargs="+", type=Path)
+    r.add_argument("--output", type=Path, default=None, help="default: liger_compat/matrix/verified.json")
+    m = sub.add_parser("readme")
+    m.add_argument("path", nargs="?", type=Path, default=ROOT / "README.md")
+    m.add_argument("--check", action="store_true")
+    s = sub.add_parser("status")
+    s.add_argument("transformers", nargs="?")
+    s.add_argument("trl", nargs="?")
+    s.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    grid = load_grid()
+
+    if a.cmd == "list":
+        for c in grid.cells:
+            print(f"{c.name:18} transformers {c.transformers:8} trl {c.trl:7} accelerate {c.accelerate:7} "
+                  f"datasets {c.datasets:6} {','.join(c.labels):4} {c.why}")
+        return 0
+    if a.cmd == "tox-ini":
+        rc = _write_or_check(a.root / "tox.ini", toxgen.render(grid), a.check)
+        return rc | _write_or_check(a.root / toxgen.CONSTRAINTS, toxgen.constraints(grid), a.check)
+    if a.cmd == "env-check":
+        try:
+            env = results.env_check(grid.cell(a.cell), a.out, a.site)
+        except (KeyError, results.RecordError) as exc:
+            print(f"env-check: {exc}", file=sys.stderr)
+            return 2
+        v = env["versions"]
+        print(f"env-check {a.cell}: python {env['python']}, torch {v['torch']} ({env['torch_path']}), "
+              + ", ".join(f"{k} {i['version']} ({i['origin']})" for k, i in env["imported"].items()))
+        return 0
+    if a.cmd == "record":
+        try:
+            new = results.record(a.dirs, grid, a.output)
+        except results.RecordError as exc:
+            print(f"record: {exc}", file=sys.stderr)
+            return 2
+        for name, r in new.items():
+            print(f"{name:18} {r['passed']:5} passed {r['failed']:4} failed {r['errors']:3} errors "
+                  f"{r['skipped']:4} skipped  {r['date']}")
+        print(f"recorded {len(new)} cell(s) into {a.output or results.verified_path()}")
+        return 0
+    if a.cmd == "readme":
+        try:
+            text = a.path.read_text(encoding="utf-8")
+            verified = results.load_verified()
+            if a.check:
+                ok = readme.is_current(text, grid, verified)
+                print(f"{a.path}: support table {'up to date' if ok else 'STALE (run python -m liger_compat.matrix readme)'}")
+                return 0 if ok else 1
+            changed = readme.update(a.path, grid, verified)
+        except (OSError, readme.ReadmeError) as exc:
+            print(f"readme: {exc}", file=sys.stderr)
+            return 2
+        print(f"{a.path}: support table {'rewritten' if changed else 'already up to date'}")
+        return 0
+    if a.cmd == "status":
+        if a.transformers is None:
+            from ..compat import versions
+
+            a.transformers, a.trl = versions.installed("transformers").raw, versions.installed("trl").raw
+        st = verification_status(a.transformers, a.trl)
+        print(json.dumps(st, indent=2) if a.json else st["summary"])
+        return 0
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

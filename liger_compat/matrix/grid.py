@@ -1,0 +1,202 @@
+"""The version grid as Python objects, loaded from ``grid.toml`` beside this file.
+
+Cheap to import: reads one small TOML file; imports no torch, transformers or trl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from packaging.version import Version
+
+try:  # Python >= 3.11
+    import tomllib as _toml
+except ImportError:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as _toml  # type: ignore[no-redef]
+    except ImportError:
+        _toml = None  # type: ignore[assignment]
+
+PACKAGES = ("transformers", "trl")
+#: extra distributions pinned per cell, besides the pair itself
+EXTRA_PINS = ("accelerate", "datasets")
+
+
+class GridError(ValueError):
+    """grid.toml is malformed; the message names the entry and the field."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """An upstream change a shim handles: ``package`` >= ``version`` behaves differently."""
+
+    id: str
+    package: str
+    version: str
+    what: str
+    evidence: str
+
+    def before(self, cell: "Cell") -> bool:
+        return cell.release(self.package) < Version(self.version)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (transformers, trl) pair, pinned exactly, and why the grid has it."""
+
+    name: str
+    transformers: str
+    trl: str
+    accelerate: str
+    datasets: str
+    why: str
+    labels: tuple[str, ...] = ()
+
+    def pins(self) -> dict[str, str]:
+        return {"transformers": self.transformers, "trl": self.trl,
+                "accelerate": self.accelerate, "datasets": self.datasets}
+
+    def release(self, package: str) -> Version:
+        return Version(self.pins()[package])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.pins(), "labels": list(self.labels), "why": self.why}
+
+
+@dataclass(frozen=True)
+class Grid:
+    python: str
+    torch: str
+    boundaries: tuple[Boundary, ...]
+    cells: tuple[Cell, ...]
+
+    def cell(self, name: str) -> Cell:
+        for c in self.cells:
+            if c.name == name:
+                return c
+        raise KeyError(f"no cell named {name!r} in the grid (cells: {', '.join(c.name for c in self.cells)})")
+
+    def labelled(self, label: str) -> tuple[Cell, ...]:
+        return tuple(c for c in self.cells if label in c.labels)
+
+    def find(self, transformers: str | None, trl: str | None) -> Cell | None:
+        """The cell pinning exactly these releases (``4.48.3.dev0`` counts as ``4.48.3``)."""
+        t, r = _release(transformers), _release(trl)
+        if t is None or r is None:
+            return None
+        for c in self.cells:
+            if Version(c.transformers) == t and Version(c.trl) == r:
+                return c
+        return None
+
+    def uncovered(self) -> list[str]:
+        """Boundaries without a cell on each side; empty when the grid is well-formed."""
+        out = []
+        for b in self.boundaries:
+            sides = {b.before(c) for c in self.cells}
+            if sides != {True, False}:
+                side = "before" if False in sides else "at or after"
+                out.append(f"{b.id} ({b.package} {b.version}): no cell {side} it")
+        return out
+
+
+def _release(raw: str | None) -> Version | None:
+    if raw is None:
+        return None
+    try:
+        v = Version(raw)
+    except Exception:
+        return None
+    return Version(".".join(str(p) for p in v.release))
+
+
+def _req(entry: dict[str, Any], key: str, where: str, typ: type = str) -> Any:
+    if key not in entry:
+        raise GridError(f"{where}: missing field {key!r}")
+    val = entry[key]
+    if not isinstance(val, typ):
+        raise GridError(f"{where}: field {key!r} must be {typ.__name__}, got {type(val).__name__}")
+    if typ is str and not val.strip():
+        raise GridError(f"{where}: field {key!r} is empty")
+    return val
+
+
+def _version(entry: dict[str, Any], key: str, where: str) -> str:
+    raw = _req(entry, key, where)
+    try:
+        v = Version(raw)
+    except Exception:
+        raise GridError(f"{where}: {key} = {raw!r} is not a version") from None
+    if str(v) != raw or v.local or v.is_prerelease or v.is_devrelease or len(v.release) != 3:
+        raise GridError(f"{where}: {key} = {raw!r} must be a plain released version with three parts (like 4.48.3)")
+    return raw
+
+
+def parse(data: dict[str, Any]) -> Grid:
+    """Validate parsed TOML and build the :class:`Grid`; raises :class:`GridError`."""
+    if data.get("schema") != 1:
+        raise GridError(f"unsupported grid schema {data.get('schema')!r} (expected 1)")
+    boundaries = []
+    seen_b: set[str] = set()
+    for i, b in enumerate(data.get("boundary", [])):
+        where = f"boundary #{i + 1}"
+        bid = _req(b, "id", where)
+        where = f"boundary {bid!r}"
+        if bid in seen_b:
+            raise GridError(f"{where}: duplicate id")
+        seen_b.add(bid)
+        pkg = _req(b, "package", where)
+        if pkg not in PACKAGES:
+            raise GridError(f"{where}: package must be one of {PACKAGES}, got {pkg!r}")
+        boundaries.append(Boundary(bid, pkg, _version(b, "version", where), _req(b, "what", where), _req(b, "evidence", where)))
+    cells = []
+    seen_c: set[str] = set()
+    seen_pair: set[tuple[str, str]] = set()
+    for i, c in enumerate(data.get("cell", [])):
+        where = f"cell #{i + 1}"
+        name = _req(c, "name", where)
+        where = f"cell {name!r}"
+        if name in seen_c:
+            raise GridError(f"{where}: duplicate name")
+        if not all(ch.isalnum() or ch in ".-_" for ch in name):
+            raise GridError(f"{where}: name may only use letters, digits, '.', '-', '_' (it is a tox env name)")
+        seen_c.add(name)
+        labels = c.get("labels", [])
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            raise GridError(f"{where}: labels must be a list of strings")
+        cell = Cell(name=name, **{k: _version(c, k, where) for k in (*PACKAGES, *EXTRA_PINS)},
+                    why=_req(c, "why", where), labels=tuple(labels))
+        pair = (cell.transformers, cell.trl)
+        if pair in seen_pair:
+            raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]} is already a cell")
+        seen_pair.add(pair)
+        unknown = set(c) - {"name", "labels", "why", *PACKAGES, *EXTRA_PINS}
+        if unknown:
+            raise GridError(f"{where}: unknown field(s) {sorted(unknown)}")
+        cells.append(cell)
+    if not cells:
+        raise GridError("the grid has no [[cell]]")
+    return Grid(python=_req(data, "python", "grid"), torch=_version(data, "torch", "grid"),
+                boundaries=tuple(boundaries), cells=tuple(cells))
+
+
+def loads(text: str) -> Grid:
+    if _toml is None:  # pragma: no cover
+        raise GridError("reading grid.toml needs Python >= 3.11 or the tomli package")
+    try:
+        return parse(_toml.loads(text))
+    except _toml.TOMLDecodeError as exc:
+        raise GridError(f"grid.toml is not valid TOML: {exc}") from None
+
+
+def grid_text() -> str:
+    return resources.files(__package__).joinpath("grid.toml").read_text(encoding="utf-8")
+
+
+@lru_cache(maxsize=1)
+def load() -> Grid:
+    """The grid shipped with this package."""
+    return loads(grid_text())

@@ -1,0 +1,205 @@
+"""Recorded matrix results: ``verified.json``, written only from real tox runs.
+
+Each tox environment of the grid runs two steps (see tox.ini):
+
+1. ``python -m liger_compat.matrix env-check CELL --out DIR`` asserts that the pinned
+   transformers / trl really shadow the system-wide ones and writes ``DIR/env.json`` with the
+   versions actually imported (and removes any stale ``DIR/junit.xml``);
+2. ``pytest tests --junitxml DIR/junit.xml``.
+
+``python -m liger_compat.matrix record .tox/matrix-results`` then reads every ``DIR`` and merges
+one entry per cell into ``verified.json``: versions, pass/fail/skip/error counts, failing test
+ids and the date pytest wrote into the junit file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+from .grid import EXTRA_PINS, PACKAGES, Cell, Grid, _release
+
+SCHEMA = 1
+#: distributions whose versions env-check records besides the pinned ones
+RECORDED = ("torch", "triton", "tokenizers", "huggingface-hub", "numpy", "peft", "pytest")
+ENV_FILE = "env.json"
+JUNIT_FILE = "junit.xml"
+MAX_FAILURE_IDS = 25
+
+
+class RecordError(RuntimeError):
+    pass
+
+
+def verified_path() -> Path:
+    """verified.json inside the source tree / installed package."""
+    return Path(str(resources.files(__package__).joinpath("verified.json")))
+
+
+def load_verified(path: Path | None = None) -> dict[str, Any]:
+    """The recorded results; an empty record when none were written yet."""
+    path = path or verified_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {"schema": SCHEMA, "cells": {}}
+    if data.get("schema") != SCHEMA or not isinstance(data.get("cells"), dict):
+        raise RecordError(f"{path}: not a schema-{SCHEMA} verified.json")
+    return data
+
+
+def passing(result: dict[str, Any] | None) -> bool:
+    return bool(result) and result["failed"] == 0 and result["errors"] == 0 and result["passed"] > 0
+
+
+# -- step 1: inside the tox env ------------------------------------------------------------------
+
+def _dist_version(name: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def env_check(cell: Cell, out: Path, env_site: str | None = None) -> dict[str, Any]:
+    """Check that the running interpreter imports exactly the cell's pins; write ``out/env.json``.
+
+    Imports transformers and trl (that is the point: ``__version__`` of the module that
+    ``import`` finds must be the pinned one, not the system-wide one). Raises
+    :class:`RecordError` naming every mismatch.
+    """
+    import importlib
+
+    problems = []
+    imported: dict[str, dict[str, str | None]] = {}
+    for pkg in (*PACKAGES, *EXTRA_PINS):
+        want = cell.pins()[pkg]
+        mod = importlib.import_module(pkg)
+        got = getattr(mod, "__version__", None)
+        meta = _dist_version(pkg)
+        where = os.path.dirname(os.path.dirname(os.path.abspath(mod.__file__ or "")))
+        # pip leaves a system-wide install alone when it already is the pinned release, so the
+        # module may come from outside the env; what matters is that the pinned release is the
+        # one imported (a different system-wide release must be shadowed by the env's)
+        origin = "env" if env_site and os.path.realpath(where) == os.path.realpath(env_site) else "system"
+        imported[pkg] = {"version": got, "metadata": meta, "path": where, "origin": origin}
+        if _release(got) != _release(want) or _release(meta) != _release(want):
+            problems.append(f"{pkg}: pinned {want}, imported {got} (metadata {meta}) from {where}")
+    import torch
+
+    torch_where = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    if _release(torch.__version__) != _release(_grid_torch()):
+        problems.append(f"torch: grid expects {_grid_torch()}, imported {torch.__version__} from {torch_where}")
+    if problems:
+        raise RecordError(f"cell {cell.name}: environment does not match the grid:\n  " + "\n  ".join(problems))
+    env = {
+        "cell": cell.name,
+        "python": sys.version.split()[0],
+        "pins": cell.pins(),
+        "imported": imported,
+        "torch_path": torch_where,
+        "versions": {name: _dist_version(name) for name in (*PACKAGES, *EXTRA_PINS, *RECORDED)},
+        "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / JUNIT_FILE).unlink(missing_ok=True)  # never pair this env with a stale test run
+    (out / ENV_FILE).write_text(json.dumps(env, indent=2) + "\n", encoding="utf-8")
+    return env
+
+
+def _grid_torch() -> str:
+    from .grid import load
+
+    return load().torch
+
+
+# -- step 2: after the runs -----------------------------------------------------------------------
+
+def parse_junit(path: Path) -> dict[str, Any]:
+    """Counts and failing test ids from a pytest ``--junitxml`` file."""
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as exc:
+        raise RecordError(f"{path}: cannot read junit xml: {exc}") from None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
+        raise RecordError(f"{path}: no <testsuite> element")
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    failures: list[str] = []
+    duration = 0.0
+    stamps = []
+    for suite in suites:
+        duration += float(suite.get("time", 0) or 0)
+        if suite.get("timestamp"):
+            stamps.append(suite.get("timestamp"))
+        for case in suite.iter("testcase"):
+            tid = _test_id(case)
+            if case.find("failure") is not None:
+                counts["failed"] += 1
+                failures.append(tid)
+            elif case.find("error") is not None:
+                counts["errors"] += 1
+                failures.append(tid + " (error)")
+            elif case.find("skipped") is not None:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
+    date = min(stamps) if stamps else datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+    return {**counts, "tests": sum(counts.values()), "duration_s": round(duration, 1), "date": date,
+            "failures": failures[:MAX_FAILURE_IDS], "failures_total": len(failures)}
+
+
+def _test_id(case: ET.Element) -> str:
+    """``tests.test_x.TestY::test_z[param]`` (pytest writes the module path dotted into classname)."""
+    cls, name = case.get("classname", ""), case.get("name", "")
+    return f"{cls}::{name}" if cls else name
+
+
+def collect(dirs: Iterable[Path], grid: Grid) -> dict[str, dict[str, Any]]:
+    """One result per cell found under ``dirs`` (a result dir, or a dir holding result dirs)."""
+    found: dict[str, dict[str, Any]] = {}
+    for d in dirs:
+        d = Path(d)
+        if not d.exists():
+            raise RecordError(f"{d}: no such directory")
+        candidates = [d] if (d / ENV_FILE).exists() else sorted(p for p in d.iterdir() if (p / ENV_FILE).exists())
+        for rd in candidates:
+            env = json.loads((rd / ENV_FILE).read_text(encoding="utf-8"))
+            name = env.get("cell")
+            try:
+                cell = grid.cell(name)
+            except KeyError:
+                raise RecordError(f"{rd}: cell {name!r} is not in the grid (grid.toml changed since that run?)") from None
+            if env.get("pins") != cell.pins():
+                raise RecordError(f"{rd}: run pinned {env.get('pins')}, grid cell {name} now pins {cell.pins()}: rerun it")
+            junit = rd / JUNIT_FILE
+            if not junit.exists():
+                raise RecordError(f"{rd}: env.json but no {JUNIT_FILE}: pytest did not finish for {name}")
+            res = parse_junit(junit)
+            found[name] = {"transformers": cell.transformers, "trl": cell.trl,
+                           "python": env.get("python"), "versions": env.get("versions", {}), **res}
+    return found
+
+
+def record(dirs: Iterable[Path], grid: Grid, path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Merge the results found under ``dirs`` into verified.json; returns the new entries."""
+    path = path or verified_path()
+    new = collect(dirs, grid)
+    if not new:
+        raise RecordError("no results found (expected DIR/env.json + DIR/junit.xml from tox runs)")
+    data = load_verified(path)
+    data["cells"].update(new)
+    order = [c.name for c in grid.cells]
+    # keep grid order; drop results of cells no longer in the grid
+    data["cells"] = {n: data["cells"][n] for n in order if n in data["cells"]}
+    data["torch"] = grid.torch
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return new

@@ -1,0 +1,72 @@
+"""Generate tox.ini from the grid: one environment per cell, plus labels.
+
+Every environment reuses the system-wide torch (``system_site_packages = true`` and
+``PIP_CONSTRAINT`` pinning torch to the grid's version, so pip never installs a second torch)
+and pins the cell's transformers / trl / accelerate / datasets inside the virtualenv, where they
+shadow the system-wide ones; ``env-check`` asserts that before the tests run.
+"""
+
+from __future__ import annotations
+
+from .grid import Grid
+
+RESULTS_DIR = "matrix-results"
+CONSTRAINTS = "liger_compat/matrix/constraints.txt"
+
+HEADER = """\
+# GENERATED from liger_compat/matrix/grid.toml by `python -m liger_compat.matrix tox-ini`.
+# Do not edit by hand: edit grid.toml and regenerate (tests/test_matrix.py fails on drift).
+#
+#   tox -e {example}  one cell of the version grid: `pytest tests` against that pair
+#   tox -m ci  the CI subset: {ci}
+#   tox  the full grid ({n} cells), one after the other
+#   tox -e CELL -- -q tests/test_x.py  a part of the suite only (posargs replace `-q tests`)
+#   python -m liger_compat.matrix record .tox/{results}  -> liger_compat/matrix/verified.json
+#   python -m liger_compat.matrix readme  -> README support table
+#
+# torch {torch} must be installed system-wide (`pip install torch=={torch}`); it is reused by every
+# environment and never installed into one (PIP_CONSTRAINT below).
+"""
+
+
+def render(grid: Grid) -> str:
+    ci = [c.name for c in grid.labelled("ci")]
+    lines = [HEADER.format(example=grid.cells[-1].name, ci=", ".join(ci) or "(none)", n=len(grid.cells),
+                           results=RESULTS_DIR, torch=grid.torch)]
+    lines += [
+        "[tox]",
+        "requires = tox>=4.20",
+        "env_list =",
+        *[f"    {c.name}" for c in grid.cells],
+        "",
+        "[testenv]",
+        "description = full CPU test suite against one (transformers, trl) cell of the version grid",
+        f"base_python = python{grid.python}",
+        "system_site_packages = true",
+        "package = editable",
+        "extras = test",
+        "set_env =",
+        f"    PIP_CONSTRAINT = {{tox_root}}/{CONSTRAINTS}",
+        "    HF_HUB_OFFLINE = 1",
+        "    TRANSFORMERS_NO_ADVISORY_WARNINGS = 1",
+        "    TOKENIZERS_PARALLELISM = false",
+        f"    MATRIX_RESULTS = {{work_dir}}/{RESULTS_DIR}/{{env_name}}",
+        "commands_pre =",
+        "    python -m liger_compat.matrix env-check {env_name} --out {env:MATRIX_RESULTS} --site {env_site_packages_dir}",
+        "commands =",
+        "    python -m pytest -p no:cacheprovider --junitxml={env:MATRIX_RESULTS}/junit.xml {posargs:-q tests}",
+        "",
+    ]
+    for c in grid.cells:
+        lines += [f"[testenv:{c.name}]"]
+        if c.labels:
+            lines += [f"labels = {', '.join(c.labels)}"]
+        lines += ["deps ="]
+        lines += [f"    {pkg}=={ver}" for pkg, ver in c.pins().items()]
+        lines += [""]
+    return "\n".join(lines)
+
+
+def constraints(grid: Grid) -> str:
+    return (f"# GENERATED from grid.toml by `python -m liger_compat.matrix tox-ini`: torch is reused from the\n"
+            f"# system-wide install, never installed per tox environment.\ntorch=={grid.torch}\n")

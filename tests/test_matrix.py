@@ -1,0 +1,420 @@
+"""The version matrix: grid well-formed, tox.ini generated from it, results recorded from real
+junit xml, verification_status, README support table."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from liger_compat import matrix
+from liger_compat.matrix import grid as grid_mod
+from liger_compat.matrix import readme, results, toxgen
+from liger_compat.matrix.grid import GridError
+from liger_compat.matrix.status import distance, verification_status
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = matrix.load_grid()
+
+
+def _raw_grid() -> dict:
+    return grid_mod._toml.loads(grid_mod.grid_text())
+
+
+# -- the grid --------------------------------------------------------------------------------------
+
+def test_every_boundary_has_a_cell_on_each_side():
+    assert GRID.boundaries, "grid.toml lists no boundaries"
+    assert GRID.uncovered() == []
+    for b in GRID.boundaries:
+        before = [c.name for c in GRID.cells if b.before(c)]
+        after = [c.name for c in GRID.cells if not b.before(c)]
+        assert before and after, b.id
+
+
+def test_boundaries_the_shims_handle_are_all_listed():
+    # the upstream changes named in the issue: each must be encoded as a boundary at the version
+    # verified from the released wheels
+    expected = {
+        ("transformers", "4.46.0"),  # loss_kwargs / num_items_in_batch
+        ("transformers", "4.47.0"),  # FlashAttention kwargs through **kwargs (Llama first)
+        ("transformers", "4.49.0"),  # num_logits_to_keep -> logits_to_keep
+        ("transformers", "5.0.0"),
+        ("trl", "0.12.0"),  # processing_class
+        ("trl", "0.15.0"),  # token accuracy, GRPO logits_to_keep
+        ("trl", "0.16.0"),  # use_liger -> use_liger_kernel
+        ("trl", "0.24.0"),  # trl.experimental
+        ("trl", "1.0.0"),
+    }
+    have = {(b.package, b.version) for b in GRID.boundaries}
+    assert expected <= have, sorted(expected - have)
+
+
+def test_uncovered_detects_a_missing_side():
+    data = _raw_grid()
+    # drop every cell older than transformers 4.46: the loss-kwargs boundary loses its "before" side
+    data["cell"] = [c for c in data["cell"] if Version(c["transformers"]) >= Version("4.46.0")]
+    data["cell"][0].setdefault("labels", [])
+    g = grid_mod.parse(data)
+    assert any(u.startswith("loss-kwargs") for u in g.uncovered())
+
+
+def test_cells_are_ordered_distinct_and_explained():
+    assert 10 <= len(GRID.cells) <= 14
+    names = [c.name for c in GRID.cells]
+    assert len(set(names)) == len(names)
+    keys = [(Version(c.transformers), Version(c.trl)) for c in GRID.cells]
+    assert keys == sorted(keys), "cells must be listed oldest first"
+    for c in GRID.cells:
+        assert len(c.why) > 30, f"{c.name}: say why the cell is there"
+        assert c.name == f"tf{Version(c.transformers).major}.{Version(c.transformers).minor}-trl{Version(c.trl).major}.{Version(c.trl).minor}"
+
+
+def test_cells_respect_trl_requirements_known_from_metadata():
+    # lower/upper bounds copied from the trl wheels' METADATA (see grid.toml header)
+    bounds = [("0.12.0", "0.12.2", ">=4.46.0"), ("0.12.2", "0.12.3", "<4.47.0"), ("0.13.0", "0.18.0", ">=4.46.0"),
+              ("0.18.0", "0.19.0", ">=4.50.0"), ("0.19.0", "0.20.0", ">=4.51.0"), ("0.20.0", "0.21.0", ">=4.53.2"),
+              ("0.21.0", "0.23.0", ">=4.55.0"), ("0.23.0", "0.27.0", ">=4.56.1"), ("0.27.0", "99", ">=4.56.2")]
+    from packaging.specifiers import SpecifierSet
+
+    for c in GRID.cells:
+        for lo, hi, spec in bounds:
+            if Version(lo) <= Version(c.trl) < Version(hi):
+                assert Version(c.transformers) in SpecifierSet(spec), (c.name, spec)
+        if Version(c.trl) >= Version("1.0.0"):
+            assert Version(c.datasets) >= Version("4.7.0"), c.name
+        if Version(c.trl) >= Version("0.19.0"):
+            assert Version(c.accelerate) >= Version("1.4.0"), c.name
+
+
+def test_ci_subset_covers_oldest_newest_and_the_4_48_to_4_50_window():
+    ci = GRID.labelled("ci")
+    assert GRID.cells[0] in ci and GRID.cells[-1] in ci
+    window = [c for c in GRID.cells if Version("4.48") <= Version(c.transformers) < Version("4.51")]
+    assert window and all(c in ci for c in window)
+    assert any(Version(c.trl).release[:2] == (0, 15) for c in ci)
+    assert any(Version(c.trl).release[:2] == (0, 14) for c in ci), "the before-side of trl 0.15"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["cell"][0].update(transformers="4.48"), "plain released version"),
+    (lambda d: d["cell"][0].update(trl="0.15.0.dev0"), "plain released version"),
+    (lambda d: d["cell"][1].update(name=d["cell"][0]["name"]), "duplicate name"),
+    (lambda d: d["cell"][0].pop("why"), "missing field 'why'"),
+    (lambda d: d["cell"][0].update(name="bad name"), "tox env name"),
+    (lambda d: d["boundary"][0].update(package="torch"), "package must be one of"),
+    (lambda d: d["cell"][0].update(extra_field=1), "unknown field"),
+    (lambda d: d.update(schema=2), "unsupported grid schema"),
+])
+def test_grid_validation_names_the_problem(mutate, message):
+    data = copy.deepcopy(_raw_grid())
+    mutate(data)
+    with pytest.raises(GridError, match=message):
+        grid_mod.parse(data)
+
+
+def test_find_matches_releases_only():
+    c = GRID.cells[4]
+    assert GRID.find(c.transformers, c.trl) is c
+    assert GRID.find(c.transformers + ".dev0", c.trl) is c
+    assert GRID.find(c.transformers, None) is None
+    assert GRID.find("4.48.2", "0.15.2") is None
+
+
+# -- tox.ini -------------------------------------------------------------------------------------
+
+def test_tox_ini_is_generated_from_the_grid():
+    assert (ROOT / "tox.ini").read_text(encoding="utf-8") == toxgen.render(GRID), \
+        "tox.ini is stale: run `python -m liger_compat.matrix tox-ini`"
+    assert (ROOT / toxgen.CONSTRAINTS).read_text(encoding="utf-8") == toxgen.constraints(GRID)
+
+
+def test_tox_ini_envs_pin_each_cell():
+    import configparser
+
+    cp = configparser.ConfigParser(interpolation=None)
+    cp.read_string((ROOT / "tox.ini").read_text(encoding="utf-8"))
+    envs = {s.split(":", 1)[1] for s in cp.sections() if s.startswith("testenv:")}
+    assert envs == {c.name for c in GRID.cells}
+    assert cp["testenv"]["system_site_packages"] == "true"
+    for c in GRID.cells:
+        deps = cp[f"testenv:{c.name}"]["deps"].split()
+        assert sorted(deps) == sorted(f"{k}=={v}" for k, v in c.pins().items())
+        labels = cp[f"testenv:{c.name}"].get("labels", "")
+        assert ("ci" in labels) == ("ci" in c.labels)
+    assert "torch" not in " ".join(cp[s].get("deps", "") for s in cp.sections())
+    assert f"torch=={GRID.torch}" in (ROOT / toxgen.CONSTRAINTS).read_text()
+
+
+def test_tox_ini_check_cli_detects_drift(tmp_path):
+    (tmp_path / "liger_compat" / "matrix").mkdir(parents=True)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "liger_compat.matrix", "tox-ini", "--root", str(tmp_path), *a],
+                                    cwd=ROOT, capture_output=True, text=True)
+    assert run("--check").returncode == 1  # nothing there yet
+    assert run().returncode == 0
+    assert run("--check").returncode == 0
+    ini = tmp_path / "tox.ini"
+    ini.write_text(ini.read_text().replace("trl==0.15.2", "trl==0.15.1", 1))
+    r = run("--check")
+    assert r.returncode == 1 and "STALE" in r.stderr
+
+
+# -- recording real junit xml ----------------------------------------------------------------------
+
+SAMPLE_TESTS = '''
+import pytest
+
+def test_ok():
+    assert 1 + 1 == 2
+
+@pytest.mark.parametrize("x", [1, 2, 3])
+def test_param(x):
+    assert x != 3
+
+def test_skip():
+    pytest.skip("no gpu")
+
+class TestK:
+    def test_in_class(self):
+        assert True
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup boom")
+
+def test_setup_error(broken):
+    pass
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert False
+'''
+
+
+@pytest.fixture(scope="module")
+def junit_run(tmp_path_factory) -> Path:
+    """Run a tiny real pytest session and return its junit xml."""
+    d = tmp_path_factory.mktemp("junit")
+    (d / "test_sample.py").write_text(SAMPLE_TESTS)
+    xml = d / "junit.xml"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(d / "test_sample.py"),
+                        f"--junitxml={xml}"], cwd=d, capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr  # one failure, one error
+    return xml
+
+
+def test_parse_junit_counts_a_real_pytest_run(junit_run):
+    res = results.parse_junit(junit_run)
+    assert (res["passed"], res["failed"], res["errors"], res["skipped"]) == (4, 1, 1, 2)
+    assert res["tests"] == 8
+    assert any(f.endswith("test_param[3]") for f in res["failures"])
+    assert any("test_setup_error" in f and "(error)" in f for f in res["failures"])
+    assert res["date"][:2] == "20"
+
+
+def test_parse_junit_rejects_garbage(tmp_path):
+    bad = tmp_path / "junit.xml"
+    bad.write_text("<html>not junit</html>")
+    with pytest.raises(results.RecordError, match="testsuite"):
+        results.parse_junit(bad)
+    bad.write_text("<testsuites><testsuite")
+    with pytest.raises(results.RecordError, match="cannot read"):
+        results.parse_junit(bad)
+
+
+def _fake_env(d: Path, grid_cell, **over) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    env = {"cell": grid_cell.name, "python": "3.11.7", "pins": grid_cell.pins(),
+           "versions": {"torch": "2.13.0+cpu", **grid_cell.pins()}}
+    env.update(over)
+    (d / results.ENV_FILE).write_text(json.dumps(env))
+
+
+def test_record_merges_results_into_verified_json(tmp_path, junit_run):
+    out = tmp_path / "verified.json"
+    runs = tmp_path / "matrix-results"
+    old, new = GRID.cells[0], GRID.cells[-1]
+    _fake_env(runs / new.name, new)
+    (runs / new.name / "junit.xml").write_bytes(junit_run.read_bytes())
+    _fake_env(runs / "not-a-result", old)  # env.json without junit: pytest never finished
+    with pytest.raises(results.RecordError, match="no junit.xml"):
+        results.record([runs], GRID, out)
+    (runs / "not-a-result" / results.ENV_FILE).unlink()
+    got = results.record([runs], GRID, out)
+    assert list(got) == [new.name]
+    data = json.loads(out.read_text())
+    entry = data["cells"][new.name]
+    assert (entry["transformers"], entry["trl"]) == (new.transformers, new.trl)
+    assert (entry["passed"], entry["failed"], entry["skipped"], entry["errors"]) == (4, 1, 2, 1)
+    assert entry["versions"]["torch"] == "2.13.0+cpu"
+    # a second record of another cell keeps the first, in grid order
+    d2 = tmp_path / "r2" / old.name
+    _fake_env(d2, old)
+    (d2 / "junit.xml").write_bytes(junit_run.read_bytes())
+    results.record([d2], GRID, out)
+    assert list(json.loads(out.read_text())["cells"]) == [old.name, new.name]
+
+
+def test_record_refuses_results_of_other_pins(tmp_path, junit_run):
+    c = GRID.cells[3]
+    d = tmp_path / c.name
+    _fake_env(d, c, pins={**c.pins(), "trl": "0.15.1"})
+    (d / "junit.xml").write_bytes(junit_run.read_bytes())
+    with pytest.raises(results.RecordError, match="rerun"):
+        results.record([d], GRID, tmp_path / "v.json")
+    _fake_env(d, c, cell="tf9.9-trl9.9")
+    with pytest.raises(results.RecordError, match="not in the grid"):
+        results.record([d], GRID, tmp_path / "v.json")
+
+
+def test_record_cli(tmp_path, junit_run):
+    c = GRID.cells[-1]
+    _fake_env(tmp_path / "runs" / c.name, c)
+    (tmp_path / "runs" / c.name / "junit.xml").write_bytes(junit_run.read_bytes())
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, "-m", "liger_compat.matrix", "record", str(tmp_path / "runs"), "--output", str(out)],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert c.name in r.stdout and json.loads(out.read_text())["cells"][c.name]["failed"] == 1
+
+
+def test_env_check_detects_that_the_pins_are_not_what_python_imports(tmp_path):
+    # the installed transformers is what it is; a cell pinning something else must be refused
+    from liger_compat.compat import versions
+
+    installed = versions.installed("transformers").raw
+    other = next(c for c in GRID.cells if c.transformers != installed)
+    with pytest.raises(results.RecordError, match="transformers: pinned"):
+        results.env_check(other, tmp_path / "out")
+    assert not (tmp_path / "out" / results.ENV_FILE).exists()
+
+
+def test_env_check_passes_on_the_installed_pair_if_it_is_a_cell(tmp_path):
+    from liger_compat.compat import versions
+
+    cell = GRID.find(versions.installed("transformers").raw, versions.installed("trl").raw)
+    if cell is None or any(versions.installed(k).raw != v for k, v in cell.pins().items()):
+        pytest.skip("installed versions are not exactly a grid cell")
+    (tmp_path / "junit.xml").write_text("stale")
+    env = results.env_check(cell, tmp_path)
+    assert env["cell"] == cell.name and not (tmp_path / "junit.xml").exists()
+    assert json.loads((tmp_path / results.ENV_FILE).read_text())["pins"] == cell.pins()
+
+
+# -- verification_status -------------------------------------------------------------------------
+
+def _result(passed=10, failed=0, skipped=1, errors=0):
+    return {"passed": passed, "failed": failed, "skipped": skipped, "errors": errors, "date": "2026-11-20T10:00:00"}
+
+
+def _verified(**cells):
+    return {"schema": 1, "cells": cells}
+
+
+def test_status_verified_cell():
+    c = GRID.cells[4]
+    st = verification_status(c.transformers, c.trl, GRID, _verified(**{c.name: _result()}))
+    assert st["verified"] is True and st["cell"] == c.name and st["nearest"] is None
+    assert st["results"]["passed"] == 10
+    assert st["summary"].startswith("verified:") and c.name in st["summary"] and "\n" not in st["summary"]
+
+
+def test_status_failing_cell_points_to_nearest_passing_one():
+    a, b, far = GRID.cells[4], GRID.cells[5], GRID.cells[-1]
+    v = _verified(**{a.name: _result(failed=2), b.name: _result(), far.name: _result()})
+    st = verification_status(a.transformers, a.trl, GRID, v)
+    assert st["verified"] is False and st["cell"] == a.name and st["results"]["failed"] == 2
+    assert st["nearest"]["cell"] == b.name
+    assert "NOT verified" in st["summary"] and b.name in st["summary"]
+
+
+def test_status_pair_outside_the_grid_gets_nearest():
+    names = {c.name: c for c in GRID.cells}
+    v = _verified(**{n: _result() for n in names})
+    st = verification_status("4.48.1", "0.15.0", GRID, v)
+    assert st["verified"] is False and st["cell"] is None
+    assert st["nearest"]["cell"] == "tf4.48-trl0.15"
+    st = verification_status("5.22.1", "1.15.0", GRID, v)
+    assert st["nearest"]["cell"] == GRID.cells[-1].name
+    st = verification_status("4.57.1", None, GRID, v)
+    assert st["nearest"]["transformers"].startswith("4.57")
+    assert "not a grid cell" in st["summary"]
+
+
+def test_status_unknown_and_unrecorded():
+    st = verification_status(None, None, GRID, _verified())
+    assert st["verified"] is False and st["cell"] is None and st["nearest"] is None
+    assert "not installed" in st["summary"]
+    c = GRID.cells[0]
+    st = verification_status(c.transformers, c.trl, GRID, _verified())
+    assert st["cell"] == c.name and "not run yet" in st["summary"] and st["nearest"] is None
+    st = verification_status("not-a-version", "0.15.2", GRID, _verified(**{c.name: _result()}))
+    assert st["cell"] is None and st["verified"] is False
+
+
+def test_distance_orders_by_release():
+    c = GRID.cell("tf4.48-trl0.15")
+    assert distance("4.48.3", "0.15.2", c) == 0
+    assert distance("4.48.1", "0.15.2", c) < distance("4.49.0", "0.15.2", c) < distance("5.0.0", "0.15.2", c)
+
+
+def test_status_with_shipped_files_is_cheap_and_consistent():
+    code = textwrap.dedent("""
+        import sys, json
+        from liger_compat.matrix import verification_status
+        st = verification_status("4.48.3", "0.15.2")
+        assert not any(m in sys.modules for m in ("torch", "transformers", "trl")), sorted(
+            m for m in ("torch", "transformers", "trl") if m in sys.modules)
+        print(json.dumps(st))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert {"summary", "verified", "cell", "nearest", "results"} <= set(st)
+    assert st["cell"] == "tf4.48-trl0.15"
+    shipped = matrix.load_verified()
+    assert set(shipped["cells"]) <= {c.name for c in GRID.cells}
+    for name, r in shipped["cells"].items():
+        cell = GRID.cell(name)
+        assert (r["transformers"], r["trl"]) == (cell.transformers, cell.trl)
+        assert r["tests"] == r["passed"] + r["failed"] + r["skipped"] + r["errors"]
+
+
+def test_check_report_shows_the_matrix():
+    from liger_compat.compat import report, versions
+
+    m = report._matrix(versions.all_installed())
+    assert not m["summary"].startswith(("matrix lookup failed", "no version matrix")), m["summary"]
+    assert {"verified", "cell", "nearest", "results"} <= set(m)
+
+
+# -- README support table --------------------------------------------------------------------------
+
+def test_readme_block_rewrite_only_touches_the_block(tmp_path):
+    text = f"# Title\n\nintro\n\n{readme.START}\nold table\n{readme.END}\n\n## After\nkeep me\n"
+    v = _verified(**{GRID.cells[0].name: _result(failed=3), GRID.cells[-1].name: _result(passed=99)})
+    new = readme.render(text, GRID, v)
+    assert new.startswith("# Title\n\nintro\n\n") and new.endswith(f"{readme.END}\n\n## After\nkeep me\n")
+    assert "old table" not in new
+    assert "| 5.23.0 | 1.16.0 |" in new and "| verified | 99 |" in new
+    assert "FAILING (3 tests)" in new and "not run yet" in new
+    assert readme.is_current(new, GRID, v) and not readme.is_current(text, GRID, v)
+    p = tmp_path / "README.md"
+    p.write_text(text)
+    assert readme.update(p, GRID, v) is True and readme.update(p, GRID, v) is False
+    with pytest.raises(readme.ReadmeError):
+        readme.render("no markers here", GRID, v)
+
+
+def test_readme_support_table_is_current():
+    path = ROOT / "README.md"
+    if not path.exists() or not readme.has_markers(path.read_text(encoding="utf-8")):
+        pytest.skip("README.md has no support-table markers yet")
+    assert readme.is_current(path.read_text(encoding="utf-8"), GRID, matrix.load_verified()), \
+        "README support table is stale: run `python -m liger_compat.matrix readme`"
