@@ -230,7 +230,7 @@ def test_parse_junit_rejects_garbage(tmp_path):
 
 def _fake_env(d: Path, grid_cell, **over) -> None:
     d.mkdir(parents=True, exist_ok=True)
-    env = {"cell": grid_cell.name, "python": "3.11.7", "pins": grid_cell.pins(),
+    env = {"cell": grid_cell.name, "python": "3.11.7", "pins": grid_cell.pins(), "full_suite": True,
            "versions": {"torch": "2.13.0+cpu", **grid_cell.pins()}}
     env.update(over)
     (d / results.ENV_FILE).write_text(json.dumps(env))
@@ -243,11 +243,12 @@ def test_record_merges_results_into_verified_json(tmp_path, junit_run):
     _fake_env(runs / new.name, new)
     (runs / new.name / "junit.xml").write_bytes(junit_run.read_bytes())
     _fake_env(runs / "not-a-result", old)  # env.json without junit: pytest never finished
-    with pytest.raises(results.RecordError, match="no junit.xml"):
-        results.record([runs], GRID, out)
-    (runs / "not-a-result" / results.ENV_FILE).unlink()
-    got = results.record([runs], GRID, out)
+    got, problems = results.record([runs], GRID, out)
     assert list(got) == [new.name]
+    assert len(problems) == 1 and "no junit.xml" in problems[0] and old.name in problems[0]
+    with pytest.raises(results.RecordError, match="no junit.xml"):  # nothing to record at all
+        results.record([runs / "not-a-result"], GRID, tmp_path / "other.json")
+    assert not (tmp_path / "other.json").exists()
     data = json.loads(out.read_text())
     entry = data["cells"][new.name]
     assert (entry["transformers"], entry["trl"]) == (new.transformers, new.trl)
@@ -271,6 +272,25 @@ def test_record_refuses_results_of_other_pins(tmp_path, junit_run):
     _fake_env(d, c, cell="tf9.9-trl9.9")
     with pytest.raises(results.RecordError, match="not in the grid"):
         results.record([d], GRID, tmp_path / "v.json")
+    assert not (tmp_path / "v.json").exists()
+
+
+def test_record_skips_partial_runs(tmp_path, junit_run):
+    c = GRID.cells[2]
+    d = tmp_path / "runs" / c.name
+    _fake_env(d, c, full_suite=False, pytest_args=["-q", "tests/test_matrix.py"])
+    (d / "junit.xml").write_bytes(junit_run.read_bytes())
+    with pytest.raises(results.RecordError, match="partial run"):
+        results.record([tmp_path / "runs"], GRID, tmp_path / "v.json")
+
+
+@pytest.mark.parametrize("args, full", [
+    (["-q", "tests"], True), (["tests/"], True), (["-q", "-n", "2", "tests"], True), (["tests", "-p", "no:cacheprovider"], True),
+    (None, False), ([], False), (["-q", "tests/test_matrix.py"], False), (["tests", "-k", "matrix"], False),
+    (["tests", "tests/test_matrix.py"], False), (["tests", "-x"], False), (["tests", "--deselect=tests/a.py::b"], False),
+])
+def test_full_suite_detection(args, full):
+    assert results.full_suite(args) is full
 
 
 def test_record_cli(tmp_path, junit_run):

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("env-check")
     e.add_argument("cell")
     e.add_argument("--out", type=Path, required=True)
-    e.add_argument("--site", help="the env's site-packages: pins must be imported from there")
+    e.add_argument("--site", help="the env's site-packages (reported: env or system)")
+    e.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=None,
+                   help="the pytest arguments of this run (record refuses partial runs)")
     r = sub.add_parser("record")
     r.add_argument("dirs", nargs="+", type=Path)
     r.add_argument("--output", type=Path, default=None, help="default: liger_compat/matrix/verified.json")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return rc | _write_or_check(a.root / toxgen.CONSTRAINTS, toxgen.constraints(grid), a.check)
     if a.cmd == "env-check":
         try:
-            env = results.env_check(grid.cell(a.cell), a.out, a.site)
+            env = results.env_check(grid.cell(a.cell), a.out, a.site, a.pytest_args)
         except (KeyError, results.RecordError) as exc:
             print(f"env-check: {exc}", file=sys.stderr)
             return 2
@@ -80,15 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd == "record":
         try:
-            new = results.record(a.dirs, grid, a.output)
+            new, problems = results.record(a.dirs, grid, a.output)
         except results.RecordError as exc:
             print(f"record: {exc}", file=sys.stderr)
             return 2
         for name, r in new.items():
             print(f"{name:18} {r['passed']:5} passed {r['failed']:4} failed {r['errors']:3} errors "
                   f"{r['skipped']:4} skipped  {r['date']}")
-        print(f"recorded {len(new)} cell(s) into {a.output or results.verified_path()}")
-        return 0
+        print(f"recorded {len(new)} cell(s) into {a.output or results.verified_path()}; "
+              "now run `python -m liger_compat.matrix readme`")
+        for prob in problems:
+            print(f"record: not recorded: {prob}", file=sys.stderr)
+        return 1 if problems else 0
     if a.cmd == "readme":
         try:
             text = a.path.read_text(encoding="utf-8")

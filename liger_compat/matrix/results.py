@@ -69,7 +69,18 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def env_check(cell: Cell, out: Path, env_site: str | None = None) -> dict[str, Any]:
+def full_suite(pytest_args: list[str] | None) -> bool:
+    """Whether pytest arguments run the whole suite (``tests``, no selection)."""
+    if not pytest_args:
+        return False
+    selecting = ("-k", "-m", "--deselect", "--lf", "--last-failed", "--ff", "--sw", "--stepwise", "-x", "--exitfirst", "--maxfail")
+    if any(a.split("=")[0] in selecting for a in pytest_args):
+        return False
+    paths = [a for a in pytest_args if not a.startswith("-") and (a.startswith("tests") or a.endswith(".py") or "::" in a)]
+    return [p.rstrip("/") for p in paths] == ["tests"]
+
+
+def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: list[str] | None = None) -> dict[str, Any]:
     """Check that the running interpreter imports exactly the cell's pins; write ``out/env.json``.
 
     Imports transformers and trl (that is the point: ``__version__`` of the module that
@@ -108,6 +119,8 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None) -> dict[str, A
         "torch_path": torch_where,
         "versions": {name: _dist_version(name) for name in (*PACKAGES, *EXTRA_PINS, *RECORDED)},
         "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "pytest_args": pytest_args,
+        "full_suite": full_suite(pytest_args),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / JUNIT_FILE).unlink(missing_ok=True)  # never pair this env with a stale test run
@@ -163,43 +176,64 @@ def _test_id(case: ET.Element) -> str:
     return f"{cls}::{name}" if cls else name
 
 
-def collect(dirs: Iterable[Path], grid: Grid) -> dict[str, dict[str, Any]]:
-    """One result per cell found under ``dirs`` (a result dir, or a dir holding result dirs)."""
+def collect(dirs: Iterable[Path], grid: Grid) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Results per cell found under ``dirs`` (a result dir, or a dir holding result dirs), and the
+    problems that kept a directory from counting (no junit: pytest did not finish; pins that
+    are not the grid's any more; a cell not in the grid)."""
     found: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
     for d in dirs:
         d = Path(d)
-        if not d.exists():
-            raise RecordError(f"{d}: no such directory")
+        if not d.is_dir():
+            problems.append(f"{d}: no such directory")
+            continue
         candidates = [d] if (d / ENV_FILE).exists() else sorted(p for p in d.iterdir() if (p / ENV_FILE).exists())
+        if not candidates:
+            problems.append(f"{d}: no {ENV_FILE} here or one level down")
         for rd in candidates:
             env = json.loads((rd / ENV_FILE).read_text(encoding="utf-8"))
             name = env.get("cell")
             try:
                 cell = grid.cell(name)
             except KeyError:
-                raise RecordError(f"{rd}: cell {name!r} is not in the grid (grid.toml changed since that run?)") from None
+                problems.append(f"{rd}: cell {name!r} is not in the grid (grid.toml changed since that run?)")
+                continue
             if env.get("pins") != cell.pins():
-                raise RecordError(f"{rd}: run pinned {env.get('pins')}, grid cell {name} now pins {cell.pins()}: rerun it")
+                problems.append(f"{rd}: run pinned {env.get('pins')}, grid cell {name} now pins {cell.pins()}: rerun it")
+                continue
+            if not env.get("full_suite"):
+                problems.append(f"{rd}: partial run of {name} (pytest {' '.join(env.get('pytest_args') or ['?'])}): "
+                                "only runs of the whole suite are recorded")
+                continue
             junit = rd / JUNIT_FILE
             if not junit.exists():
-                raise RecordError(f"{rd}: env.json but no {JUNIT_FILE}: pytest did not finish for {name}")
-            res = parse_junit(junit)
+                problems.append(f"{rd}: {ENV_FILE} but no {JUNIT_FILE}: pytest did not finish for {name}")
+                continue
+            try:
+                res = parse_junit(junit)
+            except RecordError as exc:
+                problems.append(str(exc))
+                continue
             found[name] = {"transformers": cell.transformers, "trl": cell.trl,
                            "python": env.get("python"), "versions": env.get("versions", {}), **res}
-    return found
+    return found, problems
 
 
-def record(dirs: Iterable[Path], grid: Grid, path: Path | None = None) -> dict[str, dict[str, Any]]:
-    """Merge the results found under ``dirs`` into verified.json; returns the new entries."""
+def record(dirs: Iterable[Path], grid: Grid, path: Path | None = None) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Merge the results found under ``dirs`` into verified.json.
+
+    Returns the new entries and the problems met; raises :class:`RecordError` (writing
+    nothing) when no result at all was found.
+    """
     path = path or verified_path()
-    new = collect(dirs, grid)
+    new, problems = collect(dirs, grid)
     if not new:
-        raise RecordError("no results found (expected DIR/env.json + DIR/junit.xml from tox runs)")
+        raise RecordError("no results found (expected DIR/env.json + DIR/junit.xml from tox runs)"
+                          + "".join(f"\n  {p}" for p in problems))
     data = load_verified(path)
     data["cells"].update(new)
-    order = [c.name for c in grid.cells]
     # keep grid order; drop results of cells no longer in the grid
-    data["cells"] = {n: data["cells"][n] for n in order if n in data["cells"]}
+    data["cells"] = {c.name: data["cells"][c.name] for c in grid.cells if c.name in data["cells"]}
     data["torch"] = grid.torch
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    return new
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return new, problems

@@ -52,7 +52,7 @@ def render(grid: Grid) -> str:
         "    TOKENIZERS_PARALLELISM = false",
         f"    MATRIX_RESULTS = {{work_dir}}/{RESULTS_DIR}/{{env_name}}",
         "commands_pre =",
-        "    python -m liger_compat.matrix env-check {env_name} --out {env:MATRIX_RESULTS} --site {env_site_packages_dir}",
+        "    python -m liger_compat.matrix env-check {env_name} --out {env:MATRIX_RESULTS} --site {env_site_packages_dir} --pytest-args {posargs:-q tests}",
         "commands =",
         "    python -m pytest -p no:cacheprovider --junitxml={env:MATRIX_RESULTS}/junit.xml {posargs:-q tests}",
         "",
