@@ -109,13 +109,106 @@ def _ce_row_kernel(
             tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ce_partial_kernel(
+    logits_ptr, stride_l, part_m, part_s, part_z, part_i, NB, V, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Split variant, step 1: per (row, block of V) max, sum-exp, argmax and row-sum partials."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    z = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
+    bm = tl.max(z, axis=0)
+    out = row * NB + blk
+    tl.store(part_m + out, bm)
+    tl.store(part_s + out, tl.sum(tl.exp(z - bm), axis=0))
+    tl.store(part_i + out, tl.argmax(z, axis=0).to(tl.int32) + blk * BLOCK_V)
+    if HAS_SMOOTHING:
+        tl.store(part_z + out, tl.sum(tl.where(mask, z, 0.0), axis=0))
+
+
+@triton.jit
+def _ce_finish_kernel(
+    logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
+    loss_ptr, zloss_ptr, lse_ptr, correct_ptr, scale_ptr, stride_scale,
+    part_m, part_s, part_z, part_i, NB,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap,
+    STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_NB: tl.constexpr,
+):
+    """Split variant, step 2: every (row, block) program combines the row's partials into lse;
+    block 0 writes the row's statistics; each program writes the gradient of its block."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    row_ptr = logits_ptr + row * stride_l
+    tgt = tl.load(target_ptr + row).to(tl.int64)
+    valid = tgt != ignore_index
+    in_range = (tgt >= 0) & (tgt < V)
+    tgt_safe = tl.where(valid & in_range, tgt, 0)
+    if STATS:
+        nbs = tl.arange(0, BLOCK_NB)
+        nmask = nbs < NB
+        pm = tl.load(part_m + row * NB + nbs, mask=nmask, other=float("-inf"))
+        ps = tl.load(part_s + row * NB + nbs, mask=nmask, other=0.0)
+        m = tl.max(pm, axis=0)
+        lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
+        if blk == 0:
+            best_blk = tl.argmax(pm, axis=0)
+            best_idx = tl.load(part_i + row * NB + best_blk).to(tl.int64)
+            zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
+            if HAS_SOFTCAP:
+                zt = softcap * _tanh(zt / softcap)
+            loss = lse - (1.0 - label_smoothing) * zt
+            if HAS_SMOOTHING:
+                pz = tl.load(part_z + row * NB + nbs, mask=nmask, other=0.0)
+                loss -= label_smoothing * tl.sum(pz, axis=0) / V
+            zl = lse_square_scale * lse * lse
+            loss += zl
+            loss = tl.where(valid, loss, 0.0)
+            loss = tl.where(valid & (~in_range), float("nan"), loss)
+            tl.store(loss_ptr + row, loss)
+            tl.store(zloss_ptr + row, tl.where(valid, zl, 0.0))
+            tl.store(lse_ptr + row, lse)
+            tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+    else:
+        lse = tl.load(lse_ptr + row)
+    if GRAD:
+        scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)
+        p_scale = (1.0 + 2.0 * lse_square_scale * lse) * scale
+        cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            t = _tanh(x / softcap)
+            z = softcap * t
+        else:
+            z = x
+        d = tl.exp(z - lse) * p_scale - label_smoothing / V * scale
+        d = tl.where(cols == tgt_safe, d - (1.0 - label_smoothing) * scale, d)
+        if HAS_SOFTCAP:
+            d = d * (1.0 - t * t)
+        tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+#: "split": rows are cut into blocks of V spread over programs (two launches; fills the GPU
+#: even for a few hundred rows); "row": one program streams a whole row (one launch).
+CE_KERNEL_VARIANT = "split"
+#: block of V per program for the split variant on CUDA
+SPLIT_BLOCK_V = 4096
+
+
 def _block_v(v: int, device: torch.device) -> tuple[int, int]:
     if device.type == "cpu":  # interpreter: small blocks keep numpy temporaries small
         return min(triton.next_power_of_2(v), 1024), 1
     return min(triton.next_power_of_2(v), 8192), 16
 
 
-def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None):
+def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch`."""
     c, v = logits.shape
     if c == 0:
@@ -139,16 +232,42 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None):
         stride_scale = 0 if scale.dim() == 0 else scale.stride(0)
     else:
         scale, stride_scale = lse, 0
-    block, warps = _block_v(v, dev)
-    _ce_row_kernel[(c,)](
-        logits, logits.stride(0), target.contiguous(), grad if grad is not None else logits,
-        grad.stride(0) if grad is not None else 0,
-        loss, zl, lse, correct, scale, stride_scale,
-        v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale,
-        opt.softcap if opt.softcap is not None else 1.0,
-        STATS=stats, GRAD=grad is not None, HAS_SOFTCAP=opt.softcap is not None,
-        HAS_SMOOTHING=opt.label_smoothing != 0.0, BLOCK_V=block, num_warps=warps,
-    )
+    variant = CE_KERNEL_VARIANT if variant is None else variant
+    common = dict(HAS_SOFTCAP=opt.softcap is not None, HAS_SMOOTHING=opt.label_smoothing != 0.0)
+    softcap = opt.softcap if opt.softcap is not None else 1.0
+    g = grad if grad is not None else logits
+    sg = grad.stride(0) if grad is not None else 0
+    if variant == "row":
+        block, warps = _block_v(v, dev)
+        _ce_row_kernel[(c,)](
+            logits, logits.stride(0), target.contiguous(), g, sg,
+            loss, zl, lse, correct, scale, stride_scale,
+            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
+            STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common,
+        )
+    else:
+        block = SPLIT_BLOCK_V if dev.type == "cuda" else 256
+        block = min(block, triton.next_power_of_2(v))
+        nb = triton.cdiv(v, block)
+        warps = 8 if dev.type == "cuda" else 1
+        if stats:
+            pm = torch.empty((c, nb), dtype=f32, device=dev)
+            ps = torch.empty_like(pm)
+            pz = torch.empty_like(pm) if opt.label_smoothing != 0.0 else pm
+            pi = torch.empty((c, nb), dtype=torch.int32, device=dev)
+            _ce_partial_kernel[(c, nb)](
+                logits, logits.stride(0), pm, ps, pz, pi, nb, v, softcap,
+                BLOCK_V=block, num_warps=warps, **common,
+            )
+        else:
+            pm = ps = pz = pi = lse
+        _ce_finish_kernel[(c, nb)](
+            logits, logits.stride(0), target.contiguous(), g, sg,
+            loss, zl, lse, correct, scale, stride_scale, pm, ps, pz, pi, nb,
+            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
+            STATS=stats, GRAD=grad is not None, BLOCK_V=block,
+            BLOCK_NB=triton.next_power_of_2(nb), num_warps=warps, **common,
+        )
     if not stats:
         return None
     return loss, zl, lse, correct.view(torch.bool)

@@ -14,7 +14,11 @@ import logging
 from ._registry import REGISTRY, Shim, State, register  # noqa: F401
 
 #: shim modules, imported in this order
-SHIM_MODULES: tuple[str, ...] = ()
+SHIM_MODULES: tuple[str, ...] = (
+    "logits_to_keep",  # F3: logits_to_keep <-> num_logits_to_keep on every *ForCausalLM
+    "causal_lm",  # F2, F4 (+ token accuracy for F1): the fused causal-LM forward of the families
+    "modules",  # RMSNorm / gated MLP / rotary embedding of the families
+)
 
 _loaded = False
 

@@ -1,0 +1,595 @@
+"""GPU benchmark of the liger_compat kernels against torch eager, torch.compile, liger-kernel and
+cut-cross-entropy, in one run (issues 3 and 7).
+
+    python -m benchmarks.kernels [--out DIR] [--sections ceilings,flce,variants,profile,norm,...]
+    python -m benchmarks.kernels --plot DIR/kernels.json      # plots only (no GPU needed)
+
+Prints a correctness table and a timing table (markdown, also written to ``kernels.md``),
+writes every number to ``kernels.json`` and, where matplotlib exists, ``kernels_*.png``.
+Times are ``triton.testing.do_bench`` medians of forward+backward; "extra MiB" is peak
+allocated memory during forward+backward minus the inputs and the gradients returned.
+Floors: the fused loss's three matmuls (6*N*H*V flop at the measured bf16 matmul rate); the
+elementwise kernels' compulsory bytes (each input read once, each output written once, forward
+and backward) at the measured device-copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS: dict = {"meta": {}, "rows": []}
+OUT = Path("benchmarks/results")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def add(**row):
+    RESULTS["rows"].append(row)
+    log("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    save()
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_ms(fn, rep_ms=None):
+    from triton.testing import do_bench
+
+    fn()  # compile / warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t0) * 1e3
+    rep = rep_ms or max(200.0, min(1500.0, one * 15))
+    return do_bench(fn, warmup=max(25.0, one * 3), rep=rep, return_mode="median")
+
+
+def extra_peak_mib(fn):
+    """Peak memory during fn() beyond what was allocated before and what fn returns."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    kept = sum(t.numel() * t.element_size() for t in _tensors(out))
+    del out
+    return (peak - base - kept) / 2**20
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def measure(section, shape, impl, step, extra=None, **fields):
+    try:
+        ms = bench_ms(step)
+        mem = extra_peak_mib(step)
+        add(section=section, shape=shape, impl=impl, ms=ms, extra_mib=mem, **fields, **(extra or {}))
+        return ms
+    except Exception as exc:  # keep going: one broken baseline must not lose the run
+        add(section=section, shape=shape, impl=impl, error=f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+        return None
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# ceilings
+# ---------------------------------------------------------------------------------------------
+
+
+def ceilings():
+    log("## ceilings")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(8192, 8192, device="cuda", generator=g, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", generator=g, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: torch.mm(a, b))
+    tflops = 2 * 8192**3 / ms / 1e9
+    x = torch.randn(2**29, device="cuda", generator=g, dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    cms = bench_ms(lambda: y.copy_(x))
+    tbps = 2 * x.numel() * 2 / cms / 1e9
+    RESULTS["meta"].update(matmul_tflops=tflops, copy_tbps=tbps)
+    log(f"bf16 matmul {tflops:.0f} TFLOP/s, copy {tbps:.2f} TB/s")
+    del a, b, x, y
+    save()
+
+
+# ---------------------------------------------------------------------------------------------
+# fused linear cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+HEADS = {
+    "llama3-8b": (8192, 4096, 128256, None),
+    "qwen2-7b": (8192, 3584, 152064, None),
+    "llama3.2-1b": (16384, 2048, 128256, None),
+    "gemma2-9b-softcap": (8192, 3584, 256000, 30.0),
+}
+
+
+def _eager_loss(h, w, t, softcap=None, acc=False):
+    z = (h @ w.t()).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, t, ignore_index=-100)
+    if acc:
+        valid = t != -100
+        a = ((z.argmax(-1) == t) & valid).sum() / valid.sum().clamp(min=1)
+        return loss, a
+    return loss
+
+
+_compiled = {}
+
+
+def flce_impls(softcap, acc):
+    from liger_compat.kernels import fused_linear_cross_entropy
+
+    impls = {}
+
+    def ours(h, w, t):
+        out = fused_linear_cross_entropy(h, w, t, softcap=softcap, return_token_accuracy=acc)
+        return out.loss if acc else out
+
+    impls["liger_compat"] = ours
+    impls["torch eager"] = lambda h, w, t: _eager_loss(h, w, t, softcap, acc)[0] if acc else _eager_loss(h, w, t, softcap)
+    key = (softcap, acc)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(lambda h, w, t: _eager_loss(h, w, t, softcap, acc), dynamic=False)
+    comp = _compiled[key]
+    impls["torch.compile"] = (lambda h, w, t: comp(h, w, t)[0]) if acc else comp
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        lk = LigerFusedLinearCrossEntropyLoss(softcap=softcap, return_token_accuracy=acc)
+        impls["liger-kernel"] = (lambda h, w, t: lk(w, h, t).loss) if acc else (lambda h, w, t: lk(w, h, t))
+    except Exception as exc:
+        log("liger-kernel unavailable:", exc)
+    if not acc:
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+
+            impls["cut-cross-entropy"] = lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap)
+        except Exception as exc:
+            log("cut-cross-entropy unavailable:", exc)
+    return impls
+
+
+def _flce_inputs(n, hd, v, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(n, hd, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(v, hd, device="cuda", generator=g) / math.sqrt(hd) * 2).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+    return h.requires_grad_(True), w.requires_grad_(True), t
+
+
+def _ref_grads(h, w, t, softcap, fp32):
+    """grad_hidden, grad_weight, loss of the eager LM head: bf16 matmul + fp32 CE, or all fp32."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        hh = h.detach().float().requires_grad_(True) if fp32 else h.detach().clone().requires_grad_(True)
+        ww = w.detach().float().requires_grad_(True) if fp32 else w.detach().clone().requires_grad_(True)
+        loss = _eager_loss(hh, ww, t, softcap)
+        gh, gw = torch.autograd.grad(loss, (hh, ww))
+        return gh, gw, loss.detach()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), section="flce"):
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    for name in names:
+        n, hd, v, softcap = HEADS[name]
+        for acc in acc_variants:
+            shape = f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else "") + (" +acc" if acc else "")
+            log(f"## {section}: {shape}")
+            h, w, t = _flce_inputs(n, hd, v)
+            floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+            refs = {k: _ref_grads(h, w, t, softcap, fp32=(k == "fp32")) for k in ("eager", "fp32")}
+            for impl, fn in flce_impls(softcap, acc).items():
+                def step(fn=fn):
+                    loss = fn(h, w, t)
+                    return torch.autograd.grad(loss, (h, w))
+
+                errs = {}
+                try:
+                    loss = fn(h, w, t)
+                    gh, gw = torch.autograd.grad(loss, (h, w))
+                    for k, (rh, rw, rl) in refs.items():
+                        errs[f"gh_err_vs_{k}"] = rel(gh, rh)
+                        errs[f"gw_err_vs_{k}"] = rel(gw, rw)
+                        errs[f"loss_absdiff_vs_{k}"] = abs(loss.item() - rl.item())
+                    errs["finite"] = bool(torch.isfinite(gh).all() and torch.isfinite(gw).all())
+                    del loss, gh, gw
+                except Exception as exc:
+                    errs["check_error"] = str(exc)[:300]
+                measure(section, shape, impl, step, extra=errs, floor_ms=floor)
+            del h, w, t, refs
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def flce_variants():
+    """Our own knobs at the Llama-3-8B head: chunk memory budget and CE row-kernel variant."""
+    from liger_compat.kernels import _ce_triton, fused_linear_cross_entropy
+    from liger_compat.kernels import loss as loss_mod
+
+    n, hd, v, _ = HEADS["llama3-8b"]
+    h, w, t = _flce_inputs(n, hd, v)
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+    saved = (loss_mod.FLCE_CHUNK_BYTES, _ce_triton.CE_KERNEL_VARIANT)
+    configs = [(63, "split"), (63, "row"), (128, "split"), (256, "split"), (512, "split"), (1024, "split")]
+    for mib, variant in configs:
+        loss_mod.FLCE_CHUNK_BYTES = mib * 2**20
+        _ce_triton.CE_KERNEL_VARIANT = variant
+
+        def step():
+            return torch.autograd.grad(fused_linear_cross_entropy(h, w, t), (h, w))
+
+        rows = loss_mod._chunk_rows(n, v, 2, "triton", h.device)
+        measure("flce_variants", f"llama3-8b chunk={mib}MiB ({rows} rows) ce={variant}", "liger_compat", step,
+                floor_ms=floor, chunk_rows=rows)
+    loss_mod.FLCE_CHUNK_BYTES, _ce_triton.CE_KERNEL_VARIANT = saved
+
+
+def flce_profile():
+    """Time of each step of one chunk at the default budget (where the time goes)."""
+    from liger_compat.kernels import _ce_triton
+    from liger_compat.kernels import loss as loss_mod
+    from liger_compat.kernels.loss import CEOptions
+
+    n, hd, v, _ = HEADS["llama3-8b"]
+    h, w, t = _flce_inputs(n, hd, v)
+    h, w = h.detach(), w.detach()
+    rows = loss_mod._chunk_rows(n, v, 2, "triton", h.device)
+    chunks = math.ceil(n / rows)
+    hc, tc = h[:rows], t[:rows]
+    buf = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
+    torch.mm(hc, w.t(), out=buf)
+    gh = torch.empty(rows, hd, device="cuda", dtype=torch.bfloat16)
+    gw = torch.randn_like(w)
+    scale = torch.tensor(1.0 / n, device="cuda")
+    opt = CEOptions()
+    logits0 = buf.clone()
+    steps = {
+        "logits mm": lambda: torch.mm(hc, w.t(), out=buf),
+        "CE kernel split (stats+grad)": lambda: (buf.copy_(logits0), _ce_triton.ce_rows_triton(buf, tc, opt, scale=scale, grad=buf, variant="split")),
+        "CE kernel row (stats+grad)": lambda: (buf.copy_(logits0), _ce_triton.ce_rows_triton(buf, tc, opt, scale=scale, grad=buf, variant="row")),
+        "copy of chunk (subtract from CE)": lambda: buf.copy_(logits0),
+        "grad_hidden mm": lambda: torch.mm(buf, w, out=gh),
+        "grad_weight addmm (bf16 rmw)": lambda: gw.addmm_(buf.t(), hc),
+        "grad_weight mm (first chunk, no read)": lambda: torch.mm(buf.t(), hc, out=gw),
+    }
+    for name, fn in steps.items():
+        try:
+            ms = bench_ms(fn)
+            add(section="flce_profile", shape=f"llama3-8b chunk {rows} rows x{chunks}", impl=name, ms=ms,
+                ms_times_chunks=ms * chunks)
+        except Exception as exc:
+            add(section="flce_profile", shape="llama3-8b", impl=name, error=str(exc)[:300])
+
+
+def flce_sweep():
+    """Time and memory vs tokens at the Llama-3-8B head (plots)."""
+    _, hd, v, _ = HEADS["llama3-8b"]
+    for n in (2048, 4096, 8192):
+        h, w, t = _flce_inputs(n, hd, v)
+        impls = flce_impls(None, False)
+        impls.pop("torch.compile", None)
+        for impl, fn in impls.items():
+            def step(fn=fn):
+                return torch.autograd.grad(fn(h, w, t), (h, w))
+
+            measure("flce_sweep", f"N={n} H={hd} V={v}", impl, step, n=n)
+        del h, w, t
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_rms(x, w, eps=1e-6):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rot_half(x):
+    d = x.shape[-1] // 2
+    return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+
+
+def _hf_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rot_half(q) * sin, k * cos + _rot_half(k) * sin
+
+
+def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, section="elementwise"):
+    import liger_compat.kernels as K
+
+    try:
+        import liger_kernel.transformers.functional as LF
+    except Exception as exc:
+        LF = None
+        log("liger-kernel unavailable:", exc)
+    bw = RESULTS["meta"].get("copy_tbps", 3.0)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+
+    def run(kind, shape_label, inputs, impls, grads_of, nbytes, **fields):
+        floor = nbytes / (bw * 1e12) * 1e3
+        first = impls["torch eager"](*inputs)
+        first = first if isinstance(first, tuple) else (first,)
+        dys = [torch.randn(o.shape, device="cuda", generator=g, dtype=o.dtype) for o in first]
+        del first
+        ref = None
+        # liger-kernel's rms_norm writes dX over dY (in_place=True, its default): run it last
+        order = sorted(impls, key=lambda k: k == "liger-kernel")
+        for impl in order:
+            fn = impls[impl]
+            if fn is None:
+                continue
+
+            def step(fn=fn):
+                outs = fn(*inputs)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                return torch.autograd.grad(outs, grads_of, dys)
+
+            errs = {}
+            try:
+                res = step()
+                if ref is None:
+                    ref = res  # eager first: the reference for the others
+                else:
+                    errs["grad_err_vs_eager"] = max(rel(a, b) for a, b in zip(res, ref))
+                del res
+            except Exception as exc:
+                errs["check_error"] = str(exc)[:300]
+            measure(section, f"{kind} {shape_label}", impl, step, extra=errs, floor_ms=floor, kernel=kind, **fields)
+
+    sizes = sizes or {"rms_norm": [16384], "swiglu": [16384], "geglu": [16384], "rope": [2048]}
+    for kind in which:
+        for size in sizes[kind]:
+            log(f"## {section}: {kind} {size}")
+            if kind == "rms_norm":
+                x = torch.randn(size, 4096, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+                wt = (torch.rand(4096, device="cuda", generator=g) + 0.5).to(bf).requires_grad_(True)
+                impls = {
+                    "torch eager": lambda x, w: _hf_rms(x, w),
+                    "torch.compile": torch.compile(_hf_rms, dynamic=False),
+                    "liger-kernel": (lambda x, w: LF.liger_rms_norm(x, w, 1e-6)) if LF else None,
+                    "liger_compat": lambda x, w: K.rms_norm(x, w, 1e-6),
+                }
+                run(kind, f"{size}x4096", (x, wt), impls, (x, wt), 5 * x.numel() * 2, rows=size)
+            elif kind in ("swiglu", "geglu"):
+                a = torch.randn(size, 14336, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+                b = torch.randn(size, 14336, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+                if kind == "swiglu":
+                    eager = lambda a, b: F.silu(a) * b  # noqa: E731
+                    ours, lig = K.swiglu, (LF.liger_swiglu if LF else None)
+                else:
+                    eager = lambda a, b: F.gelu(a, approximate="tanh") * b  # noqa: E731
+                    ours, lig = K.geglu, (LF.liger_geglu if LF else None)
+                impls = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False),
+                         "liger-kernel": lig, "liger_compat": ours}
+                run(kind, f"{size}x14336", (a, b), impls, (a, b), 8 * a.numel() * 2, rows=size)
+            else:
+                q = torch.randn(8, 32, size, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+                k = torch.randn(8, 8, size, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+                inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+                ang = torch.arange(size, device="cuda").float()[:, None] * inv[None]
+                ang = torch.cat([ang, ang], -1)[None].expand(8, size, 128)
+                cos, sin = ang.cos().to(bf).contiguous(), ang.sin().to(bf).contiguous()
+                impls = {
+                    "torch eager": lambda q, k: _hf_rope(q, k, cos, sin),
+                    "torch.compile": torch.compile(lambda q, k: _hf_rope(q, k, cos, sin), dynamic=False),
+                    "liger-kernel": (lambda q, k: LF.liger_rope(q, k, cos, sin)) if LF else None,
+                    "liger_compat": lambda q, k: K.apply_rotary_pos_emb(q, k, cos, sin),
+                }
+                nbytes = 4 * (q.numel() + k.numel()) * 2 + 2 * 2 * cos.numel() * 2
+                run(kind, f"q[8,32,{size},128] k[8,8,{size},128]", (q, k), impls, (q, k), nbytes, seq=size)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(section):
+    return [r for r in RESULTS["rows"] if r.get("section") == section]
+
+
+def report() -> str:
+    m = RESULTS["meta"]
+    lines = [f"# liger_compat kernel benchmark", "",
+             f"device: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; "
+             f"bf16 matmul {m.get('matmul_tflops', 0):.0f} TFLOP/s, copy {m.get('copy_tbps', 0):.2f} TB/s", ""]
+    fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap")]
+    if fl:
+        lines += ["## Fused linear cross-entropy: correctness (bf16 inputs)", "",
+                  "| head | impl | loss diff vs eager | grad_h err vs eager (bf16 mm, fp32 CE) | grad_h err vs fp32 | grad_w err vs fp32 |",
+                  "|---|---|---|---|---|---|"]
+        for r in fl:
+            if "gh_err_vs_eager" in r:
+                lines.append(f"| {r['shape']} | {r['impl']} | {r['loss_absdiff_vs_eager']:.2e} | {r['gh_err_vs_eager']:.2e} | "
+                             f"{r['gh_err_vs_fp32']:.2e} | {r['gw_err_vs_fp32']:.2e} |")
+        lines += ["", "## Fused linear cross-entropy: forward+backward time and extra memory", "",
+                  "| head | impl | ms | x floor | x liger_compat | extra MiB |", "|---|---|---|---|---|---|"]
+        for shape in dict.fromkeys(r["shape"] for r in fl):
+            rs = [r for r in fl if r["shape"] == shape]
+            ours = next((r.get("ms") for r in rs if r["impl"] == "liger_compat"), None)
+            for r in rs:
+                if r.get("ms") is None:
+                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | |")
+                    continue
+                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+                             f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} |")
+    for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
+                       ("flce_profile", "one chunk, step by step (Llama-3-8B head)")):
+        rs = _rows(sec)
+        if rs:
+            lines += ["", f"## {title}", "", "| config | ms | extra MiB | x floor |", "|---|---|---|---|"]
+            for r in rs:
+                if r.get("ms") is None:
+                    lines.append(f"| {r['shape']} {r['impl']} | error | | |")
+                elif sec == "flce_profile":
+                    lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x chunks: {r['ms_times_chunks']:.2f}) | | |")
+                else:
+                    lines.append(f"| {r['shape']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
+    el = _rows("elementwise")
+    if el:
+        lines += ["", "## RMSNorm, SwiGLU, GeGLU, RoPE (bf16, forward+backward)", "",
+                  "| kernel | impl | ms | x bandwidth floor | x liger_compat | extra MiB | grad err vs eager |",
+                  "|---|---|---|---|---|---|---|"]
+        for shape in dict.fromkeys(r["shape"] for r in el):
+            rs = [r for r in el if r["shape"] == shape]
+            ours = next((r.get("ms") for r in rs if r["impl"] == "liger_compat"), None)
+            for r in rs:
+                if r.get("ms") is None:
+                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | |")
+                    continue
+                ge = r.get("grad_err_vs_eager")
+                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {r['ms'] / r['floor_ms']:.2f} | "
+                             f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} | "
+                             f"{'' if ge is None else f'{ge:.1e}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(path: Path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        log("matplotlib missing, no plots:", exc)
+        return
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    for sec, xkey, title in (("flce_sweep", "n", "FLCE, Llama-3-8B head: tokens"),
+                             ("elementwise_sweep", None, "elementwise kernels")):
+        rs = [r for r in rows if r.get("section") == sec and r.get("ms") is not None]
+        if not rs:
+            continue
+        groups = {}
+        for r in rs:
+            kind = r.get("kernel", "flce")
+            groups.setdefault(kind, []).append(r)
+        for kind, krs in groups.items():
+            x_key = xkey or ("seq" if kind == "rope" else "rows")
+            fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+            for impl in dict.fromkeys(r["impl"] for r in krs):
+                pts = sorted((r[x_key], r["ms"], r["extra_mib"]) for r in krs if r["impl"] == impl)
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=impl)
+            axes[0].set_xlabel(x_key); axes[0].set_ylabel("fwd+bwd ms (median)")
+            axes[1].set_xlabel(x_key); axes[1].set_ylabel("extra peak MiB")
+            axes[1].set_yscale("symlog")
+            axes[0].legend()
+            fig.suptitle(f"{title}: {kind}" if kind != "flce" else title)
+            fig.tight_layout()
+            fig.savefig(path.parent / f"kernels_{sec}_{kind}.png", dpi=110)
+            plt.close(fig)
+            log("plot", path.parent / f"kernels_{sec}_{kind}.png")
+
+
+SECTIONS = {
+    "ceilings": ceilings,
+    "flce": lambda: flce(),
+    "softcap": lambda: flce(("gemma2-9b-softcap",), section="flce_softcap"),
+    "acc": lambda: flce(("llama3-8b",), acc_variants=(True,), section="flce_acc"),
+    "variants": flce_variants,
+    "profile": flce_profile,
+    "norm": lambda: elementwise(),
+    "flce_sweep": flce_sweep,
+    "elementwise_sweep": lambda: elementwise(
+        sizes={"rms_norm": [2048, 4096, 8192, 16384], "swiglu": [2048, 4096, 8192, 16384],
+               "geglu": [4096, 16384], "rope": [512, 1024, 2048, 4096]},
+        section="elementwise_sweep"),
+}
+
+
+def main(argv=None):
+    global OUT
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--sections", default="ceilings,flce,softcap,acc,variants,profile,norm")
+    p.add_argument("--plot", help="only draw plots from this kernels.json")
+    p.add_argument("--merge", nargs="*", help="earlier kernels.json files whose rows to keep")
+    args = p.parse_args(argv)
+    if args.plot:
+        plots(Path(args.plot))
+        return 0
+    OUT = Path(args.out)
+    if not torch.cuda.is_available():
+        log("no CUDA device: nothing to benchmark")
+        return 1
+    import triton
+
+    RESULTS["meta"].update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           date=time.strftime("%Y-%m-%d %H:%M"))
+    for m in args.merge or []:
+        old = json.loads(Path(m).read_text())
+        RESULTS["rows"] += old["rows"]
+        for k, v in old["meta"].items():
+            RESULTS["meta"].setdefault(k, v)
+    torch._dynamo.config.cache_size_limit = 64
+    for name in args.sections.split(","):
+        t0 = time.time()
+        try:
+            SECTIONS[name]()
+        except Exception:
+            traceback.print_exc()
+        log(f"[section {name} took {time.time() - t0:.0f} s]")
+        save()
+        (OUT / "kernels.md").write_text(report())
+    md = report()
+    (OUT / "kernels.md").write_text(md)
+    plots(OUT / "kernels.json")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""One fused ``*ForCausalLM.forward`` for every decoder family of the table, on every release.
+
+Upstream: the ``<Family>ForCausalLM.forward`` of transformers 4.45 .. 5.x (``models/<family>/
+modeling_<family>.py``), whose loss path materialises ``[B, T, V]`` logits (10+ GiB at a 128k
+vocabulary). A fused forward that skips the logits has to survive what changed around it:
+
+* trl ``DPOTrainer.concatenated_forward`` (and GRPO, KTO ...) call the model *without* labels and
+  need real logits (known issue F2: a forward that assumes labels slices ``None``);
+* transformers 4.47+ sends FlashAttention kwargs of padding-free batches (``cu_seq_lens_q``,
+  ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``) through ``**kwargs``; forwarding them to the
+  loss raised ``unexpected keyword argument 'cu_seq_lens_q'`` (F4);
+* 4.49 renamed ``num_logits_to_keep`` to ``logits_to_keep`` and allowed index tensors (F3);
+* 4.46 added ``num_items_in_batch`` (gradient accumulation) and later ``shift_labels`` to the loss;
+* trl 0.15+ ``SFTTrainer`` logs token accuracy from ``outputs.logits`` (F1).
+
+The wrapper (installed with wrapt on the class; ``inspect.signature`` still shows the native one):
+
+* ``labels is None``: the native forward runs with ``logits_to_keep`` renamed to what it knows;
+  when it cannot honour the request (an index tensor on 4.45 .. 4.48, Granite 4.45 knowing
+  neither name) the decoder and head below run instead. Real logits come back.
+* labels given: ``self.model`` (the decoder) gets every kwarg except the loss's own
+  (``num_items_in_batch``, ``ignore_index``, ``shift_labels``); the loss is computed from the last
+  hidden states and ``lm_head.weight`` by ``liger_compat.kernels.fused_linear_cross_entropy``
+  with the family's quirks (Gemma 2/3 soft-cap, Granite's logit divisor, Mixtral's router loss).
+  The result is the family's native output class with ``logits=None`` and an extra
+  ``token_accuracy`` (``out.token_accuracy`` and ``out["token_accuracy"]``: 0-d fraction of
+  non-ignored shifted label positions whose argmax is the label, computed inside the kernel).
+* Logits together with a fused loss: pass ``return_logits=True`` to the forward, or set
+  ``LIGER_COMPAT_RETURN_LOGITS=1``; the logits are then computed (honouring ``logits_to_keep``)
+  in addition to the fused loss.
+
+``logits_to_keep`` / ``num_logits_to_keep``: an int (keep the last k positions, 0 = all) or a
+1-D index tensor, under either name. With labels, the labels must cover the kept positions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from typing import Any
+
+from .. import _config
+from . import conflicts, families
+from ._patching import PatchSet, unwrap
+from ._registry import REGISTRY, register
+from .logits_to_keep import NEW, OLD, forward_params, is_ours, keep_positions, normalize_keep, pop_keep
+from ..compat.scenarios import Context, Skip, scenario
+
+log = logging.getLogger("liger_compat")
+
+_SHIM_ID = "transformers.fused_causal_lm_forward"
+_KERNEL = "fused_linear_cross_entropy"
+#: keyword arguments that belong to transformers' causal-LM loss, never to the decoder
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+#: keyword arguments of ours, removed before anything native sees the call
+RETURN_LOGITS = "return_logits"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _want_logits(flag: Any) -> bool:
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("LIGER_COMPAT_RETURN_LOGITS", "").strip().lower() in _TRUE
+
+
+# --------------------------------------------------------------------------------------------
+# calling conventions
+# --------------------------------------------------------------------------------------------
+
+_positional_cache: dict[Any, tuple[str, ...]] = {}
+
+
+def _positional_names(forward: Any) -> tuple[str, ...]:
+    fn = unwrap(forward)
+    key = getattr(fn, "__code__", fn)
+    names = _positional_cache.get(key)
+    if names is None:
+        params = list(inspect.signature(fn).parameters.values())
+        names = tuple(p.name for p in params
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
+        _positional_cache[key] = names
+    return names
+
+
+def _as_kwargs(forward: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not args:
+        return dict(kwargs)
+    names = _positional_names(forward)
+    if len(args) > len(names):
+        raise TypeError(f"forward() takes {len(names)} positional arguments but {len(args)} were given")
+    out = dict(kwargs)
+    for name, value in zip(names, args):
+        if name in out:
+            raise TypeError(f"forward() got multiple values for argument {name!r}")
+        out[name] = value
+    return out
+
+
+def _native_takes(known: str | None, keep: Any) -> bool:
+    if isinstance(keep, int) and keep == 0:
+        return True
+    if known in (NEW, "both"):
+        return True
+    return known == OLD and isinstance(keep, int)
+
+
+def _return_dict(config: Any, flag: Any) -> bool:
+    if flag is not None:
+        return bool(flag)
+    # what config.use_return_dict computed before transformers 5 deprecated it
+    return bool(getattr(config, "return_dict", True)) and not getattr(config, "torchscript", False)
+
+
+# --------------------------------------------------------------------------------------------
+# the forward
+# --------------------------------------------------------------------------------------------
+
+
+def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    fam = families.family_of(type(instance))
+    kw = _as_kwargs(wrapped, args, kwargs)
+    want_logits = _want_logits(kw.pop(RETURN_LOGITS, None))
+    has_keep = NEW in kw or OLD in kw
+    keep = normalize_keep(pop_keep(kw)) if has_keep else 0
+    known, _, _ = forward_params(wrapped)
+    labels = kw.get("labels")
+    usable = (fam is not None and _config.kernel_enabled(_KERNEL)
+              and hasattr(instance, "model") and hasattr(instance, "lm_head"))
+    if labels is None or not usable:
+        if _native_takes(known, keep) or not usable:
+            if has_keep and known is not None:
+                kw[OLD if known == OLD else NEW] = keep
+            elif has_keep and not (isinstance(keep, int) and keep == 0):
+                kw[NEW] = keep  # the forward knows neither name: as native as it gets
+            return wrapped(**kw)
+        return _decoder_and_head(instance, fam, kw, keep, want_logits=True)
+    return _decoder_and_head(instance, fam, kw, keep, want_logits=want_logits)
+
+
+def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep: Any, *, want_logits: bool) -> Any:
+    config = model.config
+    labels = kw.pop("labels", None)
+    return_dict = _return_dict(config, kw.pop("return_dict", None))
+    loss_kw = {k: kw.pop(k) for k in LOSS_KWARGS if k in kw}
+    decoder = model.model
+    _, dec_names, _ = forward_params(decoder.forward)
+    output_router_logits = False
+    if fam.moe:
+        output_router_logits = kw.get("output_router_logits")
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(config, "output_router_logits", False))
+        kw["output_router_logits"] = output_router_logits
+    if "return_dict" in dec_names:
+        kw["return_dict"] = True
+    # everything that is not the loss's goes to the decoder (attention kwargs of packed batches
+    # included); a decoder that does not take a kwarg raises, as the native forward would
+    dec_out = decoder(**kw)
+    hidden = dec_out[0]
+    hidden = keep_positions(hidden, keep)
+
+    loss = token_accuracy = logits = None
+    if labels is not None:
+        loss, token_accuracy = _loss(model, fam, hidden, labels, loss_kw)
+    if want_logits or labels is None:
+        logits = _logits(model, fam, hidden)
+
+    aux_loss = None
+    if fam.moe and output_router_logits:
+        router_logits = getattr(dec_out, "router_logits", None)
+        balance = getattr(sys.modules.get(fam.module), "load_balancing_loss_func", None)
+        if router_logits is not None and balance is not None:
+            aux_loss = balance(
+                router_logits,
+                getattr(model, "num_experts", getattr(config, "num_local_experts", None)),
+                getattr(model, "num_experts_per_tok", getattr(config, "num_experts_per_tok", None)),
+                kw.get("attention_mask"),
+            )
+            if loss is not None:
+                coef = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0))
+                loss = loss + coef * aux_loss.to(loss.device)
+
+    from transformers import modeling_outputs as mo
+
+    fields = dict(
+        loss=loss,
+        logits=logits,
+        past_key_values=getattr(dec_out, "past_key_values", None),
+        hidden_states=getattr(dec_out, "hidden_states", None),
+        attentions=getattr(dec_out, "attentions", None),
+    )
+    if fam.moe:
+        out = mo.MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=getattr(dec_out, "router_logits", None), **fields)
+    else:
+        out = mo.CausalLMOutputWithPast(**fields)
+    if not return_dict:
+        return out.to_tuple()
+    if token_accuracy is not None:
+        out["token_accuracy"] = token_accuracy
+    return out
+
+
+def _head_params(model: Any) -> tuple[Any, Any] | None:
+    """``(weight, bias)`` of a plain ``nn.Linear`` head, else None (LoRA / quantised heads)."""
+    import torch
+
+    head = model.lm_head
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        return None
+    w = head.weight
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:
+        return None
+    return w, head.bias
+
+
+def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None, float | None]:
+    cfg = model.config
+    softcap = getattr(cfg, fam.softcap_attr, None) if fam.softcap_attr else None
+    divisor = getattr(cfg, fam.logit_divisor_attr, None) if fam.logit_divisor_attr else None
+    return softcap, divisor
+
+
+def _logits(model: Any, fam: families.Family, hidden: Any) -> Any:
+    import torch
+
+    logits = model.lm_head(hidden)
+    softcap, divisor = _final_logit_quirks(model, fam)
+    if divisor is not None:
+        logits = logits / divisor
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: int) -> Any:
+    import torch
+
+    shift_labels = loss_kw.get("shift_labels")
+    if shift_labels is None:
+        # position t predicts label t + 1; the last position predicts nothing
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels of shape {tuple(shift_labels.shape)} do not match the {tuple(hidden.shape[:-1])} positions "
+            f"the loss is computed on (with logits_to_keep the labels must cover only the kept positions)"
+        )
+    return shift_labels.to(hidden.device)
+
+
+def _compute_dtype(hidden: Any, weight: Any) -> Any:
+    import torch
+
+    dev = hidden.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (TypeError, RuntimeError):  # older torch spellings
+        if dev == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return weight.dtype if hidden.dtype != weight.dtype else hidden.dtype
+
+
+def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+
+    from .. import kernels
+
+    ignore_index = int(loss_kw.get("ignore_index", -100))
+    num_items = loss_kw.get("num_items_in_batch")
+    target = _targets(labels, hidden, loss_kw, ignore_index)
+    softcap, divisor = _final_logit_quirks(model, fam)
+    head = _head_params(model)
+    if head is None or (divisor is not None and head[1] is not None):
+        return _unfused_loss(model, fam, hidden, target, ignore_index, num_items)
+    weight, bias = head
+    h = hidden
+    if divisor is not None:
+        h = h / divisor  # (h W^T) / d == (h / d) W^T without a bias
+    dtype = _compute_dtype(h, weight)
+    with torch.autocast(h.device.type, enabled=False):
+        res = kernels.fused_linear_cross_entropy(
+            h.to(dtype),
+            weight.to(dtype),
+            target,
+            bias=None if bias is None else bias.to(dtype),
+            ignore_index=ignore_index,
+            softcap=softcap,
+            num_items_in_batch=num_items,
+            return_token_accuracy=True,
+        )
+    return res.loss, res.token_accuracy
+
+
+def _unfused_loss(model: Any, fam: families.Family, hidden: Any, target: Any, ignore_index: int, num_items: Any):
+    """Loss from materialised logits, for heads the fused kernel cannot read (LoRA, quantised)."""
+    import torch
+
+    logits = _logits(model, fam, hidden).float()
+    flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    if num_items is None:
+        loss = torch.nn.functional.cross_entropy(flat, t, ignore_index=ignore_index)
+    else:
+        loss = torch.nn.functional.cross_entropy(flat, t, ignore_index=ignore_index, reduction="sum")
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    with torch.no_grad():
+        valid = t != ignore_index
+        hits = (flat.argmax(-1) == t) & valid
+        accuracy = hits.sum().float() / valid.sum().clamp(min=1).float()
+    return loss, accuracy
+
+
+# --------------------------------------------------------------------------------------------
+# patching
+# --------------------------------------------------------------------------------------------
+
+_patches: PatchSet | None = None
+#: family name -> why its forward was left native (conflict, missing class)
+_left_alone: dict[str, str] = {}
+
+
+def _patch_module(module: Any) -> None:
+    fam = families.BY_MODULE.get(module.__name__)
+    if fam is None or _patches is None:
+        return
+    cls = getattr(module, fam.causal_lm, None)
+    if cls is None:
+        _left_alone[fam.name] = f"{module.__name__} has no {fam.causal_lm}"
+        return
+    current = vars(cls).get("forward")
+    if current is None:
+        _left_alone[fam.name] = f"{fam.causal_lm} inherits its forward"
+        return
+    if is_ours(current, _fused_forward):
+        return
+    owner = conflicts.foreign_owner(current)
+    if owner is not None:
+        _left_alone[fam.name] = f"conflict: forward already replaced by {owner}"
+        REGISTRY.report_conflict(f"{fam.causal_lm}.forward", owner, f"{_SHIM_ID} left it alone")
+        return
+    _left_alone.pop(fam.name, None)
+    _patches.wrap(cls, "forward", _fused_forward)
+
+
+_watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.family_modules)
+
+
+def _apply(module: Any, patches: PatchSet) -> None:
+    global _patches
+    _patches = patches
+    _left_alone.clear()
+    _watcher.start()
+
+
+def _revert() -> None:
+    _watcher.stop()
+    _left_alone.clear()
+
+
+def _apply_to_model(model: Any, patches: PatchSet) -> bool:
+    """Report instance-level forward replacements (liger-kernel's instance patching, unsloth)."""
+    for m in _causal_lms_in(model):
+        owner = conflicts.instance_override(m)
+        if owner is not None:
+            REGISTRY.report_conflict(f"{type(m).__name__}.forward (instance)", owner,
+                                     f"{_SHIM_ID} does not run for this model instance")
+    return False
+
+
+def _causal_lms_in(model: Any) -> list[Any]:
+    try:
+        mods = list(model.modules())
+    except Exception:
+        return []
+    return [m for m in mods if families.family_of(type(m)) is not None]
+
+
+def describe(fam: families.Family, module: Any) -> str:
+    cls = getattr(module, fam.causal_lm, None)
+    if cls is None:
+        return f"native ({fam.causal_lm} missing)"
+    current = vars(cls).get("forward")
+    if current is not None and is_ours(current, _fused_forward):
+        return "fused loss (fused_linear_cross_entropy, token_accuracy)"
+    if fam.name in _left_alone:
+        return f"native ({_left_alone[fam.name]})"
+    owner = conflicts.foreign_owner(current) if current is not None else None
+    if owner is not None:
+        return f"native (forward replaced by {owner})"
+    if not _config.kernel_enabled(_KERNEL):
+        return f"native ({_KERNEL} kernel not selected)"
+    if fam.module in _watcher.failures:
+        return f"native (failed: {_watcher.failures[fam.module]})"
+    return f"native ({_SHIM_ID}: {SHIM.state.value})"
+
+
+SHIM = register(
+    id=_SHIM_ID,
+    library="transformers",
+    trigger="transformers",
+    target=", ".join(f.causal_lm for f in families.FAMILIES) + " .forward",
+    upstream=("trl DPOTrainer calls the model without labels (F2); transformers 4.47+ passes FlashAttention "
+              "kwargs through **kwargs (F4); 4.49 logits_to_keep rename; 4.46 num_items_in_batch"),
+    fixes=("F2", "F4"),
+    kernels=(_KERNEL,),
+    description=__doc__.split("\n\n")[0],
+    _apply=_apply,
+    _revert=_revert,
+    apply_to_model=_apply_to_model,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# check --deep
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny(ctx: Context, family: str = "llama"):
+    import torch
+
+    from .tiny_models import FamilyUnavailable, build
+
+    try:
+        model = build(family, seed=ctx.seed, device=ctx.device, dtype=getattr(torch, ctx.dtype))
+    except FamilyUnavailable as exc:
+        raise Skip(str(exc)) from None
+    if not is_ours(vars(type(model)).get("forward"), _fused_forward):
+        raise AssertionError(f"{type(model).__name__}.forward is not the fused forward ({describe(families.BY_NAME[family], sys.modules[type(model).__module__])})")
+    g = torch.Generator().manual_seed(ctx.seed)
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g).to(ctx.device)
+    return model, ids
+
+
+@scenario("F2", "DPO-style call without labels returns real logits", issue="F2", requires=("transformers",))
+def _scenario_f2(ctx: Context) -> str:
+    import torch
+
+    model, ids = _tiny(ctx)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask)
+        if out.logits is None or tuple(out.logits.shape) != (*ids.shape, model.config.vocab_size):
+            raise AssertionError(f"no labels: logits {None if out.logits is None else tuple(out.logits.shape)}")
+        last = model(input_ids=ids, attention_mask=mask, logits_to_keep=3).logits
+        torch.testing.assert_close(last, out.logits[:, -3:], rtol=1e-4, atol=1e-4)
+        fused = model(input_ids=ids, attention_mask=mask, labels=ids)
+        if fused.logits is not None or fused.loss is None or not hasattr(fused, "token_accuracy"):
+            raise AssertionError("labels given: expected a fused loss, logits=None and token_accuracy")
+    return f"no labels -> logits {tuple(out.logits.shape)}; labels -> fused loss {fused.loss.item():.4f}"
+
+
+@scenario("F4", "FlashAttention kwargs of packed batches reach the decoder, not the loss", issue="F4",
+          requires=("transformers",))
+def _scenario_f4(ctx: Context) -> str:
+    import torch
+
+    model, ids = _tiny(ctx)
+    _, _, varkw = forward_params(model.model.forward)
+    if not varkw:
+        raise Skip("this transformers' decoder takes no FlashAttention kwargs (added in 4.47)")
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
+    fa = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=t, max_length_k=t)
+    with torch.no_grad():
+        plain = model(input_ids=ids, labels=ids)
+        packed = model(input_ids=ids, labels=ids, **fa)
+    torch.testing.assert_close(packed.loss, plain.loss, rtol=1e-4, atol=1e-4)
+    return f"loss with cu_seq_lens_q/k, max_length_q/k = {packed.loss.item():.4f} (same as without)"

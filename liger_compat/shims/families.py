@@ -1,0 +1,250 @@
+"""The decoder families the model shims know, their quirks, and where transformers keeps them.
+
+Upstream: transformers ``models/<family>/modeling_<family>.py`` (4.45 .. 5.x). Every family is a
+``<Prefix>ForCausalLM`` with a decoder at ``self.model`` and a head at ``self.lm_head``; what
+differs between them is small and listed here, not re-implemented per family:
+
+* RMSNorm: Gemma 1/2/3 store ``w - 1`` and multiply by ``1 + w`` (offset 1) and compute in fp32
+  throughout; the others normalise in fp32, cast back, then multiply (Llama casting). OLMo2
+  changed its casting between releases, so the casting is confirmed numerically per class
+  (:mod:`liger_compat.shims.modules`), the table only gives the expected offset.
+* final logits: Gemma 2/3 soft-cap them (``config.final_logit_softcapping``), Granite divides
+  them by ``config.logits_scaling``.
+* MLP: SiLU-gated everywhere except Gemma (tanh GELU); Phi3 fuses gate and up into one
+  ``gate_up_proj``; Mixtral's experts (before transformers 5) name them ``w1``/``w3``/``w2``.
+* Mixtral adds the router load-balancing loss when ``output_router_logits``.
+
+Embedding scaling (Gemma's ``sqrt(hidden_size)``, Granite's ``embedding_multiplier``) happens
+inside the decoder, which the fused forward calls unchanged, so it needs no entry.
+
+Families outside this table keep their native forward; :func:`family_states` says so for any
+``*ForCausalLM`` class of an imported transformers modeling module.
+
+This module also owns :class:`ModelingWatcher`: transformers imports its modeling modules
+lazily, so the model shims register one post-import hook per modeling module and patch each
+module when it is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import wrapt
+
+log = logging.getLogger("liger_compat")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    prefix: str  # class-name prefix: "Qwen2" -> Qwen2ForCausalLM, Qwen2RMSNorm, Qwen2MLP
+    module_name: str  # the directory under transformers/models
+    since: str  # first transformers release with the family
+    rms_offset: float = 0.0
+    rms_casting: str = "llama"  # kernel casting mode tried first; "gemma": fp32 throughout
+    mlp_act: str = "silu"  # "silu" -> swiglu kernel, "gelu_tanh" -> geglu kernel
+    mlp_layout: str = "gate_up_down"  # or "fused_gate_up" (Phi3), "w1_w3_w2" (Mixtral experts)
+    softcap_attr: str | None = None  # config attribute: final logits = c * tanh(logits / c)
+    logit_divisor_attr: str | None = None  # config attribute: final logits = logits / d
+    moe: bool = False  # router aux loss, MoeCausalLMOutputWithPast
+
+    @property
+    def module(self) -> str:
+        return f"transformers.models.{self.module_name}.modeling_{self.module_name}"
+
+    @property
+    def causal_lm(self) -> str:
+        return f"{self.prefix}ForCausalLM"
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "Llama", "llama", "4.0"),
+    Family("mistral", "Mistral", "mistral", "4.34"),
+    Family("mixtral", "Mixtral", "mixtral", "4.36", mlp_layout="w1_w3_w2", moe=True),
+    Family("qwen2", "Qwen2", "qwen2", "4.37"),
+    Family("qwen3", "Qwen3", "qwen3", "4.51"),
+    Family("gemma", "Gemma", "gemma", "4.38", rms_offset=1.0, rms_casting="gemma", mlp_act="gelu_tanh"),
+    Family("gemma2", "Gemma2", "gemma2", "4.42", rms_offset=1.0, rms_casting="gemma", mlp_act="gelu_tanh",
+           softcap_attr="final_logit_softcapping"),
+    Family("gemma3", "Gemma3", "gemma3", "4.50", rms_offset=1.0, rms_casting="gemma", mlp_act="gelu_tanh",
+           softcap_attr="final_logit_softcapping"),
+    Family("phi3", "Phi3", "phi3", "4.40", mlp_layout="fused_gate_up"),
+    Family("olmo2", "Olmo2", "olmo2", "4.47"),
+    Family("granite", "Granite", "granite", "4.45", logit_divisor_attr="logits_scaling"),
+)
+
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+BY_MODULE: dict[str, Family] = {f.module: f for f in FAMILIES}
+
+
+def family_of(cls: type) -> Family | None:
+    """The family whose ``*ForCausalLM`` class is ``cls`` or one of its bases."""
+    for klass in getattr(cls, "__mro__", ()):
+        fam = BY_MODULE.get(getattr(klass, "__module__", ""))
+        if fam is not None and klass.__name__ == fam.causal_lm:
+            return fam
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# modeling modules and post-import hooks
+# --------------------------------------------------------------------------------------------
+
+_all_modeling: list[str] | None = None
+
+
+def all_modeling_modules() -> list[str]:
+    """Names of every PyTorch modeling module of the installed transformers (file listing only)."""
+    global _all_modeling
+    if _all_modeling is None:
+        names: list[str] = []
+        try:
+            spec = importlib.util.find_spec("transformers")
+            roots = list(spec.submodule_search_locations or []) if spec else []
+        except (ImportError, ValueError):
+            roots = []
+        for root in roots:
+            models = os.path.join(root, "models")
+            try:
+                subdirs = sorted(os.listdir(models))
+            except OSError:
+                continue
+            for sub in subdirs:
+                try:
+                    files = os.listdir(os.path.join(models, sub))
+                except OSError:
+                    continue
+                for f in sorted(files):
+                    if (f.startswith("modeling_") and f.endswith(".py")
+                            and not f.startswith(("modeling_tf_", "modeling_flax_"))):
+                        names.append(f"transformers.models.{sub}.{f[:-3]}")
+        _all_modeling = names
+    return list(_all_modeling)
+
+
+def family_modules() -> list[str]:
+    return [f.module for f in FAMILIES]
+
+
+class ModelingWatcher:
+    """Calls ``callback(module)`` for each watched module once it is imported, while started.
+
+    wrapt post-import hooks cannot be removed, so a stopped watcher keeps its hooks and they do
+    nothing; starting again re-runs the callback on modules imported in the meantime. The
+    callback must be idempotent. Errors are kept per module (``failures``), never raised.
+    """
+
+    def __init__(self, name: str, callback: Callable[[Any], None], modules: Callable[[], Iterable[str]]):
+        self.name = name
+        self._callback = callback
+        self._modules = modules
+        self._hooked: set[str] = set()
+        self._lock = threading.RLock()
+        self.active = False
+        self.failures: dict[str, str] = {}
+
+    def start(self) -> None:
+        with self._lock:
+            self.active = True
+            for mod_name in self._modules():
+                if mod_name in self._hooked:
+                    mod = sys.modules.get(mod_name)
+                    if mod is not None:
+                        self._fire(mod)
+                else:
+                    self._hooked.add(mod_name)
+                    # fires at once when the module is already imported
+                    wrapt.register_post_import_hook(self._fire, mod_name)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.active = False
+            self.failures.clear()
+
+    def _fire(self, module: Any) -> None:
+        if not self.active:
+            return
+        name = getattr(module, "__name__", "?")
+        with self._lock:
+            try:
+                self._callback(module)
+                self.failures.pop(name, None)
+            except Exception as exc:  # one broken module never breaks the import
+                self.failures[name] = f"{type(exc).__name__}: {exc}"
+                log.warning("liger_compat: %s could not patch %s, native behaviour kept: %s",
+                            self.name, name, self.failures[name])
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------------
+
+
+def _installed_transformers() -> str | None:
+    from ..compat import versions
+
+    return versions.installed("transformers").raw
+
+
+def family_states() -> dict[str, str]:
+    """One line per family for ``check()``: what is patched, or why not.
+
+    Reads the shims' bookkeeping and ``sys.modules``; imports nothing.
+    """
+    from . import causal_lm, modules  # noqa: F401  (their registries of patched classes)
+
+    tf = _installed_transformers()
+    out: dict[str, str] = {}
+    for fam in FAMILIES:
+        if tf is None:
+            out[fam.name] = "transformers not installed"
+            continue
+        mod = sys.modules.get(fam.module)
+        if mod is None:
+            if importlib.util.find_spec is not None and not _module_exists(fam.module):
+                out[fam.name] = f"not in transformers {tf} (added in {fam.since})"
+            else:
+                out[fam.name] = "waiting (patched when its modeling module is imported)"
+            continue
+        if not hasattr(mod, fam.causal_lm):
+            out[fam.name] = f"no {fam.causal_lm} in transformers {tf}"
+            continue
+        out[fam.name] = "; ".join(_family_parts(fam, mod))
+    # other causal LMs of imported modeling modules keep their native forward
+    for name, mod in list(sys.modules.items()):
+        if (not name.startswith("transformers.models.") or name.startswith("transformers.models.auto.")
+                or name in BY_MODULE or mod is None):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if not leaf.startswith("modeling_"):
+            continue
+        for cls_name, obj in list(vars(mod).items()):
+            if (cls_name.endswith("ForCausalLM") and isinstance(obj, type)
+                    and obj.__module__ == name and family_of(obj) is None):
+                out[cls_name] = "native forward (family not in the table)"
+    return out
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _family_parts(fam: Family, mod: Any) -> list[str]:
+    from . import causal_lm, modules
+
+    parts = []
+    for label, describe in (("forward", causal_lm.describe), ("modules", modules.describe)):
+        try:
+            parts.append(f"{label}: {describe(fam, mod)}")
+        except Exception as exc:
+            parts.append(f"{label}: error {type(exc).__name__}: {exc}")
+    return parts

@@ -1,0 +1,268 @@
+"""``logits_to_keep`` and ``num_logits_to_keep`` accepted under either name, on every release.
+
+Upstream: transformers 4.45 added ``num_logits_to_keep`` (an int) to the ``*ForCausalLM``
+forwards; 4.49 renamed it ``logits_to_keep`` and let it be a 1-D index tensor too
+(huggingface/transformers#35757); from 4.50 the old name is no longer translated. trl's GRPO
+passes ``logits_to_keep``. On 4.45 .. 4.48 that name falls into ``**kwargs`` and is ignored,
+so full ``[B, T, V]`` logits come back silently (known issue F3, ~1200x the memory on a real
+vocabulary); on 4.50+ ``num_logits_to_keep`` is ignored the same way.
+
+This shim wraps the forward of every ``*ForCausalLM`` class whose forward knows exactly one of
+the two names and renames the other. A 1-D index tensor given to a forward that only takes an
+int is served by computing all logits and selecting the rows (correct, not memory-efficient; the
+fused forward of :mod:`liger_compat.shims.causal_lm` avoids that for the families it knows).
+The forward's signature is left as it is (``inspect.signature`` still shows the native one).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import operator
+from typing import Any
+
+from . import conflicts, families
+from ._patching import PatchSet, unwrap
+from ._registry import REGISTRY, register
+from ..compat.scenarios import Context, Skip, scenario
+
+log = logging.getLogger("liger_compat")
+
+NEW, OLD = "logits_to_keep", "num_logits_to_keep"
+_UNSET = object()
+
+
+# --------------------------------------------------------------------------------------------
+# helpers shared with the fused forward
+# --------------------------------------------------------------------------------------------
+
+_param_cache: dict[Any, tuple[str | None, frozenset[str], bool]] = {}
+
+
+def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
+    """``(keep name the forward knows or None, its parameter names, whether it takes **kwargs)``."""
+    fn = unwrap(forward)
+    key = getattr(fn, "__code__", fn)
+    hit = _param_cache.get(key)
+    if hit is None:
+        params = inspect.signature(fn).parameters
+        names = frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+        varkw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        known = NEW if NEW in names else (OLD if OLD in names else None)
+        if NEW in names and OLD in names:
+            known = "both"
+        hit = (known, names, varkw)
+        _param_cache[key] = hit
+    return hit
+
+
+def pop_keep(kwargs: dict[str, Any]) -> Any:
+    """Remove both spellings from ``kwargs`` and return the value (``_UNSET`` when neither)."""
+    new = kwargs.pop(NEW, _UNSET)
+    old = kwargs.pop(OLD, _UNSET)
+    if new is not _UNSET and old is not _UNSET and not _same(new, old):
+        raise ValueError(f"got both {NEW}={new!r} and {OLD}={old!r}; pass one of them")
+    return new if new is not _UNSET else old
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        import torch
+
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    except ImportError:  # pragma: no cover
+        pass
+    return a == b
+
+
+def normalize_keep(keep: Any) -> Any:
+    """``int >= 0`` (0 = every position) or a 1-D integer index tensor; clear error otherwise."""
+    if keep is _UNSET or keep is None:
+        return 0
+    import torch
+
+    if isinstance(keep, torch.Tensor):
+        if keep.dim() == 0 and not keep.is_floating_point():
+            return int(keep)
+        if keep.dim() != 1 or keep.is_floating_point() or keep.dtype == torch.bool:
+            raise ValueError(
+                f"{NEW} must be an int or a 1-D integer tensor of positions, got a tensor of shape "
+                f"{tuple(keep.shape)} and dtype {keep.dtype}"
+            )
+        return keep
+    if isinstance(keep, bool):
+        raise ValueError(f"{NEW} must be an int or a 1-D integer tensor, got {keep!r}")
+    try:
+        k = operator.index(keep)
+    except TypeError:
+        raise ValueError(f"{NEW} must be an int or a 1-D integer tensor, got {type(keep).__name__}") from None
+    if k < 0:
+        raise ValueError(f"{NEW} must be >= 0 (0 keeps every position), got {k}")
+    return k
+
+
+def keep_positions(t: Any, keep: Any, dim: int = 1) -> Any:
+    """Select the kept positions of ``t`` along ``dim`` (int: the last ``keep``; 0: all)."""
+    if isinstance(keep, int):
+        if keep == 0:
+            return t
+        return t.narrow(dim, max(t.shape[dim] - keep, 0), min(keep, t.shape[dim]))
+    return t.index_select(dim, keep.to(t.device))
+
+
+# --------------------------------------------------------------------------------------------
+# the wrapper
+# --------------------------------------------------------------------------------------------
+
+_warned_full: set[str] = set()
+
+
+def _translate(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if NEW not in kwargs and OLD not in kwargs:
+        return wrapped(*args, **kwargs)
+    known, _, _ = forward_params(wrapped)
+    if known in (None, "both"):
+        return wrapped(*args, **kwargs)
+    keep = pop_keep(kwargs)
+    if known == NEW:
+        kwargs[NEW] = keep
+        return wrapped(*args, **kwargs)
+    keep = normalize_keep(keep)
+    if isinstance(keep, int):
+        kwargs[OLD] = keep
+        return wrapped(*args, **kwargs)
+    # an index tensor for a forward that only slices the last k positions
+    if kwargs.get("labels") is not None:
+        raise TypeError(
+            f"{type(instance).__name__}.forward of this transformers release takes {OLD} as an int only; "
+            f"an index tensor together with labels is not supported here"
+        )
+    name = type(instance).__name__
+    if name not in _warned_full:
+        _warned_full.add(name)
+        log.warning("liger_compat: %s.forward takes %s as an int only; computing all logits to select "
+                    "the requested positions", name, OLD)
+    kwargs[OLD] = 0
+    out = wrapped(*args, **kwargs)
+    if isinstance(out, tuple):
+        return (keep_positions(out[0], keep),) + tuple(out[1:])
+    out["logits"] = keep_positions(out["logits"], keep)
+    return out
+
+
+def is_ours(obj: Any, wrapper: Any) -> bool:
+    """Whether ``wrapper`` (a wrapt wrapper function of ours) is anywhere in ``obj``'s wrapper chain."""
+    seen = set()
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        if getattr(obj, "_self_wrapper", None) is wrapper:
+            return True
+        obj = getattr(obj, "__wrapped__", None)
+    return False
+
+
+def _causal_lm_classes(module: Any) -> list[type]:
+    name = module.__name__
+    out = []
+    for cls_name, obj in list(vars(module).items()):
+        if isinstance(obj, type) and cls_name.endswith("ForCausalLM") and obj.__module__ == name and "forward" in vars(obj):
+            out.append(obj)
+    return out
+
+
+_SHIM_ID = "transformers.logits_to_keep"
+_patches: PatchSet | None = None
+
+
+def _patch_module(module: Any) -> None:
+    if _patches is None:
+        return
+    for cls in _causal_lm_classes(module):
+        current = vars(cls)["forward"]
+        if is_ours(current, _translate):
+            continue
+        known, _, _ = forward_params(current)
+        if known not in (NEW, OLD):
+            continue
+        owner = conflicts.foreign_owner(current)
+        if owner is not None:
+            REGISTRY.report_conflict(f"{cls.__name__}.forward", owner, f"{_SHIM_ID} left it alone")
+            continue
+        _patches.wrap(cls, "forward", _translate)
+
+
+_watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.all_modeling_modules)
+
+
+def _apply(module: Any, patches: PatchSet) -> None:
+    global _patches
+    _patches = patches
+    _watcher.start()
+
+
+def _revert() -> None:
+    _watcher.stop()
+
+
+def patched_classes() -> list[type]:
+    return [p.owner for p in (_patches or ()) if p.name == "forward"]
+
+
+def describe(cls: type) -> str | None:
+    """``"translates X -> Y"`` when this shim wraps ``cls.forward``, else None."""
+    fwd = vars(cls).get("forward")
+    if fwd is None or not is_ours(fwd, _translate):
+        return None
+    known, _, _ = forward_params(fwd)
+    other = OLD if known == NEW else NEW
+    return f"{other} -> {known}"
+
+
+SHIM = register(
+    id=_SHIM_ID,
+    library="transformers",
+    trigger="transformers",
+    target="<Model>ForCausalLM.forward of every modeling module (logits_to_keep / num_logits_to_keep)",
+    upstream="transformers 4.49 renamed num_logits_to_keep -> logits_to_keep (huggingface/transformers#35757)",
+    fixes=("F3",),
+    description=__doc__.split("\n\n")[0],
+    _apply=_apply,
+    _revert=_revert,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# check --deep
+# --------------------------------------------------------------------------------------------
+
+
+@scenario("F3", "GRPO-style logits_to_keep on a causal LM returns [B, k, V]", issue="F3",
+          requires=("transformers",))
+def _scenario_f3(ctx: Context) -> str:
+    import torch
+
+    from .tiny_models import FamilyUnavailable, build
+
+    try:
+        model = build("qwen2", seed=ctx.seed, device=ctx.device, dtype=getattr(torch, ctx.dtype))
+    except FamilyUnavailable as exc:
+        raise Skip(str(exc)) from None
+    v = model.config.vocab_size
+    g = torch.Generator().manual_seed(ctx.seed)
+    ids = torch.randint(3, v, (2, 16), generator=g).to(ctx.device)
+    with torch.no_grad():
+        full = model(ids).logits
+        shapes = {}
+        for name in (NEW, OLD):
+            out = model(ids, **{name: 4}).logits
+            shapes[name] = tuple(out.shape)
+            if tuple(out.shape) != (2, 4, v):
+                raise AssertionError(f"model(ids, {name}=4).logits has shape {tuple(out.shape)}, expected (2, 4, {v})")
+            torch.testing.assert_close(out, full[:, -4:], rtol=1e-4, atol=1e-4)
+        idx = torch.tensor([0, 7, 15], device=ctx.device)
+        out = model(ids, logits_to_keep=idx).logits
+        if tuple(out.shape) != (2, 3, v):
+            raise AssertionError(f"logits_to_keep=<index tensor of 3> gave shape {tuple(out.shape)}")
+        torch.testing.assert_close(out, full[:, idx], rtol=1e-4, atol=1e-4)
+    return f"Qwen2ForCausalLM: logits_to_keep=4 and num_logits_to_keep=4 -> {shapes[NEW]}; index tensor -> (2, 3, {v})"

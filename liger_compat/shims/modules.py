@@ -1,0 +1,481 @@
+"""RMSNorm, gated MLP and rotary embedding of each decoder family routed to our kernels.
+
+Upstream: ``<Family>RMSNorm.forward``, ``<Family>MLP.forward`` (``MixtralBlockSparseTop2MLP`` before
+transformers 5) and the module-level ``apply_rotary_pos_emb`` of ``transformers.models.<family>.
+modeling_<family>`` (4.45 .. 5.x). Their eager forwards launch a chain of small ops each
+(``pow``, ``mean``, ``rsqrt``, two casts; ``act(gate) * up``; ``rotate_half``, four multiplies)
+that the fused kernels replace. What changed across releases and is handled here:
+
+* OLMo2's RMSNorm moved from Llama casting (cast, then multiply by the weight) to multiplying in
+  fp32 (4.5x); Gemma's offset norm computes in fp32 throughout. Rather than a table per release,
+  each norm class is checked once per dtype against its native forward on a small probe and the
+  matching kernel mode is used; a class that matches no mode keeps its native forward.
+* ``apply_rotary_pos_emb`` lost its unused ``position_ids`` argument in transformers 5, while
+  Mixtral 4.45 still indexes a ``[seq, dim]`` cos/sin cache with it; Phi3 rotates only part of
+  the head (``cos.shape[-1] < head_dim``). The wrapper binds the native signature each call.
+* Phi3 fuses gate and up into ``gate_up_proj``; Mixtral's experts (4.x) name them w1/w3/w2;
+  transformers 5 Mixtral has fused expert tensors (no per-expert MLP module: left native).
+
+Modules are found structurally (classes named ``*RMSNorm`` / ``*MLP`` of the family's modeling
+module with the right attributes; an activation recognised as SiLU or tanh-GELU); patches go on
+the classes, so existing instances are covered. ``liger_compat.apply(model=...)`` additionally
+patches RMSNorm and MLP *instances* of classes outside the families (remote-code models) that pass
+the same structural and numeric checks, and reports instances whose forward another library
+replaced (liger-kernel instance patching, ``kernels.kernelize``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable
+
+from .. import _config
+from . import conflicts, families
+from ._patching import PatchSet, unwrap
+from ._registry import REGISTRY, register
+from .logits_to_keep import is_ours
+
+log = logging.getLogger("liger_compat")
+
+
+def _compiling() -> bool:
+    try:
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    except Exception:
+        return False
+
+
+def _classes(module: Any, test: Callable[[str], bool]) -> list[type]:
+    name = module.__name__
+    return [obj for cls_name, obj in list(vars(module).items())
+            if isinstance(obj, type) and test(cls_name) and obj.__module__ == name and "forward" in vars(obj)]
+
+
+def _foreign_replacements(module: Any, test: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """Names in the modeling module that another library bound to its own class (LigerRMSNorm)."""
+    out = []
+    for cls_name, obj in list(vars(module).items()):
+        if isinstance(obj, type) and test(cls_name) and obj.__module__ != module.__name__:
+            owner = conflicts.foreign_owner(obj)
+            if owner is not None:
+                out.append((cls_name, owner))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+_RMS = "rms_norm"
+_CASTINGS = ("llama", "gemma")
+#: (class, input dtype, weight dtype) -> (offset, casting) or the reason no kernel mode matches
+_rms_modes: dict[tuple[Any, Any, Any], tuple[float, str] | str] = {}
+
+
+def _is_rms_name(name: str) -> bool:
+    return name.endswith("RMSNorm")
+
+
+def _rms_eps(m: Any) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(m, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _rms_shape_ok(m: Any, x: Any) -> bool:
+    w = getattr(m, "weight", None)
+    return (w is not None and getattr(w, "dim", lambda: 0)() == 1 and x.dim() >= 1
+            and x.shape[-1] == w.shape[0] and w.is_floating_point() and x.is_floating_point())
+
+
+def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str] | str:
+    """Which kernel mode reproduces ``native``; probed once per class and dtypes."""
+    import torch
+
+    from .. import kernels
+
+    key = (type(m), x.dtype, m.weight.dtype)
+    hit = _rms_modes.get(key)
+    if hit is not None:
+        return hit
+    fam = families.BY_MODULE.get(type(m).__module__)
+    offset = fam.rms_offset if fam else 0.0
+    first = fam.rms_casting if fam else "llama"
+    order = [first] + [c for c in _CASTINGS if c != first]
+    eps = _rms_eps(m)
+    g = torch.Generator().manual_seed(1234)
+    probe = (torch.randn(4, x.shape[-1], generator=g) * 3).to(device=x.device, dtype=x.dtype)
+    best: tuple[float, str] | None = None
+    best_err = float("inf")
+    with torch.no_grad():
+        ref = native(probe).float()
+        scale = ref.abs().max().clamp(min=1e-6)
+        for casting in order:
+            y = kernels.rms_norm(probe, m.weight, eps, offset=offset, casting=casting)
+            if y.shape != ref.shape:
+                continue
+            err = float(((y.float() - ref).abs().max() / scale).item())
+            if err < best_err:
+                best, best_err = (offset, casting), err
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 1e-2
+    result: tuple[float, str] | str
+    if best is not None and best_err <= tol:
+        result = best
+    else:
+        result = f"no kernel mode matches {type(m).__name__} (offset {offset}: rel. error {best_err:.2g})"
+        log.warning("liger_compat: %s keeps its native forward: %s", type(m).__name__, result)
+    _rms_modes[key] = result
+    return result
+
+
+def _rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
+        return wrapped(*args, **kwargs)
+    x = args[0]
+    eps = _rms_eps(instance)
+    if eps is None or not _rms_shape_ok(instance, x):
+        return wrapped(x)
+    if _compiling():
+        fam = families.BY_MODULE.get(type(instance).__module__)
+        mode: Any = (fam.rms_offset, fam.rms_casting) if fam else None
+    else:
+        mode = _rms_mode(wrapped, instance, x)
+    if not isinstance(mode, tuple):
+        return wrapped(x)
+    from .. import kernels
+
+    return kernels.rms_norm(x, instance.weight, eps, offset=mode[0], casting=mode[1])
+
+
+# --------------------------------------------------------------------------------------------
+# gated MLP
+# --------------------------------------------------------------------------------------------
+
+_MLP_KERNELS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+_SILU_NAMES = {"SiLU", "SiLUActivation"}
+_GELU_TANH_NAMES = {"GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"}
+
+
+def _is_mlp_name(name: str) -> bool:
+    return "MLP" in name
+
+
+def activation_kind(act: Any) -> str | None:
+    """``"silu"`` / ``"gelu_tanh"`` for activations our gated kernels implement, else None."""
+    import torch
+
+    name = type(act).__name__
+    if isinstance(act, torch.nn.SiLU) or name in _SILU_NAMES:
+        return "silu"
+    if isinstance(act, torch.nn.GELU):
+        return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else None
+    if name in _GELU_TANH_NAMES:
+        return "gelu_tanh"
+    return None
+
+
+def _linear(m: Any, name: str) -> Any:
+    import torch
+
+    mod = getattr(m, name, None)
+    return mod if isinstance(mod, torch.nn.Module) else None
+
+
+def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
+    """``(layout, projections, activation module)`` of a gated MLP, found by attributes."""
+    act = None
+    for attr in ("act_fn", "activation_fn", "act"):
+        act = getattr(m, attr, None)
+        if act is not None:
+            break
+    if act is None:
+        return None
+    if all(_linear(m, n) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        return "gate_up_down", (m.gate_proj, m.up_proj, m.down_proj), act
+    if _linear(m, "gate_up_proj") is not None and _linear(m, "down_proj") is not None:
+        return "fused_gate_up", (m.gate_up_proj, m.down_proj), act
+    if all(_linear(m, n) is not None for n in ("w1", "w3", "w2")):
+        return "w1_w3_w2", (m.w1, m.w3, m.w2), act
+    return None
+
+
+def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if len(args) != 1 or kwargs or instance is None:
+        return wrapped(*args, **kwargs)
+    found = mlp_layout(instance)
+    if found is None:
+        return wrapped(*args)
+    layout, projs, act = found
+    kind = activation_kind(act)
+    fam = families.BY_MODULE.get(type(instance).__module__)
+    if kind is None or (fam is not None and fam.mlp_act != kind):
+        return wrapped(*args)
+    kernel_name = _MLP_KERNELS[kind]
+    if not _config.kernel_enabled(kernel_name):
+        return wrapped(*args)
+    from .. import kernels
+
+    gated = getattr(kernels, kernel_name)
+    x = args[0]
+    if layout == "fused_gate_up":
+        gate, up = projs[0](x).chunk(2, dim=-1)
+        return projs[1](gated(gate, up))
+    gate_proj, up_proj, down_proj = projs
+    return down_proj(gated(gate_proj(x), up_proj(x)))
+
+
+# --------------------------------------------------------------------------------------------
+# rotary embedding
+# --------------------------------------------------------------------------------------------
+
+_ROPE = "rope"
+_ROPE_FN = "apply_rotary_pos_emb"
+_rope_sig_cache: dict[Any, inspect.Signature] = {}
+
+
+def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if not _config.kernel_enabled(_ROPE):
+        return wrapped(*args, **kwargs)
+    fn = unwrap(wrapped)
+    sig = _rope_sig_cache.get(fn)
+    if sig is None:
+        sig = _rope_sig_cache[fn] = inspect.signature(fn)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)
+    a = bound.arguments
+    q, k, cos, sin = a.get("q"), a.get("k"), a.get("cos"), a.get("sin")
+    position_ids = a.get("position_ids")
+    unsqueeze_dim = a.get("unsqueeze_dim", 1)
+    if q is None or k is None or cos is None or sin is None or set(a) - {"q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"}:
+        return wrapped(*args, **kwargs)
+    if cos.dim() == 2 and position_ids is None:
+        return wrapped(*args, **kwargs)  # a cache without positions: let the native code decide
+    if cos.dim() != 2:
+        position_ids = None  # deprecated and unused by the native function when cos is per position
+    rot = cos.shape[-1]
+    if rot % 2 or rot > q.shape[-1] or k.shape[-1] != q.shape[-1] or q.dtype != k.dtype:
+        return wrapped(*args, **kwargs)
+    from .. import kernels
+
+    q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin, position_ids=position_ids, unsqueeze_dim=unsqueeze_dim)
+    if cos.dtype != q.dtype:
+        # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
+        want = _rope_out_dtype(wrapped, fn, q, cos, a, unsqueeze_dim)
+        q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
+    return q_out, k_out
+
+
+_rope_dtypes: dict[tuple[Any, Any, Any], tuple[Any, Any]] = {}
+
+
+def _rope_out_dtype(native: Any, fn: Any, q: Any, cos: Any, a: dict[str, Any], unsqueeze_dim: int) -> tuple[Any, Any]:
+    """The output dtypes of the native function for these input dtypes, from a one-element probe."""
+    import torch
+
+    key = (fn, q.dtype, cos.dtype)
+    hit = _rope_dtypes.get(key)
+    if hit is None:
+        d, rot = q.shape[-1], cos.shape[-1]
+        qp = torch.zeros(1, 1, 1, d, dtype=q.dtype, device=q.device)
+        kw: dict[str, Any] = {"unsqueeze_dim": unsqueeze_dim} if "unsqueeze_dim" in a else {}
+        if cos.dim() == 2:
+            cp = torch.ones(1, rot, dtype=cos.dtype, device=cos.device)
+            kw["position_ids"] = torch.zeros(1, 1, dtype=torch.long, device=cos.device)
+        else:
+            cp = torch.ones(1, 1, rot, dtype=cos.dtype, device=cos.device)
+        with torch.no_grad():
+            qo, ko = native(qp, qp.clone(), cp, cp.clone(), **kw)
+        hit = _rope_dtypes[key] = (qo.dtype, ko.dtype)
+    return hit
+
+
+# --------------------------------------------------------------------------------------------
+# shims
+# --------------------------------------------------------------------------------------------
+
+
+class _ModuleShim:
+    """Bookkeeping shared by the three module shims: one watcher over the family modules."""
+
+    def __init__(self, shim_id: str, what: str, patch: Callable[["_ModuleShim", Any], None]):
+        self.id = shim_id
+        self.what = what
+        self._patch = patch
+        self.patches: PatchSet | None = None
+        self.left_alone: dict[str, str] = {}  # module name -> reason
+        self.patched: dict[str, list[str]] = {}  # module name -> patched targets
+        self.watcher = families.ModelingWatcher(shim_id, self._on_module, families.family_modules)
+
+    def _on_module(self, module: Any) -> None:
+        if self.patches is not None:
+            self._patch(self, module)
+
+    def apply(self, module: Any, patches: PatchSet) -> None:
+        self.patches = patches
+        self.left_alone.clear()
+        self.patched.clear()
+        self.watcher.start()
+
+    def revert(self) -> None:
+        self.watcher.stop()
+        self.left_alone.clear()
+        self.patched.clear()
+
+    def wrap_class_forward(self, module: Any, cls: type, wrapper: Any) -> None:
+        current = vars(cls)["forward"]
+        if is_ours(current, wrapper):
+            return
+        owner = conflicts.foreign_owner(current)
+        if owner is not None:
+            self.conflict(module, f"{cls.__name__}.forward", owner)
+            return
+        self.patches.wrap(cls, "forward", wrapper)
+        self.patched.setdefault(module.__name__, []).append(cls.__name__)
+
+    def conflict(self, module: Any, what: str, owner: str) -> None:
+        self.left_alone[module.__name__] = f"{what} replaced by {owner}"
+        REGISTRY.report_conflict(what, owner, f"{self.id} left it alone")
+
+    def describe(self, module: Any) -> str:
+        name = module.__name__
+        if name in self.left_alone:
+            return f"{self.what}: conflict ({self.left_alone[name]})"
+        if name in self.watcher.failures:
+            return f"{self.what}: failed ({self.watcher.failures[name]})"
+        done = self.patched.get(name)
+        return f"{self.what}: {', '.join(done)}" if done else f"{self.what}: native"
+
+
+def _patch_norms(self: _ModuleShim, module: Any) -> None:
+    for name, owner in _foreign_replacements(module, _is_rms_name):
+        self.conflict(module, f"{module.__name__}.{name}", owner)
+    for cls in _classes(module, _is_rms_name):
+        self.wrap_class_forward(module, cls, _rms_forward)
+
+
+def _patch_mlps(self: _ModuleShim, module: Any) -> None:
+    for name, owner in _foreign_replacements(module, _is_mlp_name):
+        self.conflict(module, f"{module.__name__}.{name}", owner)
+    for cls in _classes(module, _is_mlp_name):
+        self.wrap_class_forward(module, cls, _mlp_forward)
+
+
+def _patch_rope(self: _ModuleShim, module: Any) -> None:
+    current = vars(module).get(_ROPE_FN)
+    if current is None or not callable(current):
+        return
+    if is_ours(current, _rope_forward):
+        return
+    owner = conflicts.foreign_owner(current)
+    if owner is not None:
+        self.conflict(module, f"{module.__name__}.{_ROPE_FN}", owner)
+        return
+    params = inspect.signature(unwrap(current)).parameters
+    if not {"q", "k", "cos", "sin"} <= set(params):
+        self.left_alone[module.__name__] = f"{_ROPE_FN} has an unknown signature {tuple(params)}"
+        return
+    self.patches.wrap(module, _ROPE_FN, _rope_forward)
+    self.patched.setdefault(module.__name__, []).append(_ROPE_FN)
+
+
+_NORMS = _ModuleShim("transformers.rms_norm", "rms_norm", _patch_norms)
+_MLPS = _ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps)
+_ROPES = _ModuleShim("transformers.rope", "rope", _patch_rope)
+
+
+# -- instance level (apply(model=...)) ------------------------------------------------------
+
+
+def _instance_forward(m: Any, wrapper: Any) -> Callable[..., Any]:
+    native = type(m).forward.__get__(m, type(m))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(native, m, args, kwargs)
+
+    forward.__wrapped__ = native  # type: ignore[attr-defined]
+    forward._liger_compat_wrapper = wrapper  # type: ignore[attr-defined]
+    return forward
+
+
+def _class_covered(cls: type, wrapper: Any) -> bool:
+    for klass in cls.__mro__:
+        fwd = vars(klass).get("forward")
+        if fwd is not None:
+            return is_ours(fwd, wrapper)
+    return False
+
+
+def _instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], structural: Callable[[Any], bool],
+               patches: PatchSet, shim_id: str) -> bool:
+    changed = False
+    try:
+        mods = list(model.modules())
+    except Exception:
+        return False
+    for m in mods:
+        cls = type(m)
+        if not name_test(cls.__name__):
+            continue
+        d = vars(m)
+        if "forward" in d:
+            if getattr(d["forward"], "_liger_compat_wrapper", None) is wrapper:
+                continue
+            owner = conflicts.instance_override(m)
+            if owner is not None:
+                REGISTRY.report_conflict(f"{cls.__name__}.forward (instance)", owner, f"{shim_id} left it alone")
+            continue
+        if _class_covered(cls, wrapper) or conflicts.foreign_owner(cls) is not None or not structural(m):
+            continue
+        patches.set(m, "forward", _instance_forward(m, wrapper))
+        changed = True
+    return changed
+
+
+def _norm_instances(model: Any, patches: PatchSet) -> bool:
+    def ok(m: Any) -> bool:
+        w = getattr(m, "weight", None)
+        return _rms_eps(m) is not None and w is not None and getattr(w, "dim", lambda: 0)() == 1
+    return _instances(model, _rms_forward, _is_rms_name, ok, patches, _NORMS.id)
+
+
+def _mlp_instances(model: Any, patches: PatchSet) -> bool:
+    def ok(m: Any) -> bool:
+        found = mlp_layout(m)
+        return found is not None and activation_kind(found[2]) is not None
+    return _instances(model, _mlp_forward, _is_mlp_name, ok, patches, _MLPS.id)
+
+
+def describe(fam: families.Family, module: Any) -> str:
+    return "; ".join(s.describe(module) for s in (_NORMS, _MLPS, _ROPES))
+
+
+_UPSTREAM = "transformers models/<family>/modeling_<family>.py, 4.45 .. 5.x"
+
+NORM_SHIM = register(
+    id=_NORMS.id, library="transformers", trigger="transformers",
+    target="<Family>RMSNorm.forward of " + ", ".join(f.name for f in families.FAMILIES),
+    upstream=_UPSTREAM + " (OLMo2 RMSNorm casting changed in 4.5x)",
+    kernels=("rms_norm",), description="RMSNorm routed to liger_compat.kernels.rms_norm",
+    _apply=_NORMS.apply, _revert=_NORMS.revert, apply_to_model=_norm_instances,
+)
+MLP_SHIM = register(
+    id=_MLPS.id, library="transformers", trigger="transformers",
+    target="<Family>MLP.forward (gate/up/down, gate_up_proj, w1/w3/w2) of the families",
+    upstream=_UPSTREAM + " (Mixtral experts fused into tensors in 5.0)",
+    kernels=("swiglu", "geglu"), description="act(gate) * up routed to liger_compat.kernels.swiglu / geglu",
+    _apply=_MLPS.apply, _revert=_MLPS.revert, apply_to_model=_mlp_instances,
+)
+ROPE_SHIM = register(
+    id=_ROPES.id, library="transformers", trigger="transformers",
+    target="apply_rotary_pos_emb of the families' modeling modules",
+    upstream=_UPSTREAM + " (position_ids argument dropped in 5.0)",
+    kernels=("rope",), description="rotary embedding routed to liger_compat.kernels.apply_rotary_pos_emb",
+    _apply=_ROPES.apply, _revert=_ROPES.revert,
+)

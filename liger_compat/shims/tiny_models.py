@@ -1,0 +1,102 @@
+"""Tiny randomly initialised ``*ForCausalLM`` models built from a config in code (no hub access).
+
+Used by the ``check --deep`` scenarios of the model shims and by the tests, so both exercise the
+same configurations on whatever transformers is installed. A family the installed release lacks
+raises :class:`FamilyUnavailable` with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .families import BY_NAME, Family
+
+
+class FamilyUnavailable(Exception):
+    """The installed transformers has no such family (or no usable config for it)."""
+
+
+#: small enough for a CPU test in milliseconds, big enough for GQA, two layers and a real vocab
+BASE: dict[str, Any] = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+#: quirks switched on so the tests see them: Gemma's soft-cap low enough to bend the logits,
+#: Granite's multipliers away from 1, Mixtral's router loss on
+EXTRA: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02),
+    "gemma2": dict(final_logit_softcapping=3.0, attn_logit_softcapping=50.0, sliding_window=8, query_pre_attn_scalar=8),
+    "gemma3": dict(final_logit_softcapping=3.0, attn_logit_softcapping=50.0, sliding_window=8, query_pre_attn_scalar=8),
+    "gemma": dict(hidden_activation="gelu_pytorch_tanh"),
+    "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2),
+    "phi3": dict(original_max_position_embeddings=128),
+}
+
+_CONFIG_CLASSES = {"gemma3": ("Gemma3TextConfig",)}
+
+
+def modeling_module(family: str | Family):
+    fam = BY_NAME[family] if isinstance(family, str) else family
+    try:
+        return importlib.import_module(fam.module)
+    except ImportError as exc:
+        import transformers
+
+        raise FamilyUnavailable(
+            f"{fam.name} is not in transformers {transformers.__version__} (added in {fam.since})"
+        ) from exc
+
+
+def config_for(family: str | Family, **overrides: Any):
+    fam = BY_NAME[family] if isinstance(family, str) else family
+    modeling_module(fam)
+    cfg_mod = importlib.import_module(f"transformers.models.{fam.module_name}.configuration_{fam.module_name}")
+    cls = None
+    for cls_name in _CONFIG_CLASSES.get(fam.name, (f"{fam.prefix}Config",)):
+        cls = getattr(cfg_mod, cls_name, None)
+        if cls is not None:
+            break
+    if cls is None:
+        raise FamilyUnavailable(f"no config class for {fam.name} in {cfg_mod.__name__}")
+    kw = dict(BASE)
+    kw.update(EXTRA.get(fam.name, {}))
+    kw.update(overrides)
+    cfg = cls(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any = "cpu",
+          init_std: float = 0.2, **overrides: Any):
+    """A fresh ``<Family>ForCausalLM`` with random weights of std ``init_std`` (logits far from 0)."""
+    import torch
+
+    fam = BY_NAME[family] if isinstance(family, str) else family
+    mod = modeling_module(fam)
+    cls = getattr(mod, fam.causal_lm, None)
+    if cls is None:
+        raise FamilyUnavailable(f"{mod.__name__} has no {fam.causal_lm}")
+    cfg = config_for(fam, **overrides)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * init_std)
+            elif "norm" in name:  # keep norms near their neutral value, but not exactly at it
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return model.eval()

@@ -1,0 +1,72 @@
+"""Helpers of the model-shim tests: tiny random models of each family, native references.
+
+Everything runs on CPU against whatever transformers is installed; a family the installed release
+lacks is skipped with the reason. ``native()`` reverts every liger_compat patch for the duration
+of a block, so a test compares the patched model with the very same weights unpatched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import liger_compat
+from liger_compat import _config
+from liger_compat.shims import REGISTRY
+from liger_compat.shims.families import FAMILIES
+from liger_compat.shims.tiny_models import FamilyUnavailable, build
+
+FAMILY_NAMES = [f.name for f in FAMILIES]
+
+
+@contextlib.contextmanager
+def native():
+    """Every liger_compat patch removed inside the block, re-applied after it."""
+    errors = liger_compat.revert()
+    assert not errors, errors
+    try:
+        yield
+    finally:
+        liger_compat.apply()
+
+
+def tiny(family: str, **kw):
+    try:
+        return build(family, **kw)
+    except FamilyUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def random_batch(model, b: int = 2, t: int = 12, seed: int = 0, ignore_frac: float = 0.25):
+    g = torch.Generator().manual_seed(seed)
+    v = model.config.vocab_size
+    ids = torch.randint(3, v, (b, t), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(b, t, generator=g) < ignore_frac] = -100
+    return ids, labels
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def manual_loss(logits, labels, *, ignore_index=-100, num_items=None, shift_labels=None):
+    """transformers' causal-LM loss written out: shift, fp32 cross-entropy, mean or sum / n."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    t = shift_labels.reshape(-1)
+    if num_items is None:
+        return torch.nn.functional.cross_entropy(flat, t, ignore_index=ignore_index)
+    return torch.nn.functional.cross_entropy(flat, t, ignore_index=ignore_index, reduction="sum") / num_items
+
+
+def manual_accuracy(logits, labels, ignore_index=-100):
+    shift = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    valid = shift != ignore_index
+    return ((logits.argmax(-1) == shift) & valid).sum().float() / valid.sum().float()
+
+
+__all__ = ["FAMILY_NAMES", "native", "tiny", "random_batch", "grads", "manual_loss", "manual_accuracy", "REGISTRY"]

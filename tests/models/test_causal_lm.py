@@ -1,0 +1,271 @@
+"""The fused causal-LM forward against the unpatched model with the same weights, per family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_compat import kernels
+from liger_compat.shims import causal_lm
+from liger_compat.shims.logits_to_keep import forward_params, is_ours
+from model_helpers import FAMILY_NAMES, grads, manual_accuracy, manual_loss, native, random_batch, tiny
+
+
+def _run(model, ids, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels, **kw)
+    out.loss.backward()
+    return out, grads(model)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_loss_and_grads_match_native_fp32(family):
+    model = tiny(family)
+    ids, labels = random_batch(model, seed=1)
+    assert is_ours(vars(type(model))["forward"], causal_lm._fused_forward)
+    kernels.last_backend.clear()
+    out, g = _run(model, ids, labels)
+    # the loss really came from the fused kernel and the modules from ours
+    assert "fused_linear_cross_entropy" in kernels.last_backend
+    assert "rms_norm" in kernels.last_backend and "rope" in kernels.last_backend
+    assert out.logits is None
+    with native():
+        ref, g_ref = _run(model, ids, labels)
+    assert ref.logits is not None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    assert g.keys() == g_ref.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    # token accuracy on the output, both spellings, equal to argmax over the native logits
+    torch.testing.assert_close(out.token_accuracy, out["token_accuracy"])
+    torch.testing.assert_close(out.token_accuracy, manual_accuracy(ref.logits.detach(), labels))
+
+
+def _flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g[k].float().reshape(-1) for k in sorted(g)])
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_loss_and_grads_bf16_as_close_to_fp32_as_native_bf16(family):
+    """bf16 tolerance judged against the fp32 truth: ours may not be much worse than native bf16."""
+    model = tiny(family)
+    ids, labels = random_batch(model, seed=2)
+    with native():
+        truth, g_truth = _run(model, ids, labels)
+        model.to(torch.bfloat16)
+        ref, g_ref = _run(model, ids, labels)
+    out, g = _run(model, ids, labels)
+    assert out.loss.dtype == torch.float32 or out.loss.dtype == ref.loss.dtype
+    t = _flat(g_truth)
+    err_native = ((_flat(g_ref) - t).norm() / t.norm()).item()
+    err_ours = ((_flat(g) - t).norm() / t.norm()).item()
+    assert err_ours <= 2 * err_native + 1e-2, (err_ours, err_native)
+    loss_err_native = abs(ref.loss.float().item() - truth.loss.item())
+    loss_err_ours = abs(out.loss.float().item() - truth.loss.item())
+    assert loss_err_ours <= 2 * loss_err_native + 1e-2 * abs(truth.loss.item()), (loss_err_ours, loss_err_native)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_labels_free_returns_real_logits_and_honours_logits_to_keep(family):
+    model = tiny(family)
+    ids, _ = random_batch(model, seed=3)
+    with native(), torch.no_grad():
+        full = model(input_ids=ids).logits
+    idx = torch.tensor([0, 4, 11])
+    with torch.no_grad():
+        out = model(input_ids=ids)
+        torch.testing.assert_close(out.logits, full, rtol=1e-5, atol=1e-5)
+        assert getattr(out, "token_accuracy", None) is None
+        for name in ("logits_to_keep", "num_logits_to_keep"):
+            k = model(input_ids=ids, **{name: 5}).logits
+            assert k.shape == (2, 5, model.config.vocab_size), (name, k.shape)
+            torch.testing.assert_close(k, full[:, -5:], rtol=1e-5, atol=1e-5)
+            k0 = model(input_ids=ids, **{name: 0}).logits
+            torch.testing.assert_close(k0, full, rtol=1e-5, atol=1e-5)
+            t = model(input_ids=ids, **{name: idx}).logits
+            assert t.shape == (2, 3, model.config.vocab_size), (name, t.shape)
+            torch.testing.assert_close(t, full[:, idx], rtol=1e-5, atol=1e-5)
+
+
+def test_logits_to_keep_bad_values_are_named():
+    model = tiny("llama")
+    ids, _ = random_batch(model)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(input_ids=ids, logits_to_keep=-1)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(input_ids=ids, logits_to_keep=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="both"):
+        model(input_ids=ids, logits_to_keep=2, num_logits_to_keep=3)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
+def test_logits_to_keep_with_labels_covers_the_kept_positions(family):
+    model = tiny(family)
+    ids, labels = random_batch(model, seed=4)
+    with native(), torch.no_grad():
+        full = model(input_ids=ids).logits
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels[:, -6:], logits_to_keep=6)
+    torch.testing.assert_close(out.loss, manual_loss(full[:, -6:], labels[:, -6:]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kept positions"):
+        model(input_ids=ids, labels=labels, logits_to_keep=6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mixtral"])
+def test_flash_attention_kwargs_reach_the_decoder_not_the_loss(family):
+    model = tiny(family)
+    _, _, varkw = forward_params(model.model.forward)
+    if not varkw:
+        pytest.skip("this transformers' decoder takes no FlashAttention kwargs (added in 4.47)")
+    ids, labels = random_batch(model, seed=5)
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32)
+    fa = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=t, max_length_k=t)
+    seen = {}
+
+    def spy(module, args, kwargs):
+        seen.update(kwargs)
+
+    handle = model.model.register_forward_pre_hook(spy, with_kwargs=True)
+    calls = []
+    real = kernels.fused_linear_cross_entropy
+
+    def loss_spy(*a, **k):
+        calls.append(set(k))
+        return real(*a, **k)
+
+    try:
+        causal_lm_kernels = pytest.MonkeyPatch()
+        causal_lm_kernels.setattr(kernels, "fused_linear_cross_entropy", loss_spy)
+        with torch.no_grad():
+            packed = model(input_ids=ids, labels=labels, **fa)
+            plain = model(input_ids=ids, labels=labels)
+    finally:
+        causal_lm_kernels.undo()
+        handle.remove()
+    for k in fa:
+        assert k in seen, f"{k} did not reach the decoder"
+    assert calls and not (set(fa) & calls[0]), calls
+    torch.testing.assert_close(packed.loss, plain.loss)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
+def test_num_items_in_batch_shift_labels_and_ignore_index(family):
+    model = tiny(family)
+    ids, labels = random_batch(model, seed=6)
+    with native(), torch.no_grad():
+        full = model(input_ids=ids).logits
+    with torch.no_grad():
+        n = torch.tensor(37)
+        out = model(input_ids=ids, labels=labels, num_items_in_batch=n)
+        torch.testing.assert_close(out.loss, manual_loss(full, labels, num_items=37), rtol=1e-5, atol=1e-5)
+        out = model(input_ids=ids, labels=labels, num_items_in_batch=11)
+        torch.testing.assert_close(out.loss, manual_loss(full, labels, num_items=11), rtol=1e-5, atol=1e-5)
+        # shift_labels given: used as the targets as they are (context parallel / sequence parallel)
+        shifted = torch.roll(labels, -1, dims=1)
+        out = model(input_ids=ids, labels=labels, shift_labels=shifted)
+        torch.testing.assert_close(out.loss, manual_loss(full, labels, shift_labels=shifted), rtol=1e-5, atol=1e-5)
+        # another ignore index
+        lab = labels.masked_fill(labels == -100, -1)
+        out = model(input_ids=ids, labels=lab, ignore_index=-1)
+        torch.testing.assert_close(out.loss, manual_loss(full, lab, ignore_index=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_native_loss_kwargs_agree_where_transformers_has_them():
+    model = tiny("qwen2")
+    if not forward_params(type(model).forward)[2]:
+        pytest.skip("this transformers' forward takes no num_items_in_batch (added in 4.46)")
+    ids, labels = random_batch(model, seed=7)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(29))
+        with native():
+            ref = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(29))
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+
+
+def test_return_logits_kwarg_and_env(monkeypatch):
+    model = tiny("gemma2")
+    ids, labels = random_batch(model, seed=8)
+    with native(), torch.no_grad():
+        ref = model(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, return_logits=True)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+        assert model(input_ids=ids, labels=labels).logits is None
+        monkeypatch.setenv("LIGER_COMPAT_RETURN_LOGITS", "1")
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, ref.logits, rtol=1e-5, atol=1e-5)
+        # return_logits is ours: without labels it is dropped before the native forward sees it
+        assert model(input_ids=ids, return_logits=True).logits.shape == ref.logits.shape
+
+
+def test_return_dict_false_gives_the_native_tuple():
+    model = tiny("mistral")
+    ids, labels = random_batch(model, seed=9)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+        with native():
+            ref = model(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+    assert isinstance(out, tuple) and isinstance(ref, tuple)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_positional_arguments_are_bound_by_the_native_signature():
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=10)
+    with torch.no_grad():
+        a = model(ids, None, None, None, None, labels)
+        b = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.logits is None
+
+
+def test_mixtral_router_loss_is_added_like_native():
+    model = tiny("mixtral")
+    ids, labels = random_batch(model, seed=11)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+        with native():
+            ref = model(input_ids=ids, labels=labels)
+    assert out.aux_loss is not None and ref.aux_loss is not None
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    assert type(out).__name__ == type(ref).__name__ == "MoeCausalLMOutputWithPast"
+
+
+def test_fused_loss_deselected_gives_native_loss_with_logits():
+    import liger_compat
+
+    model = tiny("qwen2")
+    ids, labels = random_batch(model, seed=12)
+    liger_compat.configure(kernels="rms_norm,rope,swiglu,geglu")
+    try:
+        assert not is_ours(vars(type(model))["forward"], causal_lm._fused_forward)
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=labels)
+            assert out.logits is not None
+            # F3 translation still applies without the fused loss
+            assert model(input_ids=ids, num_logits_to_keep=3).logits.shape[1] == 3
+            assert model(input_ids=ids, logits_to_keep=3).logits.shape[1] == 3
+    finally:
+        liger_compat.configure(kernels="all")
+    assert is_ours(vars(type(model))["forward"], causal_lm._fused_forward)
+
+
+def test_autocast_bf16_over_fp32_weights():
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=13)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=labels)
+        with native():
+            ref = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_output_is_the_family_output_class_and_indexable():
+    model = tiny("phi3")
+    ids, labels = random_batch(model, seed=14)
+    out = model(input_ids=ids, labels=labels)
+    assert type(out).__name__ == "CausalLMOutputWithPast"
+    assert "token_accuracy" in out.keys() and out["loss"] is out.loss
+    assert 0.0 <= float(out.token_accuracy) <= 1.0 and out.token_accuracy.dim() == 0
