@@ -376,22 +376,23 @@ def _causal_lms_in(model: Any) -> list[Any]:
 
 
 def describe(fam: families.Family, module: Any) -> str:
+    """``"fused forward"`` or ``"native forward (why)"`` for the report."""
     cls = getattr(module, fam.causal_lm, None)
     if cls is None:
-        return f"native ({fam.causal_lm} missing)"
+        return f"native forward ({fam.causal_lm} missing)"
     current = vars(cls).get("forward")
     if current is not None and is_ours(current, _fused_forward):
-        return "fused loss (fused_linear_cross_entropy, token_accuracy)"
+        return "fused forward"
     if fam.name in _left_alone:
-        return f"native ({_left_alone[fam.name]})"
+        return f"native forward ({_left_alone[fam.name]})"
     owner = conflicts.foreign_owner(current) if current is not None else None
     if owner is not None:
-        return f"native (forward replaced by {owner})"
+        return f"native forward (replaced by {owner})"
     if not _config.kernel_enabled(_KERNEL):
-        return f"native ({_KERNEL} kernel not selected)"
+        return f"native forward ({_KERNEL} not selected)"
     if fam.module in _watcher.failures:
-        return f"native (failed: {_watcher.failures[fam.module]})"
-    return f"native ({_SHIM_ID}: {SHIM.state.value})"
+        return f"native forward (failed: {_watcher.failures[fam.module]})"
+    return f"native forward (shim {SHIM.state.value})"
 
 
 SHIM = register(

@@ -55,6 +55,13 @@ def foreign_owner(obj: Any) -> str | None:
     return KNOWN_PATCHERS.get(top, f"{top} (function from module {mod})")
 
 
+def known_patcher(obj: Any) -> str | None:
+    """Like :func:`foreign_owner`, but only for the libraries of :data:`KNOWN_PATCHERS`
+    (user and remote code outside transformers is not a competing patch)."""
+    mod = defining_module(obj)
+    return KNOWN_PATCHERS.get(mod.split(".", 1)[0]) if mod else None
+
+
 def instance_override(module: Any, name: str = "forward") -> str | None:
     """A foreign per-instance override of ``module.<name>`` (liger instance patching, kernelize)."""
     d = getattr(module, "__dict__", None)

@@ -343,14 +343,16 @@ class _ModuleShim:
         self.left_alone[module.__name__] = f"{what} replaced by {owner}"
         REGISTRY.report_conflict(what, owner, f"{self.id} left it alone")
 
-    def describe(self, module: Any) -> str:
+    def describe(self, module: Any) -> tuple[bool, str]:
+        """``(patched, text)``: the kernel name, or why the module keeps its native code."""
         name = module.__name__
         if name in self.left_alone:
-            return f"{self.what}: conflict ({self.left_alone[name]})"
+            return False, f"{self.what} conflict ({self.left_alone[name]})"
         if name in self.watcher.failures:
-            return f"{self.what}: failed ({self.watcher.failures[name]})"
-        done = self.patched.get(name)
-        return f"{self.what}: {', '.join(done)}" if done else f"{self.what}: native"
+            return False, f"{self.what} failed ({self.watcher.failures[name]})"
+        if self.patched.get(name):
+            return True, self.what
+        return False, f"no {self.what}"
 
 
 def _patch_norms(self: _ModuleShim, module: Any) -> None:
@@ -431,7 +433,7 @@ def _instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], struc
             if owner is not None:
                 REGISTRY.report_conflict(f"{cls.__name__}.forward (instance)", owner, f"{shim_id} left it alone")
             continue
-        if _class_covered(cls, wrapper) or conflicts.foreign_owner(cls) is not None or not structural(m):
+        if _class_covered(cls, wrapper) or conflicts.known_patcher(cls) is not None or not structural(m):
             continue
         patches.set(m, "forward", _instance_forward(m, wrapper))
         changed = True
@@ -453,7 +455,12 @@ def _mlp_instances(model: Any, patches: PatchSet) -> bool:
 
 
 def describe(fam: families.Family, module: Any) -> str:
-    return "; ".join(s.describe(module) for s in (_NORMS, _MLPS, _ROPES))
+    """``"rms_norm, gated_mlp, rope"``; what is not patched says why."""
+    done, other = [], []
+    for shim in (_NORMS, _MLPS, _ROPES):
+        ok, text = shim.describe(module)
+        (done if ok else other).append(text)
+    return ", ".join(done + other)
 
 
 _UPSTREAM = "transformers models/<family>/modeling_<family>.py, 4.45 .. 5.x"

@@ -1,0 +1,219 @@
+"""Module routing (RMSNorm / gated MLP / RoPE), exact revert, idempotence, instance patching, conflicts."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import liger_compat
+from liger_compat import kernels
+from liger_compat.shims import REGISTRY, causal_lm, modules
+from liger_compat.shims.families import BY_NAME, family_states
+from liger_compat.shims.logits_to_keep import _translate, is_ours
+from model_helpers import FAMILY_NAMES, native, random_batch, tiny
+
+
+def _targets(family: str):
+    """Every attribute the model shims may patch for a family: (owner, name) pairs."""
+    fam = BY_NAME[family]
+    mod = sys.modules[fam.module]
+    out = [(getattr(mod, fam.causal_lm), "forward"), (mod, "apply_rotary_pos_emb")]
+    for obj in list(vars(mod).values()):
+        if isinstance(obj, type) and obj.__module__ == mod.__name__ and "forward" in vars(obj):
+            if obj.__name__.endswith("RMSNorm") or "MLP" in obj.__name__:
+                out.append((obj, "forward"))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_revert_restores_the_exact_originals_and_apply_is_idempotent(family):
+    tiny(family)  # imports the modeling module (or skips)
+    targets = _targets(family)
+    with native():
+        originals = {(id(o), n): vars(o)[n] for o, n in targets}
+        assert not any(is_ours(v, causal_lm._fused_forward) or is_ours(v, _translate) for v in originals.values())
+    patched = {(id(o), n): vars(o)[n] for o, n in targets}
+    changed = [k for k in patched if patched[k] is not originals[k]]
+    assert len(changed) >= 3, "forward, at least one norm and the rotary function should be patched"
+    fam = BY_NAME[family]
+    assert is_ours(vars(getattr(sys.modules[fam.module], fam.causal_lm))["forward"], causal_lm._fused_forward)
+    liger_compat.apply()
+    liger_compat.apply()
+    again = {(id(o), n): vars(o)[n] for o, n in targets}
+    assert all(again[k] is patched[k] for k in patched), "apply() twice must not wrap twice"
+    assert liger_compat.revert() == []
+    for o, n in targets:
+        assert vars(o)[n] is originals[(id(o), n)], f"{o}.{n} not restored"
+    liger_compat.apply()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_modules_run_our_kernels(family):
+    model = tiny(family)
+    ids, labels = random_batch(model)
+    kernels.last_backend.clear()
+    with torch.no_grad():
+        model(input_ids=ids, labels=labels)
+    used = set(kernels.last_backend)
+    assert {"rms_norm", "rope", "fused_linear_cross_entropy"} <= used, used
+    mlps = [m for m in model.modules() if modules.mlp_layout(m) is not None]
+    if mlps:  # transformers 5 Mixtral has fused expert tensors, no per-expert MLP module
+        assert ("geglu" if BY_NAME[family].mlp_act == "gelu_tanh" else "swiglu") in used, used
+
+
+def test_kernel_selection_reverts_the_deselected_shims():
+    model = tiny("llama")
+    norm_cls = type(model.model.norm)
+    with native():
+        original = vars(norm_cls)["forward"]
+    liger_compat.configure(kernels="fused_linear_cross_entropy,rope")
+    try:
+        assert vars(norm_cls)["forward"] is original
+        assert REGISTRY.get("transformers.rms_norm").state.value == "disabled"
+        kernels.last_backend.clear()
+        ids, labels = random_batch(model)
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels)
+        assert "rms_norm" not in kernels.last_backend and "swiglu" not in kernels.last_backend
+        assert "rope" in kernels.last_backend
+    finally:
+        liger_compat.configure(kernels="all")
+    assert vars(norm_cls)["forward"] is not original
+
+
+# -- instance-level patching of classes outside the families ---------------------------------
+
+
+class MyRMSNorm(torch.nn.Module):
+    """A remote-code style Llama RMSNorm (not in any transformers modeling module)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(h))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
+
+
+class OddRMSNorm(MyRMSNorm):
+    """Named like an RMSNorm, computes something else: the numeric check must leave it native."""
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class MyMLP(torch.nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(h, i), torch.nn.Linear(h, i)
+        self.down_proj = torch.nn.Linear(i, h)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_apply_model_patches_structural_instances_and_revert_removes_them():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(MyRMSNorm(16), MyMLP(16, 24), OddRMSNorm(16))
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        ref = net(x)
+    liger_compat.apply(model=net)
+    assert all("forward" in vars(m) for m in net)
+    kernels.last_backend.clear()
+    with torch.no_grad():
+        out = net(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert {"rms_norm", "swiglu"} <= set(kernels.last_backend)
+    # the odd norm was checked against its native forward and kept it
+    assert isinstance(modules._rms_modes[(OddRMSNorm, torch.float32, torch.float32)], str)
+    liger_compat.apply(model=net)  # idempotent on instances too
+    liger_compat.revert()
+    assert not any("forward" in vars(m) for m in net)
+    liger_compat.apply()
+
+
+# -- coexistence -----------------------------------------------------------------------------
+
+
+def _foreign(module: str, name: str = "forward"):
+    def fn(self, *args, **kwargs):  # pragma: no cover - never called
+        raise AssertionError("the foreign patch must not run in these tests")
+
+    fn.__module__ = module
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def test_class_patched_by_liger_kernel_first_is_left_alone_and_reported():
+    model = tiny("qwen2")
+    fam = BY_NAME["qwen2"]
+    mod = sys.modules[fam.module]
+    cls = type(model)
+    with native():
+        original_forward = vars(cls)["forward"]
+        original_norm = mod.Qwen2RMSNorm
+        original_rope = mod.apply_rotary_pos_emb
+    liger_compat.revert()
+    liger_forward = _foreign("liger_kernel.transformers.model.qwen2", "lce_forward")
+    liger_rope = _foreign("liger_kernel.transformers.rope", "liger_rotary_pos_emb")
+    liger_norm = type("LigerRMSNorm", (torch.nn.Module,), {"__module__": "liger_kernel.transformers.rms_norm",
+                                                          "forward": lambda self, x: x})
+    cls.forward, mod.apply_rotary_pos_emb, mod.Qwen2RMSNorm = liger_forward, liger_rope, liger_norm
+    REGISTRY.conflicts.clear()
+    try:
+        liger_compat.apply()
+        assert vars(cls)["forward"] is liger_forward  # nothing stacked on top
+        assert mod.apply_rotary_pos_emb is liger_rope
+        state = family_states()["qwen2"]
+        assert "liger-kernel" in state and "fused forward" not in state, state
+        by = {c.what: c.by for c in REGISTRY.conflicts}
+        assert any("Qwen2ForCausalLM.forward" in w and "liger-kernel" in b for w, b in by.items()), by
+        assert any("apply_rotary_pos_emb" in w for w in by), by
+        assert any("Qwen2RMSNorm" in w for w in by), by
+        report = liger_compat.check()
+        assert any("liger-kernel" in c["by"] for c in report.to_dict()["conflicts"])
+    finally:
+        liger_compat.revert()
+        cls.forward, mod.apply_rotary_pos_emb, mod.Qwen2RMSNorm = original_forward, original_rope, original_norm
+        REGISTRY.conflicts.clear()
+        liger_compat.apply()
+    assert is_ours(vars(cls)["forward"], causal_lm._fused_forward)
+
+
+def test_patched_over_after_us_is_reported_and_revert_does_not_drop_it():
+    model = tiny("mistral")
+    cls = type(model)
+    with native():
+        original = vars(cls)["forward"]
+    unsloth_forward = _foreign("unsloth.models.mistral", "MistralForCausalLM_fast_forward")
+    cls.forward = unsloth_forward  # someone patches after liger_compat
+    try:
+        assert "unsloth" in family_states()["mistral"]
+        errors = liger_compat.revert()
+        assert any("replaced again" in e for e in errors), errors
+        assert vars(cls)["forward"] is unsloth_forward
+    finally:
+        cls.forward = original
+        liger_compat.apply()
+    assert is_ours(vars(cls)["forward"], causal_lm._fused_forward)
+
+
+def test_instance_level_foreign_forward_is_reported_by_apply_model():
+    model = tiny("llama")
+    REGISTRY.conflicts.clear()
+    model.forward = types.MethodType(_foreign("liger_kernel.transformers.model.llama", "lce_forward"), model)
+    norm = model.model.norm
+    norm.forward = types.MethodType(_foreign("kernels.layer", "forward"), norm)
+    liger_compat.apply(model=model)
+    whats = {c.what: c.by for c in REGISTRY.conflicts}
+    assert any("LlamaForCausalLM.forward (instance)" == w and "liger-kernel" in b for w, b in whats.items()), whats
+    assert any("RMSNorm.forward (instance)" in w and "hub kernels" in b for w, b in whats.items()), whats
+    REGISTRY.conflicts.clear()
