@@ -58,7 +58,8 @@ def render(grid: Grid) -> str:
         "",
     ]
     for c in grid.cells:
-        lines += [f"[testenv:{c.name}]"]
+        why = c.why.replace("{", "(").replace("}", ")").replace("\n", " ")
+        lines += [f"[testenv:{c.name}]", f"description = transformers {c.transformers} + trl {c.trl}: {why}"]
         if c.labels:
             lines += [f"labels = {', '.join(c.labels)}"]
         lines += ["deps ="]
