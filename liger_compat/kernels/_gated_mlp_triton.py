@@ -12,7 +12,7 @@ from ._dispatch import triton, tl
 
 __all__ = ["gated_forward_triton", "gated_backward_triton"]
 
-_K = 0.7978845608028654  # sqrt(2 / pi)
+_K = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi); jit code reads only constexpr globals
 
 
 @triton.jit

@@ -192,8 +192,15 @@ def _chunk_rows(n: int, v: int, elem: int, backend: str, device: torch.device) -
         rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
         rows = FLCE_CHUNK_BYTES // (elem * v)
-        rows = rows // 64 * 64 if rows >= 128 else rows  # whole matmul tiles
+        rows = rows // 16 * 16 if rows >= 32 else rows
     return int(max(1, min(n, rows)))
+
+
+#: How the GPU path updates grad_weight each chunk: "cublas" (addmm) or "triton" (_matmul_triton).
+GRAD_WEIGHT_IMPL = "cublas"
+#: Skip ignore_index rows on the Triton path (one host sync to count them); their rows of
+#: grad_hidden are zero and they cost no matmul work.
+COMPACT_IGNORED = True
 
 
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
@@ -205,43 +212,65 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
     v = w.shape[0]
     need_gh, need_gw, need_gb = grads
     any_grad = need_gh or need_gw or need_gb
-    rows = _chunk_rows(n, v, h.element_size(), backend, h.device)
+    dev = h.device
     f32 = torch.float32
-    loss = torch.empty(n, dtype=f32, device=h.device) if want_stats else None
-    zl = torch.empty(n, dtype=f32, device=h.device) if want_stats else None
-    correct = torch.empty(n, dtype=torch.bool, device=h.device) if want_stats else None
-    gh = torch.empty_like(h) if need_gh else None
+    idx = None
+    if backend == "triton" and COMPACT_IGNORED and n > 0:
+        idx = (target != opt.ignore_index).nonzero().squeeze(1)  # the one host sync
+        if idx.numel() == n:
+            idx = None
+    m = n if idx is None else idx.numel()
+    rows = _chunk_rows(max(m, 1), v, h.element_size(), backend, dev)
+    new = torch.empty if idx is None else torch.zeros  # skipped rows must read as zero
+    loss = new(n, dtype=f32, device=dev) if want_stats else None
+    zl = new(n, dtype=f32, device=dev) if want_stats else None
+    correct = new(n, dtype=torch.bool, device=dev) if want_stats else None
+    gh = new(h.shape, dtype=h.dtype, device=dev) if need_gh else None
     # the torch reference accumulates grad_weight in fp32; the GPU path in the weight's dtype
     # (an fp32 copy would cost 2x the weight in memory, over the extra-memory target)
     acc_dtype = f32 if backend == "torch" else w.dtype
     if need_gw:
-        make = torch.zeros if (acc_dtype != w.dtype or n == 0) else torch.empty  # chunk 0 overwrites
-        gw = make(w.shape, dtype=acc_dtype, device=w.device)
+        make = torch.zeros if (acc_dtype != w.dtype or m == 0) else torch.empty  # chunk 0 overwrites
+        gw = make(w.shape, dtype=acc_dtype, device=dev)
     else:
         gw = None
-    gb = torch.zeros(v, dtype=f32, device=w.device) if need_gb else None
-    buf = torch.empty(rows, v, dtype=h.dtype, device=h.device)
+    use_triton_gw = need_gw and backend == "triton" and GRAD_WEIGHT_IMPL == "triton" and acc_dtype == w.dtype
+    gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
+    buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
     wt = w.t()
-    for start in range(0, n, rows):
-        end = min(n, start + rows)
-        hc = h[start:end]
+    for start in range(0, m, rows):
+        end = min(m, start + rows)
+        if idx is None:
+            hc, tc = h[start:end], target[start:end]
+            sc = scale if scale.dim() == 0 else scale[start:end]
+        else:
+            ic = idx[start:end]
+            hc, tc = h.index_select(0, ic), target.index_select(0, ic)
+            sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
         logits = buf[: end - start]
         if b is not None:
             torch.addmm(b, hc, wt, out=logits)
         else:
             torch.mm(hc, wt, out=logits)
-        sc = scale if scale.dim() == 0 else scale[start:end]
-        st = _ce_rows(
-            backend, logits, target[start:end], opt, scale=sc, grad=logits if any_grad else None
-        )
+        st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None)
         if want_stats:
-            loss[start:end], zl[start:end], _, correct[start:end] = st
+            if idx is None:
+                loss[start:end], zl[start:end], _, correct[start:end] = st
+            else:
+                loss[ic], zl[ic], correct[ic] = st[0], st[1], st[3]
         if any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
             if need_gh:
-                torch.mm(d, w, out=gh[start:end])
+                if idx is None:
+                    torch.mm(d, w, out=gh[start:end])
+                else:
+                    gh.index_copy_(0, ic, torch.mm(d, w))
             if need_gw:
-                if acc_dtype != d.dtype:
+                if use_triton_gw:
+                    from ._matmul_triton import grad_weight_update
+
+                    grad_weight_update(gw, d, hc, accumulate=start > 0)
+                elif acc_dtype != d.dtype:
                     gw += (d.t() @ hc).to(acc_dtype)
                 elif start == 0:  # first chunk: write, no read-modify-write of a zeroed buffer
                     torch.mm(d.t(), hc, out=gw)

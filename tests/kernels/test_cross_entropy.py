@@ -198,3 +198,42 @@ def test_triton_row_kernel_variants_agree_with_reference(variant):
     ce_rows_triton(logits, t, opt, scale=scale, grad=ga, lse=mine[2], variant=variant)
     ce_rows_torch(logits, t, opt, scale=scale, grad=gb, lse=ref[2])
     torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("gw_impl", ["cublas", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_flce_triton_driver_chunks_compaction_and_grad_weight_kernel(monkeypatch, gw_impl, reduction):
+    """The GPU driver: several chunks, ignored rows compacted away, both grad_weight updates."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    import liger_compat.kernels.loss as ce_mod
+
+    monkeypatch.setattr(ce_mod, "GRAD_WEIGHT_IMPL", gw_impl)
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 70 * 9)  # 9 rows per chunk
+    hid, w, b, t = _inputs(13, 40, 24, 70, torch.float32, 0.3, True)
+    ps = [x.clone().requires_grad_(True) for x in (hid, w, b)]
+    loss = fused_linear_cross_entropy(ps[0], ps[1], t, bias=ps[2], reduction=reduction, lse_square_scale=1e-3)
+    p64 = [x.double().requires_grad_(True) for x in (hid, w, b)]
+    ref, _, _ = ce64(p64[0] @ p64[1].T + p64[2], t, reduction=reduction, lse_square_scale=1e-3)
+    gout = torch.rand(ref.shape, dtype=torch.float64) + 0.5
+    (loss.double() * gout).sum().backward()
+    (ref * gout).sum().backward()
+    assert rel_err(loss, ref) < 1e-5
+    for mine, theirs in zip(ps, p64):
+        assert rel_err(mine.grad, theirs.grad) < 1e-5
+    assert (ps[0].grad[t == -100] == 0).all()
+
+
+def test_grad_weight_kernel_matches_matmul():
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    from liger_compat.kernels._matmul_triton import grad_weight_update
+
+    g = torch.Generator().manual_seed(4)
+    dl, hc = torch.randn(37, 75, generator=g), torch.randn(37, 50, generator=g)
+    gw0 = torch.randn(75, 50, generator=g)
+    gw = gw0.clone()
+    grad_weight_update(gw, dl, hc, accumulate=True)
+    torch.testing.assert_close(gw, gw0 + dl.T @ hc, rtol=1e-5, atol=1e-4)
+    grad_weight_update(gw, dl, hc, accumulate=False)
+    torch.testing.assert_close(gw, dl.T @ hc, rtol=1e-5, atol=1e-4)
