@@ -324,7 +324,9 @@ def test_env_check_passes_on_the_installed_pair_if_it_is_a_cell(tmp_path):
     (tmp_path / "junit.xml").write_text("stale")
     env = results.env_check(cell, tmp_path)
     assert env["cell"] == cell.name and not (tmp_path / "junit.xml").exists()
-    assert json.loads((tmp_path / results.ENV_FILE).read_text())["pins"] == cell.pins()
+    written = json.loads((tmp_path / results.ENV_FILE).read_text())
+    assert written["pins"] == cell.pins()
+    assert len(written["source"]["commit"] or "") == 40
 
 
 # -- verification_status -------------------------------------------------------------------------

@@ -120,12 +120,29 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
         "versions": {name: _dist_version(name) for name in (*PACKAGES, *EXTRA_PINS, *RECORDED)},
         "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "pytest_args": pytest_args,
+        "source": _source_commit(),
         "full_suite": full_suite(pytest_args),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / JUNIT_FILE).unlink(missing_ok=True)  # never pair this env with a stale test run
     (out / ENV_FILE).write_text(json.dumps(env, indent=2) + "\n", encoding="utf-8")
     return env
+
+
+def _source_commit() -> dict[str, Any]:
+    """The git commit the tested source comes from, and whether tracked files differ from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
 def _grid_torch() -> str:
@@ -214,8 +231,8 @@ def collect(dirs: Iterable[Path], grid: Grid) -> tuple[dict[str, dict[str, Any]]
             except RecordError as exc:
                 problems.append(str(exc))
                 continue
-            found[name] = {"transformers": cell.transformers, "trl": cell.trl,
-                           "python": env.get("python"), "versions": env.get("versions", {}), **res}
+            found[name] = {"transformers": cell.transformers, "trl": cell.trl, "python": env.get("python"),
+                           "versions": env.get("versions", {}), "source": env.get("source"), **res}
     return found, problems
 
 
