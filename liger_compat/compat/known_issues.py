@@ -87,7 +87,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         title="label counting and renamed trainer kwargs",
         failure="KeyError: 'labels' for ORPO/CPO batches; TypeError on tokenizer= / processing_class=",
         affects={"transformers": ">=4.46"},
-        mitigated_by=("transformers.num_items_in_batch_labels", "trl.renamed_kwargs"),
+        mitigated_by=("transformers.num_items_in_batch_labels", "transformers.renamed_kwargs", "trl.renamed_kwargs"),
         upstream="transformers 4.46 Trainer.get_batch_samples counts batch['labels']; trainers renamed tokenizer -> processing_class",
         scenario="F5",
     ),

@@ -1,0 +1,122 @@
+"""A tiny tokenizer, tiny random causal LMs and toy datasets, built in code (no hub access).
+
+Used by the trainer scenarios of ``check --deep`` and by the trainer tests, so both run the real
+trl trainers on the same small setup on whatever transformers / trl is installed: a word-level
+``tokenizers`` tokenizer wrapped in ``PreTrainedTokenizerFast`` (pad / bos / eos / unk and a chat
+template set), two-layer Llama and Qwen2 models with hidden size 32, and datasets in the formats
+the trainers take (``text``; ``prompt`` / ``chosen`` / ``rejected``; ``prompt`` / ``completion`` /
+``label``; ``prompt``).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+N_WORDS = 120
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} {{ eos_token }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def words() -> list[str]:
+    return [f"w{i}" for i in range(N_WORDS)]
+
+
+def build_tokenizer(model_max_length: int = 64):
+    """A ``PreTrainedTokenizerFast`` over ``w0 .. w119`` plus special tokens (vocab 127)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + words())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "right"
+    return fast
+
+
+def _common_config(tokenizer: Any) -> dict[str, Any]:
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+FAMILIES = ("llama", "qwen2")
+
+
+def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.1):
+    """A fresh two-layer ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights."""
+    import torch
+
+    if family == "llama":
+        from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+    elif family == "qwen2":
+        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
+    else:
+        raise ValueError(f"family {family!r}: pick one of {FAMILIES}")
+    cfg = Config(**_common_config(tokenizer))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Model(cfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * init_std)
+    return model
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    w = words()
+    return " ".join(rng.choice(w) for _ in range(rng.randint(lo, hi)))
+
+
+def sft_rows(n: int = 16, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [{"text": _sentence(rng, 8, 14)} for _ in range(n)]
+
+
+def preference_rows(n: int = 16, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [{"prompt": _sentence(rng, 3, 6), "chosen": _sentence(rng, 3, 6), "rejected": _sentence(rng, 3, 6)}
+            for _ in range(n)]
+
+
+def unpaired_rows(n: int = 16, seed: int = 0) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"prompt": _sentence(rng, 3, 6), "completion": _sentence(rng, 3, 6), "label": i % 2 == 0}
+            for i in range(n)]
+
+
+def prompt_rows(n: int = 16, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [{"prompt": _sentence(rng, 3, 6)} for _ in range(n)]
+
+
+def dataset(rows: list[dict[str, Any]]):
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)

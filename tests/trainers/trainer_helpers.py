@@ -1,0 +1,100 @@
+"""Helpers of the trainer-shim tests: configs that work on every trl / transformers of the grid,
+the tiny setup of :mod:`liger_compat.shims._tiny_text`, and a native (unpatched) context."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import pytest
+
+import liger_compat
+from liger_compat.shims import _tiny_text as tiny
+from liger_compat.shims.trl_trainer_locations import TrainerUnavailable, find_trainer
+
+
+#: pass as a make_config override to leave a default out
+OMIT = object()
+
+
+@contextlib.contextmanager
+def native():
+    """Every liger_compat patch removed inside the block, re-applied after it."""
+    errors = liger_compat.revert()
+    assert not errors, errors
+    try:
+        yield
+    finally:
+        liger_compat.apply()
+
+
+def trainer_or_skip(name: str):
+    try:
+        return find_trainer(name)
+    except TrainerUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def config_fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def make_config(cls: type, tmp_path: Any, raw: dict[str, Any] | None = None, **overrides: Any):
+    """``cls(...)`` with CPU-friendly settings, passing only the fields this version has
+    (and ``raw`` as given, whether the class has them or not)."""
+    fields = config_fields(cls)
+    base = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=5e-2,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+        dataset_num_proc=None,
+        num_generations=2,
+    )
+    base.update(overrides)
+    kwargs = {k: v for k, v in base.items() if k in fields and v is not OMIT}
+    kwargs.update(raw or {})
+    return cls(**kwargs)
+
+
+def train_logs(trainer: Any) -> list[dict[str, float]]:
+    """The per-step training logs (without the final summary entry)."""
+    return [dict(h) for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+
+
+def assert_logs_close(native_logs, patched_logs, keys, rtol=2e-4, atol=2e-5):
+    assert len(native_logs) == len(patched_logs) > 0, (native_logs, patched_logs)
+    for step, (a, b) in enumerate(zip(native_logs, patched_logs)):
+        for key in keys:
+            assert key in a, f"native run did not log {key!r} at step {step}: {sorted(a)}"
+            assert key in b, f"patched run did not log {key!r} at step {step}: {sorted(b)}"
+            va, vb = float(a[key]), float(b[key])
+            assert math.isfinite(vb), (key, step, vb)
+            assert math.isclose(va, vb, rel_tol=rtol, abs_tol=atol), f"step {step} {key}: native {va} != patched {vb}"
+
+
+def fresh_model(family: str, tokenizer: Any, seed: int = 0):
+    return tiny.build_model(family, tokenizer, seed=seed)
+
+
+def clone(model):
+    return copy.deepcopy(model)
