@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import _config
 from . import device as _device
+from . import distributed as _distributed  # issue 8
 from . import known_issues, scenarios, versions
 
 
@@ -47,6 +48,7 @@ class Report:
     conflicts: list[dict[str, str]]
     load_errors: list[str] = field(default_factory=list)
     scenarios: list[scenarios.ScenarioResult] | None = None
+    distributed: dict[str, Any] | None = None  # issue 8: compat.distributed.detect()
 
     # -- verdict ----------------------------------------------------------------------------
     @property
@@ -80,6 +82,7 @@ class Report:
             "conflicts": self.conflicts,
             "load_errors": self.load_errors,
             "scenarios": None if self.scenarios is None else [s.to_dict() for s in self.scenarios],
+            "distributed": self.distributed,
             "ok": self.ok,
         }
 
@@ -145,6 +148,11 @@ def format_text(r: Report) -> str:
     if r.families:
         out += ["", "Model families"]
         out += _table(["family", "state"], [[k, v] for k, v in r.families.items()])
+    if r.distributed is not None:  # issue 8
+        out += ["", "Distributed", f"  {r.distributed.get('summary', '')}"]
+        if r.distributed.get("distributed"):
+            out.append(f"  fused LM head through the sharding engine: {r.distributed.get('head_gather')}")
+        out += [f"  ! {w['code']} ({w['level']}): {w['message']}" for w in r.distributed.get("warnings", [])]
     out += ["", "Version matrix"]
     m = r.matrix
     out.append(f"  {m.get('summary', 'unavailable')}")
@@ -223,4 +231,13 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         conflicts=[c.to_dict() for c in REGISTRY.conflicts],
         load_errors=list(REGISTRY.load_errors),
         scenarios=scen,
+        distributed=_distributed_section(),
     )
+
+
+def _distributed_section() -> dict[str, Any]:  # issue 8
+    try:
+        info = _distributed.detect(device_count=_device.detect().device_count)
+        return {**info.to_dict(), "summary": info.summary()}
+    except Exception as exc:
+        return {"summary": f"distributed detection failed: {type(exc).__name__}: {exc}", "warnings": []}

@@ -1,0 +1,158 @@
+"""Shared by the gloo (CPU) and NCCL (2-GPU) tests: make a spec, run the ranks and the
+independent reference, compare. Not a test module."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_worker.py")
+
+TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def make_spec(path: Path, *, seed: int | None = None, world: int = 2, steps: int = 3, batch: int = 4, seq: int = 24,
+              lr: float = 0.5) -> int:
+    """Fresh random weights and batches; ranks get different numbers of label tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seed = random.randrange(2**31) if seed is None else seed
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    state = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False)).state_dict()
+    state_tied = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True)).state_dict()
+    # larger init than the default 0.02 so the loss moves visibly in three steps
+    state = {k: (v * 5 if v.dim() == 2 else v) for k, v in state.items()}
+    state_tied = {k: (v * 5 if v.dim() == 2 else v) for k, v in state_tied.items()}
+    batches = []
+    rows = batch // world
+    for _ in range(steps):
+        ids = torch.randint(0, TINY["vocab_size"], (batch, seq), generator=g)
+        labels = ids.clone()
+        # rank r keeps a different share of its label tokens (the rest -100)
+        for r in range(world):
+            keep = 0.9 - 0.6 * r / max(1, world - 1)
+            mask = torch.rand(rows, seq, generator=g) > keep
+            labels[r * rows:(r + 1) * rows][mask] = -100
+        batches.append((ids, labels))
+    torch.save({"config": TINY, "state": state, "state_tied": state_tied, "batches": batches, "lr": lr,
+                "world_size": world, "seed": seed}, path)
+    return seed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("LIGER_COMPAT_DISABLE", None)
+    env.update(extra or {})
+    return env
+
+
+def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper", nproc: int = 2,
+        timeout: float = 300, allow_errors: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start the ranks (torchrun) and the reference process side by side; return both results."""
+    import torch
+
+    spec, out_dist, out_ref = tmp / "spec.pt", tmp / "dist.pt", tmp / "ref.pt"
+    dist_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                str(WORKER), "dist", "--spec", str(spec), "--out", str(out_dist), "--device", device,
+                "--configs", configs, "--forward", forward] + (["--allow-errors"] if allow_errors else [])
+    ref_cmd = [sys.executable, str(WORKER), "reference", "--spec", str(spec), "--out", str(out_ref), "--device", device]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in (dist_cmd, ref_cmd)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0] + "\n[timed out]")
+    for p, log, what in zip(procs, logs, ("distributed run", "reference run")):
+        if p.returncode != 0:
+            rank0 = "\n".join(line for line in log.splitlines() if line.startswith("[rank0]")) or log
+            raise AssertionError(f"{what} failed (exit {p.returncode}):\n{rank0[-6000:]}")
+    return torch.load(out_dist, weights_only=False), torch.load(out_ref, weights_only=False)
+
+
+def _max_abs(a: dict, b: dict) -> tuple[float, float]:
+    """max |a - b| over common keys, and max |b| (scale)."""
+    keys = sorted(set(a) & set(b))
+    assert keys, "no common parameter names"
+    diff = max(float((a[k] - b[k]).abs().max()) for k in keys)
+    scale = max(float(b[k].abs().max()) for k in keys)
+    return diff, scale
+
+
+def compare(dist: dict[str, Any], ref: dict[str, Any], configs: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for name in configs:
+        res = dist[name]
+        assert "error" not in res, (name, res["error"])
+        r = ref["tied" if name.split("@")[0].endswith("_tied") else "untied"]
+        row = {"config": name, "losses": res["losses"], "ref_losses": r["losses"],
+               "loss_max_abs_diff": max(abs(x - y) for x, y in zip(res["losses"], r["losses"]))}
+        if res.get("grads") is not None:
+            d, s = _max_abs(res["grads"], r["grads"])
+            row["grad_max_abs_diff"], row["grad_max_abs"] = d, s
+            assert set(res["grads"]) == set(r["grads"]), (name, set(res["grads"]) ^ set(r["grads"]))
+        d, s = _max_abs(res["state"], r["state"])
+        row["weight_max_abs_diff"], row["weight_max_abs"] = d, s
+        row["weight_names_match"] = set(res["state"]) == set(r["state"])
+        row["checks"] = res.get("checks", {})
+        rows.append(row)
+    return rows
+
+
+def assert_close(rows: list[dict[str, Any]], ref: dict[str, Any], *, loss_tol: float, grad_rel: float,
+                 weight_tol: float) -> None:
+    naive_gap = abs(ref["naive_step0_loss"] - ref["untied"]["losses"][0])
+    assert naive_gap > 50 * loss_tol, f"data does not discriminate the normalisation (gap {naive_gap})"
+    for row in rows:
+        name = row["config"]
+        assert row["weight_names_match"], name
+        assert row["loss_max_abs_diff"] < loss_tol, (name, row["losses"], row["ref_losses"])
+        if "grad_max_abs_diff" in row:
+            assert row["grad_max_abs_diff"] < grad_rel * row["grad_max_abs"], (name, row["grad_max_abs_diff"])
+        assert row["weight_max_abs_diff"] < weight_tol, (name, row["weight_max_abs_diff"])
+    # the reference's weights moved far more than the tolerance: a run that never stepped would fail
+    for kind in ("untied", "tied"):
+        assert ref[kind]["moved"] > 100 * weight_tol, (kind, ref[kind]["moved"])
+
+
+def markdown(rows: list[dict[str, Any]], title: str) -> str:
+    out = [f"### {title}", "",
+           "| config | engine seen by check | head | step losses (liger_compat, 2 ranks) | single-process native | "
+           "max abs loss diff | max abs grad diff (step 1) / max abs grad | max abs weight diff (final) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["checks"]
+        g = (f"{r['grad_max_abs_diff']:.2e} / {r['grad_max_abs']:.2e}" if "grad_max_abs_diff" in r else "n/a")
+        out.append(
+            f"| {r['config']} | {c.get('engine', '-')} | {str(c.get('head', '-')).split(' (')[0]} | "
+            f"{', '.join(f'{x:.6f}' for x in r['losses'])} | {', '.join(f'{x:.6f}' for x in r['ref_losses'])} | "
+            f"{r['loss_max_abs_diff']:.2e} | {g} | {r['weight_max_abs_diff']:.2e} |")
+    return "\n".join(out) + "\n"
+
+
+def has_fused_forward_shim() -> bool:
+    """Whether this build has a fused CausalLM forward shim (the model shims) to test."""
+    from liger_compat.shims import REGISTRY, load_all
+
+    load_all()
+    return any("fused_linear_cross_entropy" in s.kernels for s in REGISTRY.shims())

@@ -1,0 +1,188 @@
+"""compat.distributed: the distributed context check() reports, from environment variables,
+TrainingArguments-like objects and models, and the warnings on known bad combinations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from liger_compat.compat import distributed as cdist
+from liger_compat.compat import versions
+from liger_compat.shims import distributed as sd
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}
+ACCELERATE = {**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_BACKEND": "NO"}
+
+
+@pytest.fixture
+def fused_active(monkeypatch):
+    """Pretend a fused forward is active and not routed through shims.distributed."""
+    monkeypatch.setattr(cdist, "_fused_head_active", lambda: True)
+    monkeypatch.setattr(sd, "wired", lambda: False)
+
+
+def codes(info):
+    return sorted(w.code for w in info.warnings)
+
+
+def test_single_process_defaults():
+    info = cdist.detect(env={})
+    assert (info.world_size, info.rank, info.local_rank, info.engine, info.launcher) == (1, 0, 0, "none", None)
+    assert not info.distributed and info.warnings == []
+    assert "single process" in info.summary()
+
+
+def test_torchrun_env_means_ddp():
+    info = cdist.detect(env=TORCHRUN)
+    assert (info.world_size, info.rank, info.local_rank, info.local_world_size) == (4, 3, 1, 2)
+    assert info.launcher == "torchrun" and info.engine == "DDP" and "assumed" in info.engine_source
+    assert info.distributed and "world size 4, rank 3" in info.summary()
+
+
+@pytest.mark.parametrize("env,engine,version,orig", [
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "FSDP2", 2, None),
+    ({"ACCELERATE_USE_FSDP": "True", "FSDP_VERSION": "1", "FSDP_USE_ORIG_PARAMS": "false"}, "FSDP", 1, False),
+    ({"ACCELERATE_USE_FSDP": "1"}, "FSDP", 1, None),  # accelerate's plugin defaults to version 1
+])
+def test_accelerate_fsdp(env, engine, version, orig):
+    info = cdist.detect(env={**ACCELERATE, **env})
+    assert info.launcher == "accelerate"
+    assert (info.engine, info.fsdp_version, info.fsdp_use_orig_params) == (engine, version, orig)
+
+
+def test_fsdp1_without_orig_params_warns():
+    info = cdist.detect(env={**ACCELERATE, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1",
+                             "FSDP_USE_ORIG_PARAMS": "false"})
+    assert "D4" in codes(info)
+    ok = cdist.detect(env={**ACCELERATE, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1",
+                           "FSDP_USE_ORIG_PARAMS": "true"})
+    assert "D4" not in codes(ok)
+
+
+def test_zero3_without_gather_is_an_error(fused_active):
+    env = {**ACCELERATE, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    info = cdist.detect(env=env)
+    assert info.engine == "DeepSpeed ZeRO-3" and info.zero_stage == 3
+    assert "D1" in codes(info) and info.head_gather == "NOT wired"
+    assert any(w.code == "D1" and w.level == "error" for w in info.errors)
+    zero2 = cdist.detect(env={**env, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
+    assert zero2.engine == "DeepSpeed ZeRO-2" and "D1" not in codes(zero2)
+
+
+def test_zero3_with_gather_wired_is_fine(monkeypatch):
+    monkeypatch.setattr(cdist, "_fused_head_active", lambda: True)
+    monkeypatch.setattr(sd, "wired", lambda: True)
+    info = cdist.detect(env={**ACCELERATE, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
+    assert "D1" not in codes(info) and info.head_gather == "wired"
+
+
+def test_no_fused_forward_no_head_warnings(monkeypatch):
+    monkeypatch.setattr(cdist, "_fused_head_active", lambda: False)
+    info = cdist.detect(env={**ACCELERATE, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
+    assert "D1" not in codes(info) and info.head_gather.startswith("n/a")
+
+
+def test_deepspeed_configured_but_missing():
+    info = cdist.detect(env={**ACCELERATE, "ACCELERATE_USE_DEEPSPEED": "true"})
+    assert ("D5" in codes(info)) == (not versions.installed("deepspeed").installed)
+
+
+def test_fsdp2_env_unwired_warns(fused_active):
+    info = cdist.detect(env={**ACCELERATE, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    assert "D3" in codes(info) and all(w.level == "warning" for w in info.warnings)
+
+
+def test_more_ranks_than_gpus():
+    info = cdist.detect(env={**TORCHRUN, "LOCAL_WORLD_SIZE": "4"}, device_count=2)
+    assert "D7" in codes(info)
+    assert "D7" not in codes(cdist.detect(env=TORCHRUN, device_count=2))
+    assert "D7" not in codes(cdist.detect(env={**TORCHRUN, "LOCAL_WORLD_SIZE": "4"}, device_count=0))
+
+
+def test_other_launchers():
+    mpi = cdist.detect(env={"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert (mpi.launcher, mpi.world_size, mpi.rank, mpi.local_rank) == ("mpi", 8, 5, 1)
+    slurm = cdist.detect(env={"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"})
+    assert (slurm.launcher, slurm.world_size, slurm.rank, slurm.local_rank) == ("slurm", 2, 1, 1)
+    one_task = cdist.detect(env={"SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
+    assert not one_task.distributed
+    ds = cdist.detect(env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "CROSS_RANK": "0"})
+    assert ds.launcher == "deepspeed"
+
+
+def test_training_args(tmp_path, fused_active):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"stage": 3}}')
+    args = types.SimpleNamespace(deepspeed=str(cfg), fsdp="", fsdp_config=None, average_tokens_across_devices=True)
+    info = cdist.detect(env=TORCHRUN, training_args=args)
+    assert info.engine == "DeepSpeed ZeRO-3" and info.engine_source == "TrainingArguments.deepspeed"
+    assert "D1" in codes(info) and "D8" not in codes(info)
+    args = types.SimpleNamespace(deepspeed=None, fsdp="full_shard auto_wrap",
+                                 fsdp_config={"version": 1, "use_orig_params": "false"},
+                                 average_tokens_across_devices=False)
+    info = cdist.detect(env=TORCHRUN, training_args=args)
+    assert (info.engine, info.fsdp_use_orig_params) == ("FSDP", False)
+    assert {"D4", "D8"} <= set(codes(info))
+    # a single process is never told about cross-device token averaging
+    assert "D8" not in codes(cdist.detect(env={}, training_args=args))
+
+
+def test_model_inspection_plain_and_fake_zero3(fused_active):
+    torch = pytest.importorskip("torch")
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+
+    plain = Tiny()
+    info = cdist.detect(plain, env={})
+    assert info.engine == "none" and info.head.startswith("ordinary module") and info.warnings == []
+    z3 = Tiny()
+    for p in z3.parameters():  # what DeepSpeed ZeRO-3 leaves on a partitioned parameter
+        p.ds_id, p.ds_status = 0, "NOT_AVAILABLE"
+    info = cdist.detect(z3, env=TORCHRUN)
+    assert info.engine == "DeepSpeed ZeRO-3" and info.engine_source == "model" and info.head == "ZeRO-3 partitioned"
+    assert {"D1", "D2"} <= set(codes(info))
+    # a wrapper keeps the model in .module
+    wrapper = type("DistributedDataParallel", (torch.nn.Module,), {})()
+    wrapper.module = plain
+    info = cdist.detect(wrapper, env=TORCHRUN)
+    assert info.engine == "DDP" and info.head.startswith("ordinary module")
+
+
+def test_report_has_distributed_section(monkeypatch):
+    import liger_compat
+
+    for k, v in {**ACCELERATE, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1",
+                 "FSDP_USE_ORIG_PARAMS": "false"}.items():
+        monkeypatch.setenv(k, v)
+    r = liger_compat.check()
+    d = r.to_dict()["distributed"]
+    assert d["world_size"] == 4 and d["rank"] == 3 and d["engine"] == "FSDP" and d["launcher"] == "accelerate"
+    assert any(w["code"] == "D4" for w in d["warnings"])
+    text = str(r)
+    assert "\nDistributed\n" in text and "engine FSDP" in text and "D4 (warning)" in text
+    for k in list(ACCELERATE) + ["ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_USE_ORIG_PARAMS"]:
+        monkeypatch.delenv(k)
+    assert liger_compat.check().to_dict()["distributed"]["distributed"] is False
+
+
+def test_no_torch_distributed_at_import_or_env_detection():
+    code = (
+        "import sys, liger_compat\n"
+        "from liger_compat.compat import distributed\n"
+        "from liger_compat.shims import distributed as sd\n"
+        "info = distributed.detect(env={'WORLD_SIZE': '2', 'RANK': '1', 'ACCELERATE_USE_FSDP': 'true'})\n"
+        "assert info.engine == 'FSDP' and info.world_size == 2, info\n"
+        "bad = [m for m in ('torch', 'torch.distributed', 'transformers', 'deepspeed') if m in sys.modules]\n"
+        "print('imported:', bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "imported: []", out.stdout

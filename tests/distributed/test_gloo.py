@@ -1,0 +1,64 @@
+"""Two CPU processes (torchrun, gloo) train a tiny Llama with DDP and FSDP2 through liger_compat's
+fused head; losses, step-1 gradients and final weights must match one plain-transformers process
+over the same global batch (issue 8). FSDP2 with ``lm_head`` as its own ``fully_shard`` unit is
+the sharded-head path: outside its forward the weight is a ``[V/2, H]`` DTensor shard.
+
+The reference is a separate process that never imports liger_compat. Each run draws fresh random
+weights and batches (the seed is in the failure message). ``fsdp2_head_bypass`` is the negative
+control: gathering the head by hand outside its hooks must give wrong gradients, which shows the
+comparison can fail. FSDP1 needs an accelerator, so it runs only in test_multi_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import _harness as h  # noqa: E402
+
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+CONFIGS = ["ddp", "fsdp2_head", "fsdp2_tied", "single"]
+#: the model shims' fused forward (liger_compat.apply), where this build has it
+PATCHED = ["ddp@patched", "fsdp2_tied@patched"]
+
+
+def test_two_rank_training_matches_one_process(tmp_path):
+    seed = h.make_spec(tmp_path / "spec.pt", world=2)
+    patched = PATCHED if h.has_fused_forward_shim() else []
+    # fsdp2_head@patched last: it may raise (see below), which must not disturb the others
+    extra = ["fsdp2_head_bypass"] + patched + (["fsdp2_head@patched"] if patched else [])
+    dist, ref = h.run(tmp_path, device="cpu", configs=",".join(CONFIGS + extra), timeout=240, allow_errors=True)
+    rows = h.compare(dist, ref, CONFIGS + patched)
+    msg = f"seed {seed}\n" + h.markdown(rows, "gloo")
+    assert dist["world_size"] == 2 and dist["backend"] == "gloo", msg
+    h.assert_close(rows, ref, loss_tol=1e-5, grad_rel=1e-4, weight_tol=2e-5)
+
+    checks = {r["config"]: r["checks"] for r in rows}
+    assert checks["ddp"]["engine"] == "DDP" and checks["ddp"]["head_sharding"] == "none"
+    head = checks["fsdp2_head"]
+    assert head["engine"] == "FSDP2" and head["head_sharding"] == "fsdp2", msg
+    assert head["head_weight_is_dtensor_outside_forward"], "the sharded-head path was not exercised"
+    assert head["head_weight_full_shape"] == [h.TINY["vocab_size"], h.TINY["hidden_size"]]
+    assert head["engine_route_calls"] == 3, "the loss did not go through lm_head's hooks once per step"
+    tied = checks["fsdp2_tied"]
+    assert tied["head"].startswith("in its parent's FSDP2 unit") and tied["engine_route_calls"] == 0
+
+    bypass = h.compare(dist, ref, ["fsdp2_head_bypass"])[0]
+    assert bypass["grad_max_abs_diff"] > 1e-2 * bypass["grad_max_abs"], (
+        "negative control: bypassing lm_head's FSDP2 hooks should leave its gradient unreduced\n" + msg)
+
+    if patched:
+        # the model shims' forward with lm_head as its own FSDP2 unit: it must never be silently
+        # wrong. Until it routes the loss through shims.distributed it raises (the shard reaches
+        # the kernel) and check() flags it (D2); once routed it must match the reference.
+        res = dist["fsdp2_head@patched"]
+        if "error" in res:
+            assert not res["checks"]["wired"], res["error"]
+            assert "D2" in res["checks"]["warnings"], res["checks"]
+        else:
+            h.assert_close(h.compare(dist, ref, ["fsdp2_head@patched"]), ref,
+                           loss_tol=1e-5, grad_rel=1e-4, weight_tol=2e-5)
