@@ -46,6 +46,11 @@ from . import conflicts, families
 from ._patching import PatchSet, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import NEW, OLD, forward_params, is_ours, keep_positions, normalize_keep, pop_keep
+
+try:  # issue 8: runs the fused loss inside lm_head's forward when FSDP / ZeRO-3 shard the head
+    from . import distributed as _distributed
+except ImportError:  # pragma: no cover - a build without it: ordinary heads only
+    _distributed = None
 from ..compat.scenarios import Context, Skip, scenario
 
 log = logging.getLogger("liger_compat")
@@ -201,17 +206,19 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     return out
 
 
-def _head_params(model: Any) -> tuple[Any, Any] | None:
-    """``(weight, bias)`` of a plain ``nn.Linear`` head, else None (LoRA / quantised heads)."""
+def _plain_head(model: Any) -> Any:
+    """The ``nn.Linear`` computing the head (unwrapped from an FSDP1 unit), or None for heads whose
+    logits are not ``hidden @ weight.T + bias`` (LoRA, quantised): those get the unfused loss."""
     import torch
 
     head = model.lm_head
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+    inner = _distributed.head_module(head) if _distributed is not None else head
+    if not isinstance(inner, torch.nn.Linear) or type(inner).forward is not torch.nn.Linear.forward:
         return None
-    w = head.weight
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:
+    w = inner.weight
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         return None
-    return w, head.bias
+    return inner
 
 
 def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None, float | None]:
@@ -270,25 +277,23 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     num_items = loss_kw.get("num_items_in_batch")
     target = _targets(labels, hidden, loss_kw, ignore_index)
     softcap, divisor = _final_logit_quirks(model, fam)
-    head = _head_params(model)
-    if head is None or (divisor is not None and head[1] is not None):
+    inner = _plain_head(model)
+    if inner is None or (divisor is not None and inner.bias is not None):
         return _unfused_loss(model, fam, hidden, target, ignore_index, num_items)
-    weight, bias = head
     h = hidden
     if divisor is not None:
         h = h / divisor  # (h W^T) / d == (h / d) W^T without a bias
-    dtype = _compute_dtype(h, weight)
+    dtype = _compute_dtype(h, inner.weight)
+    opts = dict(ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items, return_token_accuracy=True)
     with torch.autocast(h.device.type, enabled=False):
-        res = kernels.fused_linear_cross_entropy(
-            h.to(dtype),
-            weight.to(dtype),
-            target,
-            bias=None if bias is None else bias.to(dtype),
-            ignore_index=ignore_index,
-            softcap=softcap,
-            num_items_in_batch=num_items,
-            return_token_accuracy=True,
-        )
+        if _distributed is not None:
+            # the weight as the sharding engine (if any) gathers it, inside lm_head's own call
+            res = _distributed.fused_head_loss(model.lm_head, h.to(dtype), target, dtype=dtype, **opts)
+        else:
+            b = inner.bias
+            res = kernels.fused_linear_cross_entropy(
+                h.to(dtype), inner.weight.to(dtype), target, bias=None if b is None else b.to(dtype), **opts
+            )
     return res.loss, res.token_accuracy
 
 

@@ -65,6 +65,23 @@ def _foreign_replacements(module: Any, test: Callable[[str], bool]) -> list[tupl
     return out
 
 
+_refused: set[tuple[str, str]] = set()
+
+
+def _guarded(kernel: str, run_kernel: Callable[[], Any], run_native: Callable[[], Any]) -> tuple[Any, bool]:
+    """``(result, True)`` from the kernel, or ``(native result, False)`` when the kernel refuses the
+    input (its argument checks raise TypeError / ValueError before computing anything: sharded
+    DTensor weights, unusual dtypes). Logged once per kernel and reason."""
+    try:
+        return run_kernel(), True
+    except (TypeError, ValueError) as exc:
+        key = (kernel, f"{type(exc).__name__}: {exc}")
+        if key not in _refused:
+            _refused.add(key)
+            log.warning("liger_compat: %s kernel refused an input, native code used: %s", kernel, key[1])
+        return run_native(), False
+
+
 # --------------------------------------------------------------------------------------------
 # RMSNorm
 # --------------------------------------------------------------------------------------------
@@ -116,7 +133,10 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
         ref = native(probe).float()
         scale = ref.abs().max().clamp(min=1e-6)
         for casting in order:
-            y = kernels.rms_norm(probe, m.weight, eps, offset=offset, casting=casting)
+            try:
+                y = kernels.rms_norm(probe, m.weight, eps, offset=offset, casting=casting)
+            except (TypeError, ValueError):  # the kernel refuses this weight (e.g. a sharded DTensor)
+                continue
             if y.shape != ref.shape:
                 continue
             err = float(((y.float() - ref).abs().max() / scale).item())
@@ -149,7 +169,8 @@ def _rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         return wrapped(x)
     from .. import kernels
 
-    return kernels.rms_norm(x, instance.weight, eps, offset=mode[0], casting=mode[1])
+    return _guarded("rms_norm", lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0], casting=mode[1]),
+                    lambda: wrapped(x))[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,9 +245,11 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     x = args[0]
     if layout == "fused_gate_up":
         gate, up = projs[0](x).chunk(2, dim=-1)
-        return projs[1](gated(gate, up))
-    gate_proj, up_proj, down_proj = projs
-    return down_proj(gated(gate_proj(x), up_proj(x)))
+        down_proj = projs[1]
+    else:
+        gate_proj, up_proj, down_proj = projs
+        gate, up = gate_proj(x), up_proj(x)
+    return down_proj(_guarded(kernel_name, lambda: gated(gate, up), lambda: act(gate) * up)[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,7 +287,11 @@ def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, An
         return wrapped(*args, **kwargs)
     from .. import kernels
 
-    q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin, position_ids=position_ids, unsqueeze_dim=unsqueeze_dim)
+    res, used_kernel = _guarded(_ROPE, lambda: kernels.apply_rotary_pos_emb(
+        q, k, cos, sin, position_ids=position_ids, unsqueeze_dim=unsqueeze_dim), lambda: wrapped(*args, **kwargs))
+    if not used_kernel:
+        return res
+    q_out, k_out = res
     if cos.dtype != q.dtype:
         # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
         want = _rope_out_dtype(wrapped, fn, q, cos, a, unsqueeze_dim)
@@ -304,10 +331,12 @@ def _rope_out_dtype(native: Any, fn: Any, q: Any, cos: Any, a: dict[str, Any], u
 class _ModuleShim:
     """Bookkeeping shared by the three module shims: one watcher over the family modules."""
 
-    def __init__(self, shim_id: str, what: str, patch: Callable[["_ModuleShim", Any], None]):
+    def __init__(self, shim_id: str, what: str, patch: Callable[["_ModuleShim", Any], None],
+                 replaced: Callable[[Any], str | None]):
         self.id = shim_id
         self.what = what
         self._patch = patch
+        self._replaced = replaced  # module -> who replaced our patch afterwards, for the report
         self.patches: PatchSet | None = None
         self.left_alone: dict[str, str] = {}  # module name -> reason
         self.patched: dict[str, list[str]] = {}  # module name -> patched targets
@@ -351,6 +380,9 @@ class _ModuleShim:
         if name in self.watcher.failures:
             return False, f"{self.what} failed ({self.watcher.failures[name]})"
         if self.patched.get(name):
+            owner = self._replaced(module)
+            if owner is not None:
+                return False, f"{self.what} replaced afterwards by {owner}"
             return True, self.what
         return False, f"no {self.what}"
 
@@ -387,9 +419,21 @@ def _patch_rope(self: _ModuleShim, module: Any) -> None:
     self.patched.setdefault(module.__name__, []).append(_ROPE_FN)
 
 
-_NORMS = _ModuleShim("transformers.rms_norm", "rms_norm", _patch_norms)
-_MLPS = _ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps)
-_ROPES = _ModuleShim("transformers.rope", "rope", _patch_rope)
+def _replaced_classes(test: Callable[[str], bool]) -> Callable[[Any], str | None]:
+    def check(module: Any) -> str | None:
+        found = _foreign_replacements(module, test)
+        return found[0][1] if found else None
+    return check
+
+
+def _replaced_rope(module: Any) -> str | None:
+    current = vars(module).get(_ROPE_FN)
+    return None if current is None or is_ours(current, _rope_forward) else conflicts.foreign_owner(current)
+
+
+_NORMS = _ModuleShim("transformers.rms_norm", "rms_norm", _patch_norms, _replaced_classes(_is_rms_name))
+_MLPS = _ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps, _replaced_classes(_is_mlp_name))
+_ROPES = _ModuleShim("transformers.rope", "rope", _patch_rope, _replaced_rope)
 
 
 # -- instance level (apply(model=...)) ------------------------------------------------------

@@ -269,3 +269,30 @@ def test_output_is_the_family_output_class_and_indexable():
     assert type(out).__name__ == "CausalLMOutputWithPast"
     assert "token_accuracy" in out.keys() and out["loss"] is out.loss
     assert 0.0 <= float(out.token_accuracy) <= 1.0 and out.token_accuracy.dim() == 0
+
+
+class _WrappedHead(torch.nn.Module):
+    """A head that is not a plain nn.Linear (as a LoRA or quantised head): the loss must still match."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_non_linear_head_gets_the_unfused_loss_with_the_same_contract(family):
+    model = tiny(family)
+    model.lm_head = _WrappedHead(model.lm_head)
+    ids, labels = random_batch(model, seed=15)
+    kernels.last_backend.clear()
+    out, g = _run(model, ids, labels, num_items_in_batch=19)
+    assert "fused_linear_cross_entropy" not in kernels.last_backend
+    assert out.logits is None
+    with native():
+        with torch.no_grad():
+            full = model(input_ids=ids).logits
+    torch.testing.assert_close(out.loss, manual_loss(full, labels, num_items=19), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.token_accuracy, manual_accuracy(full, labels))

@@ -193,15 +193,21 @@ def test_patched_over_after_us_is_reported_and_revert_does_not_drop_it():
     cls = type(model)
     with native():
         original = vars(cls)["forward"]
+    mod = sys.modules[BY_NAME["mistral"].module]
+    with native():
+        original_rope = mod.apply_rotary_pos_emb
     unsloth_forward = _foreign("unsloth.models.mistral", "MistralForCausalLM_fast_forward")
-    cls.forward = unsloth_forward  # someone patches after liger_compat
+    liger_rope = _foreign("liger_kernel.transformers.rope", "liger_rotary_pos_emb")
+    cls.forward = unsloth_forward  # others patch after liger_compat
+    mod.apply_rotary_pos_emb = liger_rope
     try:
-        assert "unsloth" in family_states()["mistral"]
+        state = family_states()["mistral"]
+        assert "unsloth" in state and "rope replaced afterwards by liger-kernel" in state, state
         errors = liger_compat.revert()
         assert any("replaced again" in e for e in errors), errors
-        assert vars(cls)["forward"] is unsloth_forward
+        assert vars(cls)["forward"] is unsloth_forward and mod.apply_rotary_pos_emb is liger_rope
     finally:
-        cls.forward = original
+        cls.forward, mod.apply_rotary_pos_emb = original, original_rope
         liger_compat.apply()
     assert is_ours(vars(cls)["forward"], causal_lm._fused_forward)
 
@@ -217,3 +223,24 @@ def test_instance_level_foreign_forward_is_reported_by_apply_model():
     assert any("LlamaForCausalLM.forward (instance)" == w and "liger-kernel" in b for w, b in whats.items()), whats
     assert any("RMSNorm.forward (instance)" in w and "hub kernels" in b for w, b in whats.items()), whats
     REGISTRY.conflicts.clear()
+
+
+def test_a_kernel_refusing_its_input_falls_back_to_native(monkeypatch, caplog):
+    model = tiny("qwen2")
+    ids, labels = random_batch(model)
+    with native(), torch.no_grad():
+        ref = model(input_ids=ids).logits
+
+    def refuse(*a, **k):
+        raise ValueError("weight is a sharded DTensor (simulated)")
+
+    monkeypatch.setattr(kernels, "rms_norm", refuse)
+    monkeypatch.setattr(kernels, "swiglu", refuse)
+    monkeypatch.setattr(kernels, "apply_rotary_pos_emb", refuse)
+    modules._rms_modes.clear()
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert "swiglu kernel refused" in caplog.text and "rope kernel refused" in caplog.text
+    monkeypatch.undo()
+    modules._rms_modes.clear()
