@@ -65,8 +65,11 @@ def bench_ms(fn, rep_ms=None):
     return do_bench(fn, warmup=max(25.0, one * 3), rep=rep, return_mode="median")
 
 
-def extra_peak_mib(fn):
-    """Peak memory during fn() beyond what was allocated before and what fn returns."""
+def extra_peak_mib(fn, preexisting=()):
+    """Peak memory during fn() beyond what was allocated before and what fn returns.
+
+    Returned tensors that share storage with ``preexisting`` ones (liger-kernel writes some
+    gradients over its inputs) are not subtracted: they were already in the baseline."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -75,7 +78,13 @@ def extra_peak_mib(fn):
     out = fn()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    kept = sum(t.numel() * t.element_size() for t in _tensors(out))
+    old = {t.untyped_storage().data_ptr() for t in preexisting}
+    seen, kept = set(), 0
+    for t in _tensors(out):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in old and ptr not in seen:
+            seen.add(ptr)
+            kept += t.untyped_storage().nbytes()
     del out
     return (peak - base - kept) / 2**20
 
@@ -93,10 +102,10 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def measure(section, shape, impl, step, extra=None, **fields):
+def measure(section, shape, impl, step, extra=None, preexisting=(), **fields):
     try:
         ms = bench_ms(step)
-        mem = extra_peak_mib(step)
+        mem = extra_peak_mib(step, preexisting)
         add(section=section, shape=shape, impl=impl, ms=ms, extra_mib=mem, **fields, **(extra or {}))
         return ms
     except Exception as exc:  # keep going: one broken baseline must not lose the run
@@ -246,11 +255,18 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
             torch.cuda.empty_cache()
 
 
+def _set_flce(rows=1024, mib=256, variant="split", compact=True, gw="cublas"):
+    from liger_compat.kernels import _ce_triton
+    from liger_compat.kernels import loss as loss_mod
+
+    loss_mod.FLCE_CHUNK_ROWS, loss_mod.FLCE_CHUNK_BYTES = rows, mib * 2**20
+    _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.GRAD_WEIGHT_IMPL = variant, compact, gw
+
+
 def flce_variants():
-    """Our own knobs at the Llama-3-8B head: chunk memory budget, CE row-kernel variant, the
-    grad_weight update (cuBLAS addmm or the Triton kernel) and skipping ignored rows. The fastest
-    configuration within the 63 MiB budget is kept for the rest of the run (recorded in meta)."""
-    from liger_compat.kernels import _ce_triton, _matmul_triton, fused_linear_cross_entropy
+    """Our own knobs at the Llama-3-8B head: rows per chunk / memory cap, CE row-kernel
+    variant, the grad_weight update (cuBLAS addmm or the Triton kernel), skipping ignored rows."""
+    from liger_compat.kernels import fused_linear_cross_entropy
     from liger_compat.kernels import loss as loss_mod
 
     n, hd, v, _ = HEADS["llama3-8b"]
@@ -258,32 +274,40 @@ def flce_variants():
     mt = RESULTS["meta"].get("matmul_tflops", 797.0)
     floor = 6 * n * hd * v / (mt * 1e12) * 1e3
     configs = [
-        (63, "split", True, "cublas"), (63, "split", False, "cublas"), (63, "row", True, "cublas"),
-        (63, "split", True, "triton"), (128, "split", True, "cublas"), (128, "split", True, "triton"),
-        (256, "split", True, "cublas"), (512, "split", True, "cublas"), (1024, "split", True, "cublas"),
+        dict(), dict(variant="row"), dict(compact=False), dict(gw="triton"),
+        dict(mib=63), dict(mib=63, gw="triton"), dict(mib=128), dict(rows=2048, mib=1024), dict(rows=4096, mib=2048),
     ]
-    best = None
-    for mib, variant, compact, gw_impl in configs:
-        loss_mod.FLCE_CHUNK_BYTES = mib * 2**20
-        _ce_triton.CE_KERNEL_VARIANT = variant
-        loss_mod.COMPACT_IGNORED = compact
-        loss_mod.GRAD_WEIGHT_IMPL = gw_impl
+    for cfg in configs:
+        _set_flce(**cfg)
 
         def step():
             return torch.autograd.grad(fused_linear_cross_entropy(h, w, t), (h, w))
 
-        rows = loss_mod._chunk_rows(n, v, 2, "triton", h.device)
-        label = f"llama3-8b chunk={mib}MiB ({rows} rows) ce={variant} compact={compact} gw={gw_impl}"
-        ms = measure("flce_variants", label, "liger_compat", step, floor_ms=floor, chunk_rows=rows)
-        if ms is not None and mib == 63 and (best is None or ms < best[0]):
-            best = (ms, (mib, variant, compact, gw_impl))
-    mib, variant, compact, gw_impl = best[1] if best else (63, "split", True, "cublas")
-    loss_mod.FLCE_CHUNK_BYTES = mib * 2**20
-    _ce_triton.CE_KERNEL_VARIANT = variant
-    loss_mod.COMPACT_IGNORED = compact
-    loss_mod.GRAD_WEIGHT_IMPL = gw_impl
-    RESULTS["meta"]["flce_config_used"] = dict(chunk_mib=mib, ce_variant=variant, compact=compact,
-                                               grad_weight=gw_impl, gw_config=_matmul_triton.GW_CONFIG)
+        rows = loss_mod._chunk_rows(n, v, hd, 2, "triton", h.device)
+        label = "default" if not cfg else ", ".join(f"{k}={v}" for k, v in cfg.items())
+        measure("flce_variants", f"llama3-8b {label} ({rows} rows)", "liger_compat", step, floor_ms=floor, chunk_rows=rows)
+    _set_flce()
+
+
+def flce_lowmem():
+    """The low-memory operating point (LIGER_COMPAT_FLCE_CHUNK_MB=63) at every head."""
+    from liger_compat.kernels import fused_linear_cross_entropy
+
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    _set_flce(mib=63)
+    try:
+        for name, (n, hd, v, softcap) in HEADS.items():
+            h, w, t = _flce_inputs(n, hd, v)
+            floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+
+            def step():
+                return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
+
+            measure("flce_lowmem", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
+                    "liger_compat (63 MiB cap)", step, floor_ms=floor)
+            del h, w, t
+    finally:
+        _set_flce()
 
 
 def flce_profile():
@@ -295,8 +319,8 @@ def flce_profile():
     n, hd, v, _ = HEADS["llama3-8b"]
     h, w, t = _flce_inputs(n, hd, v)
     h, w = h.detach(), w.detach()
-    rows = loss_mod._chunk_rows(n, v, 2, "triton", h.device)
-    chunks = math.ceil(n / rows)
+    rows = loss_mod._chunk_rows(n, v, hd, 2, "triton", h.device)
+    chunks = math.ceil(int((t != -100).sum()) / rows)
     hc, tc = h[:rows], t[:rows]
     buf = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
     torch.mm(hc, w.t(), out=buf)
@@ -420,10 +444,11 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
                 del res
             except Exception as exc:
                 errs["check_error"] = str(exc)[:300]
-            measure(section, f"{kind} {shape_label}", impl, step, extra=errs, floor_ms=floor, kernel=kind, **fields)
+            measure(section, f"{kind} {shape_label}", impl, step, extra=errs, floor_ms=floor, kernel=kind,
+                    preexisting=list(inputs) + dys, **fields)
 
     sizes = sizes or {"rms_norm": [16384], "swiglu": [16384], "geglu": [16384], "rope": [2048]}
-    for kind in which:
+    for kind in [k for k in which if k in sizes]:
         for size in sizes[kind]:
             log(f"## {section}: {kind} {size}")
             if kind == "rms_norm":
@@ -467,6 +492,51 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
             torch.cuda.empty_cache()
 
 
+def elem_profile():
+    """Launch knobs of our RMSNorm and RoPE kernels, timed alone; the fastest become the
+    settings for the rest of the run (recorded in meta)."""
+    from liger_compat.kernels import _rms_norm_triton as R
+    from liger_compat.kernels import _rope_triton as P
+    import liger_compat.kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    bf = torch.bfloat16
+    x = torch.randn(16384, 4096, device="cuda", generator=g, dtype=bf)
+    wt = (torch.rand(4096, device="cuda", generator=g) + 0.5).to(bf)
+    dy = torch.randn_like(x)
+    best_f = best_b = None
+    for warps in (4, 8, 16):
+        R.FWD_WARPS = warps
+        ms = bench_ms(lambda: R.rms_norm_forward_triton(x, wt, 1e-6, 0.0, "llama"))
+        add(section="elem_profile", shape="rms_norm fwd 16384x4096", impl=f"fwd warps={warps}", ms=ms)
+        best_f = min(best_f or (ms, warps), (ms, warps))
+    R.FWD_WARPS = best_f[1]
+    _, rstd = R.rms_norm_forward_triton(x, wt, 1e-6, 0.0, "llama")
+    for warps in (4, 8, 16):
+        for per_sm in (1, 2, 4):
+            R.BWD_WARPS, R.BWD_PROGRAMS_PER_SM = warps, per_sm
+            ms = bench_ms(lambda: R.rms_norm_backward_triton(dy, x, wt, rstd, 0.0, "llama", True))
+            add(section="elem_profile", shape="rms_norm bwd 16384x4096", impl=f"bwd warps={warps} programs/SM={per_sm}", ms=ms)
+            best_b = min(best_b or (ms, (warps, per_sm)), (ms, (warps, per_sm)))
+    R.BWD_WARPS, R.BWD_PROGRAMS_PER_SM = best_b[1]
+    RESULTS["meta"]["rms_norm_knobs"] = dict(fwd_warps=best_f[1], bwd=best_b[1])
+    del x, dy
+    q = torch.randn(8, 32, 2048, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+    k = torch.randn(8, 8, 2048, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+    ang = torch.rand(8, 2048, 64, device="cuda", generator=g) * 100
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    best = None
+    for variant, bt in (("rows", 16), ("heads", 4), ("heads", 8), ("heads", 16), ("heads", 32)):
+        P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T = variant, bt
+        ms = bench_ms(lambda: torch.autograd.grad(K.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)))
+        add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=f"{variant} block_t={bt}", ms=ms)
+        best = min(best or (ms, (variant, bt)), (ms, (variant, bt)))
+    P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T = best[1]
+    RESULTS["meta"]["rope_knobs"] = best[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +551,7 @@ def report() -> str:
     lines = [f"# liger_compat kernel benchmark", "",
              f"device: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; "
              f"bf16 matmul {m.get('matmul_tflops', 0):.0f} TFLOP/s, copy {m.get('copy_tbps', 0):.2f} TB/s", ""]
-    fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap")]
+    fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap", "flce_lowmem")]
     if fl:
         lines += ["## Fused linear cross-entropy: correctness (bf16 inputs)", "",
                   "| head | impl | loss diff vs eager | grad_h err vs eager (bf16 mm, fp32 CE) | grad_h err vs fp32 | grad_w err vs fp32 |",
@@ -502,13 +572,16 @@ def report() -> str:
                 lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
                              f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} |")
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
-                       ("flce_profile", "one chunk, step by step (Llama-3-8B head)")):
+                       ("flce_profile", "one chunk, step by step (Llama-3-8B head)"),
+                       ("elem_profile", "RMSNorm / RoPE launch variants (kernels alone)")):
         rs = _rows(sec)
         if rs:
             lines += ["", f"## {title}", "", "| config | ms | extra MiB | x floor |", "|---|---|---|---|"]
             for r in rs:
                 if r.get("ms") is None:
                     lines.append(f"| {r['shape']} {r['impl']} | error | | |")
+                elif sec == "elem_profile":
+                    lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.3f} | | |")
                 elif sec == "flce_profile":
                     lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x chunks: {r['ms_times_chunks']:.2f}) | | |")
                 else:
@@ -576,12 +649,14 @@ SECTIONS = {
     "softcap": lambda: flce(("gemma2-9b-softcap",), section="flce_softcap"),
     "acc": lambda: flce(("llama3-8b",), acc_variants=(True,), section="flce_acc"),
     "variants": flce_variants,
+    "lowmem": flce_lowmem,
+    "elem_profile": elem_profile,
     "profile": flce_profile,
     "norm": lambda: elementwise(),
     "flce_sweep": flce_sweep,
     "elementwise_sweep": lambda: elementwise(
-        sizes={"rms_norm": [2048, 4096, 8192, 16384], "swiglu": [2048, 4096, 8192, 16384],
-               "geglu": [4096, 16384], "rope": [512, 1024, 2048, 4096]},
+        sizes={"rms_norm": [2048, 8192, 32768], "swiglu": [2048, 8192, 16384],
+               "rope": [1024, 2048, 4096]},
         section="elementwise_sweep"),
 }
 
@@ -590,7 +665,7 @@ def main(argv=None):
     global OUT
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
-    p.add_argument("--sections", default="ceilings,profile,variants,flce,softcap,acc,norm")
+    p.add_argument("--sections", default="ceilings,elem_profile,norm,profile,variants,flce,softcap,acc,lowmem,flce_sweep,elementwise_sweep")
     p.add_argument("--plot", help="only draw plots from this kernels.json")
     p.add_argument("--merge", nargs="*", help="earlier kernels.json files whose rows to keep")
     args = p.parse_args(argv)

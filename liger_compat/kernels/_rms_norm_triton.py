@@ -56,13 +56,21 @@ def _rms_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, N, H, offset,
         tl.store(dw_part_ptr + pid * H + cols, dw, mask=cmask)
 
 
-def _warps(block_h: int) -> int:
-    return max(1, min(16, block_h // 256))
+#: launch knobs (None: by row width); measured variants are in benchmarks/NOTES.md
+FWD_WARPS: int | None = None
+BWD_WARPS: int | None = None
+BWD_PROGRAMS_PER_SM = 2
+
+
+def _warps(block_h: int, override: int | None) -> int:
+    if override is not None:
+        return override
+    return 16 if block_h >= 8192 else 8 if block_h >= 2048 else 4
 
 
 def _programs(n: int, device: torch.device) -> int:
     if device.type == "cuda":
-        return max(1, min(n, torch.cuda.get_device_properties(device).multi_processor_count * 4))
+        return max(1, min(n, torch.cuda.get_device_properties(device).multi_processor_count * BWD_PROGRAMS_PER_SM))
     return max(1, min(n, 4))
 
 
@@ -80,7 +88,7 @@ def rms_norm_forward_triton(x2, w, eps, offset, casting):
         while rows < 8 and block * rows < 4096 and n % (rows * 2) == 0:
             rows *= 2
     _rms_fwd[(n // rows,)](x2, w, y, rstd, h, eps, offset, LLAMA=casting == "llama", BLOCK_H=block,
-                           ROWS=rows, num_warps=_warps(block))
+                           ROWS=rows, num_warps=_warps(block, FWD_WARPS))
     return y, rstd
 
 
@@ -92,7 +100,7 @@ def rms_norm_backward_triton(dy, x2, w, rstd, offset, casting, need_dw=True):
     if n > 0:
         block = triton.next_power_of_2(h)
         _rms_bwd[(progs,)](dy, x2, w, rstd, dx, part, n, h, offset, LLAMA=casting == "llama",
-                           NEED_DW=need_dw, BLOCK_H=block, num_warps=_warps(block))
+                           NEED_DW=need_dw, BLOCK_H=block, num_warps=_warps(block, BWD_WARPS))
     dw = None
     if need_dw:
         dw = part.sum(0) if n > 0 else torch.zeros(h, dtype=torch.float32, device=x2.device)

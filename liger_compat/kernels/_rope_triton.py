@@ -55,6 +55,106 @@ def _rope_kernel(
         tl.store(o_ptr + oo + 2 * HALF + pc, xp.to(ty), mask=pm)
 
 
+@triton.jit
+def _rotate_tile(x_ptr, o_ptr, xo, oo, cols, m, c1, c2, s1, s2, HALF: tl.constexpr, PASS: tl.constexpr,
+                 BACKWARD: tl.constexpr, BLOCK_PASS: tl.constexpr, tmask):
+    x1 = tl.load(x_ptr + xo + cols, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + xo + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    ty = o_ptr.dtype.element_ty
+    tl.store(o_ptr + oo + cols, y1.to(ty), mask=m)
+    tl.store(o_ptr + oo + HALF + cols, y2.to(ty), mask=m)
+    if PASS > 0:
+        pc = tl.arange(0, BLOCK_PASS)[None, :]
+        pm = tmask[:, None] & (pc < PASS)
+        xp = tl.load(x_ptr + xo + 2 * HALF + pc, mask=pm, other=0.0)
+        tl.store(o_ptr + oo + 2 * HALF + pc, xp.to(ty), mask=pm)
+
+
+@triton.jit
+def _rope_heads_kernel(
+    q_ptr, k_ptr, oq_ptr, ok_ptr, c_ptr, s_ptr, T, HQ, HK,
+    sqb, sqh, sqt, skb, skh, skt, soqb, soqh, soqt, sokb, sokh, sokt, scb, sct, ssb, sst,
+    HALF: tl.constexpr, PASS: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    """One program per (block of positions, batch): cos/sin loaded once, every q and k head
+    of those positions rotated with them (one launch for q and k)."""
+    b = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    m = tmask[:, None] & (cols < HALF)
+    co = (b * scb + t * sct)[:, None]
+    so = (b * ssb + t * sst)[:, None]
+    c1 = tl.load(c_ptr + co + cols, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + co + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + so + cols, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + so + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    for h in range(HQ):
+        _rotate_tile(q_ptr, oq_ptr, (b * sqb + h * sqh + t * sqt)[:, None], (b * soqb + h * soqh + t * soqt)[:, None],
+                     cols, m, c1, c2, s1, s2, HALF, PASS, BACKWARD, BLOCK_PASS, tmask)
+    for h in range(HK):
+        _rotate_tile(k_ptr, ok_ptr, (b * skb + h * skh + t * skt)[:, None], (b * sokb + h * sokh + t * sokt)[:, None],
+                     cols, m, c1, c2, s1, s2, HALF, PASS, BACKWARD, BLOCK_PASS, tmask)
+
+
+#: positions per program of the heads kernel on CUDA
+HEADS_BLOCK_T = 16
+
+
+def _heads_view(x, head_dim_index):
+    """[B, H, T, D] view of a 4-D q/k whose head dimension is ``head_dim_index`` (1 or 2)."""
+    return x if head_dim_index == 1 else x.permute(0, 2, 1, 3)
+
+
+def _rope_heads(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index):
+    oq = torch.empty(q.shape, dtype=out_q, device=q.device)
+    ok = torch.empty(k.shape, dtype=out_k, device=k.device)
+    q4, k4 = _heads_view(q, head_dim_index), _heads_view(k, head_dim_index)
+    oq4, ok4 = _heads_view(oq, head_dim_index), _heads_view(ok, head_dim_index)
+    bsz, hq, t, d = q4.shape
+    hk = k4.shape[1]
+    rot = cos_u.shape[-1]
+    c = _heads_view(cos_u.expand(*q.shape[:-1], rot), head_dim_index)[:, 0]  # [B, T, rot]
+    s = _heads_view(sin_u.expand(*q.shape[:-1], rot), head_dim_index)[:, 0]
+    if c.stride(-1) != 1:
+        c = c.contiguous()
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    half = rot // 2
+    block_t = HEADS_BLOCK_T if q.device.type == "cuda" else 4
+    grid = (triton.cdiv(t, block_t), bsz)
+    _rope_heads_kernel[grid](
+        q4, k4, oq4, ok4, c, s, t, hq, hk,
+        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+        oq4.stride(0), oq4.stride(1), oq4.stride(2), ok4.stride(0), ok4.stride(1), ok4.stride(2),
+        c.stride(0), c.stride(1), s.stride(0), s.stride(1),
+        HALF=half, PASS=d - rot, BACKWARD=backward, BLOCK_T=block_t,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
+        num_warps=4,
+    )
+    return oq, ok
+
+
+def _heads_layout(q, k, cos_u, head_dim_index):
+    """True when the heads kernel applies: 4-D q/k sharing B and T, last dim contiguous, cos
+    broadcast over the head dimension."""
+    if head_dim_index not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos_u.dim() != 4:
+        return False
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    q4, k4 = _heads_view(q, head_dim_index), _heads_view(k, head_dim_index)
+    if q4.shape[0] != k4.shape[0] or q4.shape[2] != k4.shape[2]:
+        return False
+    return cos_u.shape[head_dim_index] == 1
+
+
 def _as4(x: torch.Tensor, cos_u: torch.Tensor, sin_u: torch.Tensor):
     """x -> [B, X, Y, D] view (copy only if needed), cos/sin expanded to its leading shape."""
     rot = cos_u.shape[-1]
@@ -100,5 +200,11 @@ def _rope_one(x, cos_u, sin_u, backward, out_dtype):
     return out
 
 
-def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k):
+#: "heads" (one program per positions block, all heads) where the layout allows, else "rows"
+ROPE_KERNEL_VARIANT = "heads"
+
+
+def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index=None):
+    if ROPE_KERNEL_VARIANT == "heads" and head_dim_index is not None and _heads_layout(q, k, cos_u, head_dim_index):
+        return _rope_heads(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index)
     return _rope_one(q, cos_u, sin_u, backward, out_q), _rope_one(k, cos_u, sin_u, backward, out_k)

@@ -19,6 +19,7 @@ accumulation fix, 4.46) are options of both.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,9 +29,21 @@ from . import _checks, _dispatch
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
-#: Bytes of chunk logits the fused loss may hold at once on an accelerator. The design target
-#: is < 64 MiB of extra peak memory: 256 bf16 rows at V=128256 (62.6 MiB).
-FLCE_CHUNK_BYTES = 63 * 2**20
+def _env_mib(name: str, default: int) -> int:
+    try:
+        return int(float(os.environ.get(name, default)) * 2**20)
+    except ValueError:
+        return default * 2**20
+
+
+#: Rows per chunk the fused loss aims for on an accelerator. Each chunk reads the weight twice
+#: and reads+writes the bf16 grad_weight once (~4*V*H*2 bytes) for 6*rows*H*V flop, so about
+#: 1000 rows are needed before the three matmuls, not memory traffic, set the time (NOTES.md).
+FLCE_CHUNK_ROWS = 1024
+#: Cap on the extra memory of one chunk (its logits plus a gathered copy of its hidden rows).
+#: ``LIGER_COMPAT_FLCE_CHUNK_MB=63`` keeps the fused loss under 64 MiB extra at V=128256 (about
+#: 250 rows: ~1.5x slower at the Llama-3-8B head); the default 256 MiB gives ~1000 rows there.
+FLCE_CHUNK_BYTES = _env_mib("LIGER_COMPAT_FLCE_CHUNK_MB", 256)
 #: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
 FLCE_CHUNK_BYTES_CPU = 8 * 2**20
 
@@ -187,12 +200,12 @@ def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape
 # --------------------------------------------------------------------------------------------
 
 
-def _chunk_rows(n: int, v: int, elem: int, backend: str, device: torch.device) -> int:
+def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.device) -> int:
     if device.type == "cpu":
         rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
-        rows = FLCE_CHUNK_BYTES // (elem * v)
-        rows = rows // 16 * 16 if rows >= 32 else rows
+        rows = min(FLCE_CHUNK_ROWS, FLCE_CHUNK_BYTES // (elem * (v + h)))
+        rows = rows // 8 * 8 if rows >= 16 else rows
     return int(max(1, min(n, rows)))
 
 
@@ -220,7 +233,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
         if idx.numel() == n:
             idx = None
     m = n if idx is None else idx.numel()
-    rows = _chunk_rows(max(m, 1), v, h.element_size(), backend, dev)
+    rows = _chunk_rows(max(m, 1), v, hdim, h.element_size(), backend, dev)
     new = torch.empty if idx is None else torch.zeros  # skipped rows must read as zero
     loss = new(n, dtype=f32, device=dev) if want_stats else None
     zl = new(n, dtype=f32, device=dev) if want_stats else None
@@ -260,11 +273,6 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
                 loss[ic], zl[ic], correct[ic] = st[0], st[1], st[3]
         if any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
-            if need_gh:
-                if idx is None:
-                    torch.mm(d, w, out=gh[start:end])
-                else:
-                    gh.index_copy_(0, ic, torch.mm(d, w))
             if need_gw:
                 if use_triton_gw:
                     from ._matmul_triton import grad_weight_update
@@ -278,6 +286,12 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
                     gw.addmm_(d.t(), hc)
             if need_gb:
                 gb += d.float().sum(0)
+            if need_gh:  # after grad_weight, so a gathered hc can take the result
+                if idx is None:
+                    torch.mm(d, w, out=gh[start:end])
+                else:
+                    torch.mm(d, w, out=hc)
+                    gh.index_copy_(0, ic, hc)
     del buf
     if gw is not None and gw.dtype != w.dtype:
         gw = gw.to(w.dtype)

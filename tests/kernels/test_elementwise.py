@@ -132,3 +132,27 @@ def test_rope_position_ids_with_table():
     qe, ke = apply_rotary_pos_emb(q, k, ang.cos(), ang.sin(), position_ids=pos)
     ref = rope64(q, ang.cos()[pos], ang.sin()[pos])
     assert rel_err(qe, ref) < 1e-6
+
+
+@pytest.mark.parametrize("variant", ["heads", "rows"])
+@pytest.mark.parametrize("layout", [1, 2])
+def test_rope_triton_kernel_variants(monkeypatch, variant, layout):
+    """Both Triton RoPE kernels (all heads of a position block per program / flat rows)."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    from liger_compat.kernels import _rope_triton
+
+    calls = []
+    real = _rope_triton._rope_heads
+    monkeypatch.setattr(_rope_triton, "ROPE_KERNEL_VARIANT", variant)
+    monkeypatch.setattr(_rope_triton, "_rope_heads", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    q, k, cos, sin = _rope_inputs(g, 2, 3, 1, 5, 12, 8, torch.float32, layout, True)
+    qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
+    assert bool(calls) == (variant == "heads")
+    assert rel_err(qe, rope64(q, cos, sin, layout)) < 1e-6 and rel_err(ke, rope64(k, cos, sin, layout)) < 1e-6
+    gq, gk = torch.randn(qe.shape, generator=g), torch.randn(ke.shape, generator=g)
+    dq, dk = torch.autograd.grad((qe * gq).sum() + (ke * gk).sum(), (q, k))
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    rq, rk = torch.autograd.grad((rope64(q64, cos, sin, layout) * gq).sum() + (rope64(k64, cos, sin, layout) * gk).sum(), (q64, k64))
+    assert rel_err(dq, rq) < 1e-6 and rel_err(dk, rk) < 1e-6
