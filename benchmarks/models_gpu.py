@@ -1,0 +1,244 @@
+"""GPU check of the model shims (issue 4): per decoder family, at a realistic small size, a bf16
+training step patched vs native with the same weights.
+
+    python -m benchmarks.models_gpu [--families llama,qwen2,...] [--batch 2] [--seq 2048]
+                                    [--hidden 1024] [--layers 2] [--vocab 128256] [--out DIR]
+    python -m benchmarks.models_gpu --device cpu --seq 64 --hidden 128 --vocab 512 --iters 1   # smoke run
+
+For each family it reports
+
+* loss and gradient error of the native bf16 step and of the patched bf16 step, both against an
+  fp32 native step of the same weights (the patched error should be no worse than about the
+  native one; the columns make that visible per family),
+* extra peak memory of forward + backward (peak allocated minus what was allocated before the
+  step; gradients set to None first, so both sides pay for the same gradients),
+* median time of forward + backward over a few iterations (CUDA events),
+* token accuracy returned by the fused forward vs argmax of the native logits.
+
+Writes ``models_gpu.json`` and ``models_gpu.md`` under ``--out`` (default benchmarks/results).
+Families the installed transformers lacks are listed as skipped. Needs CUDA; runs the Triton
+kernels through ``liger_compat.kernels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import liger_compat
+from liger_compat.shims.families import FAMILIES
+from liger_compat.shims.tiny_models import FamilyUnavailable, build
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+@contextlib.contextmanager
+def native():
+    errors = liger_compat.revert()
+    if errors:
+        raise RuntimeError(f"revert failed: {errors}")
+    try:
+        yield
+    finally:
+        liger_compat.apply()
+
+
+def make_model(family: str, args, dtype):
+    heads = max(args.hidden // 64, 1)
+    overrides = dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or int(args.hidden * 2.75) // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=64,
+        max_position_embeddings=max(args.seq, 4096),
+        sliding_window=args.seq,
+    )
+    if family == "phi3":
+        overrides["original_max_position_embeddings"] = max(args.seq, 4096)
+    if family in ("gemma2", "gemma3"):
+        # sdpa has no attention soft-cap: keep the final-logit soft-cap (the fused loss's quirk) only
+        overrides.update(final_logit_softcapping=30.0, attn_logit_softcapping=None, query_pre_attn_scalar=64)
+    model = build(family, seed=0, init_std=0.02, device=args.device, dtype=dtype, **overrides)
+    model.config._attn_implementation = "sdpa"
+    return model.train()
+
+
+def batch(model, args):
+    g = torch.Generator().manual_seed(1)
+    v = model.config.vocab_size
+    ids = torch.randint(3, v, (args.batch, args.seq), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=g) < 0.1] = -100
+    return ids.to(args.device), labels.to(args.device)
+
+
+def step(model, ids, labels):
+    """One forward + backward; returns (loss, grads, extra peak bytes (0 off CUDA), output)."""
+    cuda = ids.is_cuda
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    peak = 0
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach().float(), grads, peak, out
+
+
+def timed(model, ids, labels, iters: int):
+    times = []
+    for _ in range(iters + 1):
+        model.zero_grad(set_to_none=True)
+        if not ids.is_cuda:
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])  # the first one warms up
+
+
+def rel(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in b)
+    den = sum(float(b[k].pow(2).sum()) for k in b)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def run_family(family: str, args) -> dict:
+    row: dict = {"family": family}
+    try:
+        model = make_model(family, args, torch.float32)
+    except FamilyUnavailable as exc:
+        return {**row, "skipped": str(exc)}
+    ids, labels = batch(model, args)
+    with native():
+        truth_loss, truth_grads, _, _ = step(model, ids, labels)
+        model.to(torch.bfloat16)
+        n_loss, n_grads, n_peak, n_out = step(model, ids, labels)
+        with torch.no_grad():
+            shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+            valid = shift != -100
+            n_acc = float(((n_out.logits.argmax(-1) == shift) & valid).sum() / valid.sum())
+        del n_out
+        n_ms = timed(model, ids, labels, args.iters)
+    p_loss, p_grads, p_peak, p_out = step(model, ids, labels)
+    p_acc = float(p_out.token_accuracy)
+    assert p_out.logits is None, "fused forward returned logits with labels"
+    del p_out
+    p_ms = timed(model, ids, labels, args.iters)
+    row.update(
+        params_m=sum(p.numel() for p in model.parameters()) / 1e6,
+        loss_fp32=float(truth_loss),
+        loss_err_native=abs(float(n_loss) - float(truth_loss)),
+        loss_err_patched=abs(float(p_loss) - float(truth_loss)),
+        grad_err_native=rel(n_grads, truth_grads),
+        grad_err_patched=rel(p_grads, truth_grads),
+        grad_err_patched_vs_native=rel(p_grads, n_grads),
+        peak_gib_native=n_peak / 2**30,
+        peak_gib_patched=p_peak / 2**30,
+        ms_native=n_ms,
+        ms_patched=p_ms,
+        token_acc_native_logits=n_acc,
+        token_acc_fused=p_acc,
+    )
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    out = [f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
+           f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16", "",
+           "| family | loss err native / ours | grad err native / ours | peak GiB native / ours | ms native / ours | acc logits / fused |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            out.append(f"| {r['family']} | {r.get('skipped') or r.get('error')} | | | | |")
+            continue
+        out.append(
+            f"| {r['family']} | {r['loss_err_native']:.2e} / {r['loss_err_patched']:.2e} "
+            f"| {r['grad_err_native']:.2e} / {r['grad_err_patched']:.2e} "
+            f"| {r['peak_gib_native']:.2f} / {r['peak_gib_patched']:.2f} "
+            f"| {r['ms_native']:.1f} / {r['ms_patched']:.1f} "
+            f"| {r['token_acc_native_logits']:.4f} / {r['token_acc_fused']:.4f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default=",".join(f.name for f in FAMILIES))
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny sizes advised)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("needs a CUDA GPU (or --device cpu for a smoke run)")
+        return 2
+    import transformers
+
+    liger_compat.apply()
+    meta = dict(transformers=transformers.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                batch=args.batch, seq=args.seq, hidden=args.hidden, layers=args.layers, vocab=args.vocab)
+    rows = []
+    for family in [f.strip() for f in args.families.split(",") if f.strip()]:
+        t0 = time.perf_counter()
+        try:
+            row = run_family(family, args)
+        except Exception as exc:  # one family failing must not hide the others
+            traceback.print_exc()
+            row = {"family": family, "error": f"{type(exc).__name__}: {exc}"}
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+        log(json.dumps(row))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "models_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    md = markdown(rows, meta)
+    (out / "models_gpu.md").write_text(md + "\n")
+    log(md)
+    bad = [r["family"] for r in rows if "error" in r or
+           ("grad_err_patched" in r and r["grad_err_patched"] > 2 * r["grad_err_native"] + 1e-2)]
+    if bad:
+        log(f"PROBLEMS: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
