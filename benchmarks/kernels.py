@@ -65,6 +65,16 @@ def bench_ms(fn, rep_ms=None):
     return do_bench(fn, warmup=max(25.0, one * 3), rep=rep, return_mode="median")
 
 
+def bench_graph_ms(fn):
+    """GPU time alone: ``fn`` captured in a CUDA graph and replayed (no Python/launch overhead,
+    which at ~0.3 ms kernel sizes otherwise decides the eager-launch number)."""
+    from triton.testing import do_bench_cudagraph
+
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=200, return_mode="median")
+
+
 def extra_peak_mib(fn, preexisting=()):
     """Peak memory during fn() beyond what was allocated before and what fn returns.
 
@@ -102,9 +112,18 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def measure(section, shape, impl, step, extra=None, preexisting=(), **fields):
+def measure(section, shape, impl, step, extra=None, preexisting=(), graph=False, **fields):
     try:
-        ms = bench_ms(step)
+        if graph:  # elementwise kernels: GPU time from a CUDA graph, eager-launch time beside it
+            ms_eager = bench_ms(step)
+            try:
+                ms = bench_graph_ms(step)
+                fields = dict(fields, ms_eager_launch=ms_eager, timing="cuda graph")
+            except Exception as exc:
+                ms = ms_eager
+                fields = dict(fields, timing=f"eager (graph capture failed: {type(exc).__name__})")
+        else:
+            ms = bench_ms(step)
         mem = extra_peak_mib(step, preexisting)
         add(section=section, shape=shape, impl=impl, ms=ms, extra_mib=mem, **fields, **(extra or {}))
         return ms
@@ -445,7 +464,7 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
             except Exception as exc:
                 errs["check_error"] = str(exc)[:300]
             measure(section, f"{kind} {shape_label}", impl, step, extra=errs, floor_ms=floor, kernel=kind,
-                    preexisting=list(inputs) + dys, **fields)
+                    preexisting=list(inputs) + dys, graph=True, **fields)
 
     sizes = sizes or {"rms_norm": [16384], "swiglu": [16384], "geglu": [16384], "rope": [2048]}
     for kind in [k for k in which if k in sizes]:
@@ -507,7 +526,7 @@ def elem_profile():
     best_f = best_b = None
     for warps in (4, 8, 16):
         R.FWD_WARPS = warps
-        ms = bench_ms(lambda: R.rms_norm_forward_triton(x, wt, 1e-6, 0.0, "llama"))
+        ms = bench_graph_ms(lambda: R.rms_norm_forward_triton(x, wt, 1e-6, 0.0, "llama"))
         add(section="elem_profile", shape="rms_norm fwd 16384x4096", impl=f"fwd warps={warps}", ms=ms)
         best_f = min(best_f or (ms, warps), (ms, warps))
     R.FWD_WARPS = best_f[1]
@@ -515,10 +534,20 @@ def elem_profile():
     for warps in (4, 8, 16):
         for per_sm in (1, 2, 4):
             R.BWD_WARPS, R.BWD_PROGRAMS_PER_SM = warps, per_sm
-            ms = bench_ms(lambda: R.rms_norm_backward_triton(dy, x, wt, rstd, 0.0, "llama", True))
+            ms = bench_graph_ms(lambda: R.rms_norm_backward_triton(dy, x, wt, rstd, 0.0, "llama", True))
             add(section="elem_profile", shape="rms_norm bwd 16384x4096", impl=f"bwd warps={warps} programs/SM={per_sm}", ms=ms)
             best_b = min(best_b or (ms, (warps, per_sm)), (ms, (warps, per_sm)))
     R.BWD_WARPS, R.BWD_PROGRAMS_PER_SM = best_b[1]
+    try:
+        from liger_kernel.ops.rms_norm import rms_norm_backward, rms_norm_forward
+
+        y, xs, rs, blk, nw, cm = rms_norm_forward(x, wt, 1e-6, 0.0, "llama", None)
+        add(section="elem_profile", shape="rms_norm fwd 16384x4096", impl="liger-kernel fwd",
+            ms=bench_graph_ms(lambda: rms_norm_forward(x, wt, 1e-6, 0.0, "llama", None)))
+        add(section="elem_profile", shape="rms_norm bwd 16384x4096", impl="liger-kernel bwd (not in place)",
+            ms=bench_graph_ms(lambda: rms_norm_backward(dy, xs, wt, rs, 0.0, cm, blk, nw, False, None)))
+    except Exception as exc:
+        add(section="elem_profile", shape="rms_norm 16384x4096", impl="liger-kernel kernels", error=str(exc)[:300])
     RESULTS["meta"]["rms_norm_knobs"] = dict(fwd_warps=best_f[1], bwd=best_b[1])
     del x, dy
     q = torch.randn(8, 32, 2048, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
@@ -530,7 +559,7 @@ def elem_profile():
     best = None
     for variant, bt in (("rows", 16), ("heads", 4), ("heads", 8), ("heads", 16), ("heads", 32)):
         P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T = variant, bt
-        ms = bench_ms(lambda: torch.autograd.grad(K.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)))
+        ms = bench_graph_ms(lambda: torch.autograd.grad(K.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)))
         add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=f"{variant} block_t={bt}", ms=ms)
         best = min(best or (ms, (variant, bt)), (ms, (variant, bt)))
     P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T = best[1]
@@ -551,6 +580,9 @@ def report() -> str:
     lines = [f"# liger_compat kernel benchmark", "",
              f"device: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; "
              f"bf16 matmul {m.get('matmul_tflops', 0):.0f} TFLOP/s, copy {m.get('copy_tbps', 0):.2f} TB/s", ""]
+    for mf in m.get("merged_from", []):
+        lines += [f"Rows of sections not re-run come from {mf['file']} ({mf['date']}; its own matmul rate "
+                  f"{mf['matmul_tflops']:.0f} TFLOP/s sets their floors): ratios are always within one run.", ""]
     fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap", "flce_lowmem")]
     if fl:
         lines += ["## Fused linear cross-entropy: correctness (bf16 inputs)", "",
@@ -589,17 +621,19 @@ def report() -> str:
     el = _rows("elementwise")
     if el:
         lines += ["", "## RMSNorm, SwiGLU, GeGLU, RoPE (bf16, forward+backward)", "",
-                  "| kernel | impl | ms | x bandwidth floor | x liger_compat | extra MiB | grad err vs eager |",
-                  "|---|---|---|---|---|---|---|"]
+                  "GPU ms: CUDA-graph replay (kernel time alone); eager ms: ordinary launches from Python.", "",
+                  "| kernel | impl | GPU ms | eager ms | x bandwidth floor | x liger_compat | extra MiB | grad err vs eager |",
+                  "|---|---|---|---|---|---|---|---|"]
         for shape in dict.fromkeys(r["shape"] for r in el):
             rs = [r for r in el if r["shape"] == shape]
             ours = next((r.get("ms") for r in rs if r["impl"] == "liger_compat"), None)
             for r in rs:
                 if r.get("ms") is None:
-                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | |")
+                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | |")
                     continue
                 ge = r.get("grad_err_vs_eager")
-                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {r['ms'] / r['floor_ms']:.2f} | "
+                le = r.get("ms_eager_launch")
+                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {'' if le is None else f'{le:.3f}'} | {r['ms'] / r['floor_ms']:.2f} | "
                              f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} | "
                              f"{'' if ge is None else f'{ge:.1e}'} |")
     return "\n".join(lines) + "\n"
@@ -680,13 +714,19 @@ def main(argv=None):
 
     RESULTS["meta"].update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            date=time.strftime("%Y-%m-%d %H:%M"))
+    sections = args.sections.split(",")
+    rerun = {"norm": "elementwise", "elementwise_sweep": "elementwise_sweep", "elem_profile": "elem_profile",
+             "flce": "flce", "softcap": "flce_softcap", "acc": "flce_acc", "lowmem": "flce_lowmem",
+             "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep"}
     for m in args.merge or []:
         old = json.loads(Path(m).read_text())
-        RESULTS["rows"] += old["rows"]
-        for k, v in old["meta"].items():
-            RESULTS["meta"].setdefault(k, v)
+        skip = {rerun[x] for x in sections if x in rerun}
+        kept = [dict(r, run=r.get("run", Path(m).name)) for r in old["rows"] if r.get("section") not in skip]
+        RESULTS["rows"] += kept
+        RESULTS["meta"].setdefault("merged_from", []).append(
+            dict(file=Path(m).name, date=old["meta"].get("date"), matmul_tflops=old["meta"].get("matmul_tflops")))
     torch._dynamo.config.cache_size_limit = 64
-    for name in args.sections.split(","):
+    for name in sections:
         t0 = time.time()
         try:
             SECTIONS[name]()
