@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 from typing import Any, Callable
 
 from .. import _config
@@ -439,15 +440,17 @@ _ROPES = _ModuleShim("transformers.rope", "rope", _patch_rope, _replaced_rope)
 # -- instance level (apply(model=...)) ------------------------------------------------------
 
 
-def _instance_forward(m: Any, wrapper: Any) -> Callable[..., Any]:
-    native = type(m).forward.__get__(m, type(m))
+def _rms_instance_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _rms_forward(type(self).forward.__get__(self, type(self)), self, args, kwargs)
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return wrapper(native, m, args, kwargs)
 
-    forward.__wrapped__ = native  # type: ignore[attr-defined]
-    forward._liger_compat_wrapper = wrapper  # type: ignore[attr-defined]
-    return forward
+def _mlp_instance_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _mlp_forward(type(self).forward.__get__(self, type(self)), self, args, kwargs)
+
+
+#: class-level wrapper -> the function bound to instances for the same job; a bound method (not a
+#: closure) so that ``copy.deepcopy(model)`` (trl's reference models) rebinds it to the copy
+_INSTANCE_FORWARDS: dict[Any, Any] = {}
 
 
 def _class_covered(cls: type, wrapper: Any) -> bool:
@@ -471,7 +474,7 @@ def _instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], struc
             continue
         d = vars(m)
         if "forward" in d:
-            if getattr(d["forward"], "_liger_compat_wrapper", None) is wrapper:
+            if getattr(d["forward"], "__func__", None) is _INSTANCE_FORWARDS[wrapper]:
                 continue
             owner = conflicts.instance_override(m)
             if owner is not None:
@@ -479,9 +482,12 @@ def _instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], struc
             continue
         if _class_covered(cls, wrapper) or conflicts.known_patcher(cls) is not None or not structural(m):
             continue
-        patches.set(m, "forward", _instance_forward(m, wrapper))
+        patches.set(m, "forward", types.MethodType(_INSTANCE_FORWARDS[wrapper], m))
         changed = True
     return changed
+
+
+_INSTANCE_FORWARDS.update({_rms_forward: _rms_instance_forward, _mlp_forward: _mlp_instance_forward})
 
 
 def _norm_instances(model: Any, patches: PatchSet) -> bool:

@@ -296,3 +296,30 @@ def test_non_linear_head_gets_the_unfused_loss_with_the_same_contract(family):
             full = model(input_ids=ids).logits
     torch.testing.assert_close(out.loss, manual_loss(full, labels, num_items=19), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.token_accuracy, manual_accuracy(full, labels))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_generate_is_unchanged(family):
+    model = tiny(family)
+    ids, _ = random_batch(model, b=2, t=6, seed=16)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        with native():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    assert torch.equal(out, ref)
+
+
+def test_gradient_checkpointing_in_train_mode():
+    model = tiny("qwen2")
+    # transformers 5.2x renamed it; older releases only have the first name
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    ids, labels = random_batch(model, seed=17)
+    out, g = _run(model, ids, labels, use_cache=False)
+    with native():
+        ref, g_ref = _run(model, ids, labels, use_cache=False)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5)

@@ -125,6 +125,7 @@ def test_apply_model_patches_structural_instances_and_revert_removes_them():
     x = torch.randn(3, 5, 16)
     with torch.no_grad():
         ref = net(x)
+        ref_norm = net[0](x)
     liger_compat.apply(model=net)
     assert all("forward" in vars(m) for m in net)
     kernels.last_backend.clear()
@@ -134,7 +135,18 @@ def test_apply_model_patches_structural_instances_and_revert_removes_them():
     assert {"rms_norm", "swiglu"} <= set(kernels.last_backend)
     # the odd norm was checked against its native forward and kept it
     assert isinstance(modules._rms_modes[(OddRMSNorm, torch.float32, torch.float32)], str)
+    # a deep copy (trl's reference model) runs on its own weights, not the original's
+    import copy
+
+    twin = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        torch.testing.assert_close(twin[0](x), 0.5 * ref_norm, rtol=1e-5, atol=1e-5)
+    shim = REGISTRY.get("transformers.rms_norm")
+    n_sets, first = len(shim.model_patches), vars(net[0])["forward"]
     liger_compat.apply(model=net)  # idempotent on instances too
+    assert len(shim.model_patches) == n_sets and vars(net[0])["forward"] is first
     liger_compat.revert()
     assert not any("forward" in vars(m) for m in net)
     liger_compat.apply()
