@@ -25,6 +25,7 @@ The wrapper (installed with wrapt on the class; ``inspect.signature`` still show
   The result is the family's native output class with ``logits=None`` and an extra
   ``token_accuracy`` (``out.token_accuracy`` and ``out["token_accuracy"]``: 0-d fraction of
   non-ignored shifted label positions whose argmax is the label, computed inside the kernel).
+  With ``return_dict=False`` the native tuple comes back (loss first), without token_accuracy.
 * Logits together with a fused loss: pass ``return_logits=True`` to the forward, or set
   ``LIGER_COMPAT_RETURN_LOGITS=1``; the logits are then computed (honouring ``logits_to_keep``)
   in addition to the fused loss.

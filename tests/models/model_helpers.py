@@ -13,8 +13,6 @@ import pytest
 import torch
 
 import liger_compat
-from liger_compat import _config
-from liger_compat.shims import REGISTRY
 from liger_compat.shims.families import FAMILIES
 from liger_compat.shims.tiny_models import FamilyUnavailable, build
 
@@ -69,4 +67,4 @@ def manual_accuracy(logits, labels, ignore_index=-100):
     return ((logits.argmax(-1) == shift) & valid).sum().float() / valid.sum().float()
 
 
-__all__ = ["FAMILY_NAMES", "native", "tiny", "random_batch", "grads", "manual_loss", "manual_accuracy", "REGISTRY"]
+__all__ = ["FAMILY_NAMES", "native", "tiny", "random_batch", "grads", "manual_loss", "manual_accuracy"]
