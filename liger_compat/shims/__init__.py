@@ -20,6 +20,9 @@ SHIM_MODULES: tuple[str, ...] = (
     "modules",  # RMSNorm / gated MLP / rotary embedding of the families
     "renamed_kwargs",  # F5: tokenizer <-> processing_class and other renamed trainer / config kwargs
     "num_items_in_batch_labels",  # F5: gradient-accumulation token count from whichever label keys a batch has
+    "trl_sft_token_accuracy",  # F1: SFTTrainer token accuracy / entropy from the fused forward, not logits
+    "trainer_liger_switch",  # use_liger_kernel / use_liger turned off while liger_compat applies its kernels
+    "trl_fused_lm_head",  # trl 1.15+ add_fused_lm_head: trl's head on its path, reported by check()
 )
 
 _loaded = False

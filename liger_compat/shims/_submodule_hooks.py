@@ -47,6 +47,77 @@ def _on_import(name: str, callback: Callable[[Any], None]) -> None:
             callback(sys.modules[name])
 
 
+# --------------------------------------------------------------------------------------------
+# middleware chains: several shims around one method, revertible in any order
+# --------------------------------------------------------------------------------------------
+
+class _Chain:
+    """One wrapt wrapper on ``owner.attr`` running the middlewares of every shim that asked for one.
+
+    Middlewares run in shim registration order (the first registered is outermost); each is
+    ``fn(call_next, wrapped, instance, args, kwargs)`` (``wrapped``: the original method) and calls
+    ``call_next(args, kwargs)`` to go on. A shim
+    removes only its own middleware, so shims can be reverted in any order; the wrapper itself goes
+    when the last middleware does.
+    """
+
+    def __init__(self, owner: Any, attr: str) -> None:
+        self.owner, self.attr = owner, attr
+        self.items: dict[str, tuple[int, Callable[..., Any]]] = {}
+        self.patches = PatchSet()
+        self.patches.wrap(owner, attr, self._call)
+
+    def _call(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        fns = [fn for _, fn in sorted(self.items.values(), key=lambda x: x[0])]
+
+        def step(i: int, a: tuple, k: dict[str, Any]) -> Any:
+            if i == len(fns):
+                return wrapped(*a, **k)
+            return fns[i](lambda a2, k2: step(i + 1, a2, k2), wrapped, instance, a, k)
+
+        return step(0, tuple(args), dict(kwargs))
+
+
+_chains: dict[tuple[int, str], _Chain] = {}
+
+
+def _shim_order(shim_id: str) -> int:
+    ids = [s.id for s in REGISTRY.shims()]
+    return ids.index(shim_id) if shim_id in ids else len(ids)
+
+
+class ShimPatches(PatchSet):
+    """A :class:`PatchSet` that can also add middlewares to shared chains (see :class:`_Chain`)."""
+
+    def __init__(self, shim_id: str) -> None:
+        super().__init__()
+        self.shim_id = shim_id
+        self._chained: list[tuple[int, str]] = []
+
+    def middleware(self, owner: Any, attr: str, fn: Callable[..., Any]) -> None:
+        with _lock:
+            key = (id(owner), attr)
+            chain = _chains.get(key)
+            if chain is None:
+                chain = _chains[key] = _Chain(owner, attr)
+            chain.items[self.shim_id] = (_shim_order(self.shim_id), fn)
+            self._chained.append(key)
+
+    def revert(self) -> list[str]:
+        errors = []
+        with _lock:
+            for key in reversed(self._chained):
+                chain = _chains.get(key)
+                if chain is None:
+                    continue
+                chain.items.pop(self.shim_id, None)
+                if not chain.items:
+                    errors += chain.patches.revert()
+                    del _chains[key]
+            self._chained.clear()
+        return errors + super().revert()
+
+
 @dataclass(eq=False)
 class SubmoduleShim(Shim):
     """A shim applied per submodule. ``patch_module(module, patches)`` returns what it patched."""
@@ -88,7 +159,7 @@ class SubmoduleShim(Shim):
         name = module.__name__
         if not self._active or name in self.module_patches or self.state in (State.FAILED, State.DISABLED):
             return
-        ps = PatchSet()
+        ps = ShimPatches(self.id)
         try:
             done = self.patch_module(module, ps) if self.patch_module else []
         except Exception as exc:
@@ -119,10 +190,20 @@ def register_submodule_shim(**kwargs: Any) -> SubmoduleShim:
     return REGISTRY.register(SubmoduleShim(**kwargs))  # type: ignore[return-value]
 
 
-def classes_defined_in(module: Any, base: type) -> list[type]:
-    """Subclasses of ``base`` defined in ``module`` itself (not merely imported into it)."""
+#: the transformers base classes of trainers and of their configs, as (module, class name): matched
+#: by name so that a hook on one transformers module never imports another mid-import
+TRAINER_BASE = ("transformers.trainer", "Trainer")
+ARGS_BASE = ("transformers.training_args", "TrainingArguments")
+
+
+def classes_defined_in(module: Any, *bases: tuple[str, str]) -> list[type]:
+    """Classes defined in ``module`` itself (not merely imported into it) that are, or derive from,
+    one of ``bases`` (``(module name, class name)`` pairs)."""
+    wanted = set(bases)
     out = []
     for obj in list(vars(module).values()):
-        if isinstance(obj, type) and issubclass(obj, base) and obj.__module__ == module.__name__:
+        if not isinstance(obj, type) or obj.__module__ != module.__name__:
+            continue
+        if any((getattr(k, "__module__", ""), k.__name__) in wanted for k in obj.__mro__):
             out.append(obj)
     return out

@@ -9,7 +9,8 @@ trl 1.16) releases of the grid, read from their sources:
   ``use_cpu``, ``per_gpu_{train,eval}_batch_size`` -> ``per_device_*``, ``push_to_hub_token`` ->
   ``hub_token``, ``include_inputs_for_metrics`` -> ``include_for_metrics=["inputs"]`` (all removed
   in 5.0); ``group_by_length`` -> ``train_sampling_strategy="group_by_length"`` (5.5);
-  ``warmup_ratio`` -> a float ``warmup_steps`` below 1 (5.23; 5.0 .. 5.22 take both).
+  ``warmup_ratio`` -> a float ``warmup_steps`` below 1 (5.23; 5.0 .. 5.22 take both);
+  ``gradient_checkpointing[_kwargs]`` -> ``activation_checkpointing[_kwargs]`` (5.23).
 * ``SFTConfig``: ``max_seq_length`` -> ``max_length`` (trl 0.16, old name removed 0.20);
   ``use_liger`` -> ``use_liger_kernel`` (0.16, removed 0.18).
 * ``DPOConfig``: ``max_target_length`` -> ``max_completion_length`` (removed 0.14);
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ._patching import PatchSet, unwrap
-from ._submodule_hooks import classes_defined_in, register_submodule_shim
+from ._submodule_hooks import ARGS_BASE, TRAINER_BASE, ShimPatches, classes_defined_in, register_submodule_shim
 from . import trl_trainer_locations as locations
 
 log = logging.getLogger("liger_compat")
@@ -98,6 +99,8 @@ RENAMES: tuple[Rename, ...] = (
            _inputs_to_list, _list_to_inputs),
     Rename("group_by_length", "train_sampling_strategy", _TA, "transformers 5.5",
            _group_to_strategy, _strategy_to_group),
+    Rename("gradient_checkpointing", "activation_checkpointing", _TA, "transformers 5.23"),
+    Rename("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", _TA, "transformers 5.23"),
     Rename("max_seq_length", "max_length", ("SFTConfig",), "trl 0.16 (old name removed 0.20)"),
     Rename("use_liger", "use_liger_kernel", ("SFTConfig",), "trl 0.16 (old name removed 0.18)"),
     Rename("max_target_length", "max_completion_length", ("DPOConfig",), "trl (old name removed 0.14)"),
@@ -219,47 +222,40 @@ def translate(cls: type, func: Any, args: tuple, kwargs: dict[str, Any],
     return out
 
 
-def _init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+def init_middleware(call_next: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Translate the keyword arguments of a trainer / config construction (see the module docstring)."""
     if instance is None or not kwargs:
-        return wrapped(*args, **kwargs)
+        return call_next(args, kwargs)
     notes: list[str] = []
-    # the wrapper sits on the class that defines __init__; judge by that function's signature
+    # judge by the signature of the __init__ the class defines
     kwargs = translate(type(instance), wrapped, args, kwargs, notes)
     if not notes:
-        return wrapped(*args, **kwargs)
+        return call_next(args, kwargs)
     for msg in notes:
         if _outer_translated.get():
             log.info("liger_compat: %s", msg)
         else:
-            # stack: this wrapper <- (wrapt) <- the caller's line
-            warnings.warn(f"liger_compat: {msg}", RenamedKwargWarning, stacklevel=2)
+            # stack: warn <- here <- chain step <- chain wrapper <- the caller's line
+            warnings.warn(f"liger_compat: {msg}", RenamedKwargWarning, stacklevel=4)
     token = _outer_translated.set(True)
     try:
-        return wrapped(*args, **kwargs)
+        return call_next(args, kwargs)
     finally:
         _outer_translated.reset(token)
 
 
-def _wrap_inits(module: Any, patches: PatchSet, bases: tuple[type, ...]) -> list[str]:
+def _init_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The middleware as a plain wrapt wrapper (for classes patched outside a shim, as in the tests)."""
+    return init_middleware(lambda a, k: wrapped(*a, **k), wrapped, instance, args, kwargs)
+
+
+def _wrap_inits(module: Any, patches: ShimPatches) -> list[str]:
     done = []
-    for base in bases:
-        for cls in classes_defined_in(module, base):
-            if "__init__" in cls.__dict__:
-                patches.wrap(cls, "__init__", _init_wrapper)
-                done.append(f"{cls.__name__}.__init__")
+    for cls in classes_defined_in(module, ARGS_BASE, TRAINER_BASE):
+        if "__init__" in cls.__dict__:
+            patches.middleware(cls, "__init__", init_middleware)
+            done.append(f"{cls.__name__}.__init__")
     return done
-
-
-def _patch_transformers_module(module: Any, patches: PatchSet) -> list[str]:
-    from transformers import Trainer, TrainingArguments
-
-    return _wrap_inits(module, patches, (TrainingArguments, Trainer))
-
-
-def _patch_trl_module(module: Any, patches: PatchSet) -> list[str]:
-    from transformers import Trainer, TrainingArguments
-
-    return _wrap_inits(module, patches, (TrainingArguments, Trainer))
 
 
 register_submodule_shim(
@@ -272,7 +268,7 @@ register_submodule_shim(
     description=__doc__.split("\n\n")[0],
     modules=("transformers.training_args", "transformers.trainer",
              "transformers.training_args_seq2seq", "transformers.trainer_seq2seq"),
-    patch_module=_patch_transformers_module,
+    patch_module=_wrap_inits,
 )
 
 register_submodule_shim(
@@ -285,5 +281,5 @@ register_submodule_shim(
     fixes=("F5",),
     description=__doc__.split("\n\n")[0],
     modules=locations.all_trainer_modules() + locations.all_config_modules(),
-    patch_module=_patch_trl_module,
+    patch_module=_wrap_inits,
 )

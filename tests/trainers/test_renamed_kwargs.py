@@ -34,6 +34,8 @@ VALUES: dict[str, Any] = {
     "push_to_hub_token": "hf_x", "hub_token": "hf_x",
     "include_inputs_for_metrics": True, "include_for_metrics": ["inputs"],
     "group_by_length": True, "train_sampling_strategy": "group_by_length",
+    "gradient_checkpointing": True, "activation_checkpointing": True,
+    "gradient_checkpointing_kwargs": {"use_reentrant": False}, "activation_checkpointing_kwargs": {"use_reentrant": False},
     "max_seq_length": 17, "max_length": 17,
     "use_liger": True, "use_liger_kernel": True,
     "max_target_length": 7, "max_completion_length": 7,

@@ -66,7 +66,6 @@ def make_config(cls: type, tmp_path: Any, raw: dict[str, Any] | None = None, **o
         data_seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        gradient_checkpointing=False,
         dataset_num_proc=None,
         num_generations=2,
     )
@@ -98,3 +97,67 @@ def fresh_model(family: str, tokenizer: Any, seed: int = 0):
 
 def clone(model):
     return copy.deepcopy(model)
+
+
+class FusedOutputCounter:
+    """Counts forwards of ``model`` that came back fused (``logits`` None, ``token_accuracy`` set)
+    and those that came back with real logits."""
+
+    def __init__(self, model: Any) -> None:
+        self.fused = 0
+        self.with_logits = 0
+        self._h = model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        get = getattr(out, "get", None)
+        if get is None:
+            return
+        if get("logits") is None and get("token_accuracy") is not None:
+            self.fused += 1
+        elif get("logits") is not None:
+            self.with_logits += 1
+
+    def close(self):
+        self._h.remove()
+
+
+def tokenizer_kwarg(trainer_cls: type, tokenizer: Any) -> dict[str, Any]:
+    """The spelling the installed trainer takes natively."""
+    from liger_compat.shims.renamed_kwargs import accepted_params
+    from liger_compat.shims._patching import unwrap
+
+    params = accepted_params(unwrap(trainer_cls.__init__))
+    if params is not None and "processing_class" not in params and "tokenizer" in params:
+        return {"tokenizer": tokenizer}
+    return {"processing_class": tokenizer}
+
+
+def run_native_and_patched(build, base_model):
+    """Train ``build(model)`` twice from the same weights: unpatched, then with liger_compat.
+
+    Returns ``(native_trainer, patched_trainer, counter)`` where ``counter`` counted the patched
+    run's fused forwards.
+    """
+    with native():
+        nat = build(clone(base_model))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nat.train()
+    model = clone(base_model)
+    liger_compat.apply(model)
+    pat = build(model)
+    counter = FusedOutputCounter(pat.model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pat.train()
+    finally:
+        counter.close()
+    return nat, pat, counter
+
+
+def trl_head_on(model: Any) -> bool:
+    """Whether trl installed its own LM head (an instance-level forward from a trl module) on ``model``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fwd = vars(base).get("forward")
+    return fwd is not None and (getattr(fwd, "__module__", None) or "").startswith("trl")

@@ -1,0 +1,114 @@
+"""The trainers' own liger switch while liger_compat is active: one set of kernels, not two.
+
+Upstream: transformers 4.45 ``TrainingArguments(use_liger_kernel=True)`` makes ``Trainer.__init__``
+call liger-kernel's ``_apply_liger_kernel_to_instance`` (5.x: ``apply_liger_kernel``), which
+replaces norms, MLPs and the model's forward on the instance; trl 0.15 ``SFTConfig(use_liger=True)``
+loads string models through ``AutoLigerKernelForCausalLM``; trl 1.15+ keeps ``use_liger_kernel`` for
+the layer kernels only (with a deprecation warning) next to its own fused LM head.
+
+Failure prevented: liger-kernel's instance patches stacked on liger_compat's class patches (two
+norms, two fused losses, a ``revert()`` that cannot undo the foreign half), or, without
+liger-kernel installed, ``ImportError: ... liger-kernel >= 0.3.0 is not available``.
+
+What the shim does: when a trainer is constructed while liger_compat is active with at least one
+kernel selected, the switch is turned off on its ``args`` before the trainer reads it, with one
+:class:`LigerSwitchWarning`, so liger_compat's kernels are the only ones applied. ``check()``
+says so (this shim's reason and a conflict entry). ``LIGER_COMPAT_DISABLE=1`` (or
+``configure(enabled=False)``) leaves the switch alone and liger-kernel in charge. trl's
+``use_liger_loss`` (liger-kernel's fused preference losses, which compute the head themselves) is
+left on and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from .. import _config
+from ._registry import REGISTRY
+from ._submodule_hooks import TRAINER_BASE, ShimPatches, SubmoduleShim, classes_defined_in
+from . import trl_trainer_locations as locations
+
+log = logging.getLogger("liger_compat")
+
+SHIM_ID = "transformers.trainer_liger_switch"
+#: TrainingArguments / trl config fields that apply liger-kernel's kernels to the model
+SWITCHES = ("use_liger_kernel", "use_liger")
+#: trl config fields that route the loss through liger-kernel's fused preference losses
+LOSS_SWITCHES = ("use_liger_loss",)
+
+events: list[str] = []
+
+
+class LigerSwitchWarning(UserWarning):
+    """A trainer's liger switch was turned off because liger_compat's kernels are applied."""
+
+
+def _active() -> bool:
+    s = _config.settings
+    return not s.disabled and bool(s.kernels)
+
+
+def _note(entry: str) -> None:
+    if entry not in events:
+        events.append(entry)
+
+
+def _init_middleware(call_next: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+    if targs is not None and instance is not None and _active():
+        trainer = type(instance).__name__
+        for switch in SWITCHES:
+            if getattr(targs, switch, False) is True:
+                setattr(targs, switch, False)
+                kernels = ", ".join(sorted(_config.settings.kernels))
+                warnings.warn(
+                    f"liger_compat: {trainer}: {switch}=True turned off; liger_compat's kernels ({kernels}) are "
+                    "applied instead, so the model gets one set of kernels. Set LIGER_COMPAT_DISABLE=1 to use "
+                    "liger-kernel through the trainer.",
+                    LigerSwitchWarning,
+                    stacklevel=4,
+                )
+                REGISTRY.report_conflict(f"{trainer} args.{switch}", "the trainer's own liger switch",
+                                         "turned off: liger_compat's kernels are the ones applied")
+                _note(f"{trainer}: {switch} turned off, liger_compat kernels applied")
+        for switch in LOSS_SWITCHES:
+            if getattr(targs, switch, False) is True:
+                REGISTRY.report_conflict(f"{trainer} loss", f"liger-kernel via args.{switch}",
+                                         "liger-kernel's fused preference loss computes the LM head; "
+                                         "liger_compat's layer kernels run inside the decoder")
+                _note(f"{trainer}: {switch} left on (liger-kernel computes that loss's head)")
+    return call_next(args, kwargs)
+
+
+class _SwitchShim(SubmoduleShim):
+    def status(self) -> dict[str, Any]:
+        st = super().status()
+        if events and st["state"] == "applied":
+            st["reason"] = "; ".join(events)
+        return st
+
+
+def _patch(module: Any, patches: ShimPatches) -> list[str]:
+    done = []
+    for cls in classes_defined_in(module, TRAINER_BASE):
+        if "__init__" in cls.__dict__:
+            patches.middleware(cls, "__init__", _init_middleware)
+            done.append(f"{cls.__name__}.__init__")
+    return done
+
+
+REGISTRY.register(_SwitchShim(
+    id=SHIM_ID,
+    library="transformers",
+    trigger="transformers",
+    target="Trainer.__init__ and every trl trainer's __init__ (args.use_liger_kernel / use_liger)",
+    versions=">=4.45",
+    upstream="transformers 4.45 TrainingArguments.use_liger_kernel applies liger-kernel in Trainer.__init__; "
+             "trl 0.15 SFTConfig.use_liger; trl 1.15 deprecates use_liger_kernel",
+    fixes=(),
+    description=__doc__.split("\n\n")[0],
+    modules=("transformers.trainer",) + locations.all_trainer_modules(),
+    patch_module=_patch,
+))

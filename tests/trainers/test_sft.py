@@ -1,0 +1,69 @@
+"""F1: the real SFTTrainer on the fused model logs the loss, mean_token_accuracy and entropy a native
+run with the same weights and batches logs (trl 0.15 .. 1.13 read them from outputs.logits)."""
+
+from __future__ import annotations
+
+import pytest
+
+import liger_compat
+from liger_compat.shims import REGISTRY
+from liger_compat.shims import _tiny_text as tiny
+
+from trainer_helpers import (assert_logs_close, config_fields, fresh_model, make_config, run_native_and_patched,
+                             tokenizer_kwarg, train_logs, trainer_or_skip, trl_head_on)
+
+
+def _build(tokenizer, tmp_path, **cfg):
+    trainer_cls, config_cls = trainer_or_skip("sft")
+    if cfg.get("loss_type") == "nll" and "loss_type" not in config_fields(config_cls):
+        pytest.skip(f"{config_cls.__name__} of the installed trl has no loss_type (its loss is the plain nll)")
+    ds = tiny.dataset(tiny.sft_rows(8))
+
+    def build(model):
+        args = make_config(config_cls, tmp_path, max_seq_length=32, max_length=32, dataset_text_field="text",
+                           packing=False, gradient_accumulation_steps=2, **cfg)
+        return trainer_cls(model=model, args=args, train_dataset=ds, **tokenizer_kwarg(trainer_cls, tokenizer))
+
+    return build
+
+
+@pytest.mark.parametrize("loss_type", ["default", "nll"])
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_sft_metrics_match_native(family, loss_type, tokenizer, tmp_path):
+    """loss_type "nll" forces the labels through the model's forward where trl would otherwise use its
+    own chunked head (trl 1.10 .. 1.14 default to "chunked_nll")."""
+    base = fresh_model(family, tokenizer)
+    cfg = {} if loss_type == "default" else {"loss_type": loss_type}
+    build = _build(tokenizer, tmp_path, **cfg)
+    nat, pat, counter = run_native_and_patched(build, base)
+    native_logs, patched_logs = train_logs(nat), train_logs(pat)
+    keys = [k for k in ("loss", "mean_token_accuracy", "entropy") if k in native_logs[0]]
+    assert_logs_close(native_logs, patched_logs, keys)
+    style = REGISTRY.get("trl.sft_token_accuracy").status()["reason"]
+    if "not needed" in style or trl_head_on(pat.model):
+        assert counter.fused == 0  # trl's own head (or no metric from logits): nothing for F1 to do
+        return
+    # the run really went through the fused forward (logits None), not a native fallback
+    assert counter.fused > 0, (counter.fused, counter.with_logits, style)
+
+
+def test_sft_without_the_shim_fails_on_the_fused_model(tokenizer, tmp_path):
+    """The upstream situation: the fused forward is on, the trainer shim is not."""
+    shim = REGISTRY.get("trl.sft_token_accuracy")
+    trainer_cls, _ = trainer_or_skip("sft")
+    from liger_compat.shims.trl_sft_token_accuracy import read_style
+
+    style = read_style(trainer_cls.compute_loss)
+    if isinstance(style, str):
+        pytest.skip(style)
+    model = fresh_model("llama", tokenizer)
+    liger_compat.apply(model)
+    cfg = {"loss_type": "nll"} if "loss_type" in config_fields(trainer_or_skip("sft")[1]) else {}
+    shim._revert()
+    try:
+        trainer = _build(tokenizer, tmp_path, **cfg)(model)
+        # trl 0.15 .. 0.21 subscript the logits first, 0.22+ take their entropy first
+        with pytest.raises((TypeError, AttributeError), match="NoneType"):
+            trainer.train()
+    finally:
+        shim._apply(None, shim.patches)  # re-install the per-module patches
