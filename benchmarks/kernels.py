@@ -580,9 +580,13 @@ def report() -> str:
     lines = [f"# liger_compat kernel benchmark", "",
              f"device: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; "
              f"bf16 matmul {m.get('matmul_tflops', 0):.0f} TFLOP/s, copy {m.get('copy_tbps', 0):.2f} TB/s", ""]
-    for mf in m.get("merged_from", []):
-        lines += [f"Rows of sections not re-run come from {mf['file']} ({mf['date']}; its own matmul rate "
-                  f"{mf['matmul_tflops']:.0f} TFLOP/s sets their floors): ratios are always within one run.", ""]
+    runs = {}
+    for r in RESULTS["rows"]:
+        if r.get("run"):
+            runs.setdefault(r["run"], set()).add(r["section"])
+    for run, secs in sorted(runs.items()):
+        lines += [f"Sections {', '.join(sorted(secs))} come from the earlier run {run} (its own ceilings set "
+                  f"their floors); every ratio compares rows of one run.", ""]
     fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap", "flce_lowmem")]
     if fl:
         lines += ["## Fused linear cross-entropy: correctness (bf16 inputs)", "",

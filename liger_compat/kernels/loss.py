@@ -292,6 +292,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
                 else:
                     torch.mm(d, w, out=hc)
                     gh.index_copy_(0, ic, hc)
+        hc = tc = sc = st = None  # free this chunk's gathered rows before the next gather
     del buf
     if gw is not None and gw.dtype != w.dtype:
         gw = gw.to(w.dtype)

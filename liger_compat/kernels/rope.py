@@ -79,6 +79,13 @@ class _Rope(torch.autograd.Function):
         return dq, dk, None, None, None, None
 
 
+def _broadcasts_into(small, big) -> bool:
+    """``small`` broadcasts to exactly ``big`` (plain Python: torch.broadcast_shapes is slow)."""
+    if len(small) > len(big):
+        return False
+    return all(a == b or a == 1 for a, b in zip(reversed(small), reversed(big)))
+
+
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
     """Rotate ``q`` and ``k``; returns ``(q_embed, k_embed)`` like transformers."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
@@ -100,17 +107,14 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     try:
         cos_u = cos.unsqueeze(unsqueeze_dim)
         sin_u = sin.unsqueeze(unsqueeze_dim)
-        torch.broadcast_shapes(q.shape[:-1], cos_u.shape[:-1])
-        torch.broadcast_shapes(k.shape[:-1], cos_u.shape[:-1])
-    except (RuntimeError, IndexError) as exc:
-        raise ValueError(
-            f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
-            f"against q {tuple(q.shape)} and k {tuple(k.shape)}: {exc}"
-        ) from None
-    if tuple(torch.broadcast_shapes(q.shape[:-1], cos_u.shape[:-1])) != tuple(q.shape[:-1]):
-        raise ValueError(f"cos of shape {tuple(cos.shape)} would broadcast q {tuple(q.shape)} to a larger shape")
-    if tuple(torch.broadcast_shapes(k.shape[:-1], cos_u.shape[:-1])) != tuple(k.shape[:-1]):
-        raise ValueError(f"cos of shape {tuple(cos.shape)} would broadcast k {tuple(k.shape)} to a larger shape")
+    except IndexError as exc:
+        raise ValueError(f"unsqueeze_dim={unsqueeze_dim} is out of range for cos of shape {tuple(cos.shape)}: {exc}") from None
+    for name, x in (("q", q), ("k", k)):
+        if not _broadcasts_into(cos_u.shape[:-1], x.shape[:-1]):
+            raise ValueError(
+                f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
+                f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
+            )
     backend = _dispatch.choose("rope", device)
     head_dim_index = unsqueeze_dim % q.dim() if q.dim() == 4 else None
     return _Rope.apply(q, k, cos_u, sin_u, backend, head_dim_index)
