@@ -1,0 +1,171 @@
+"""End-to-end training step: native transformers vs liger-kernel vs liger_compat.
+
+    python -m benchmarks.e2e [--models llama-3.2-1b,qwen2.5-1.5b] [--shapes 4x2048,8x4096]
+                             [--impls native,liger_kernel,liger_compat] [--steps 6] [--out DIR]
+
+Models are built from config with random weights (no hub), bf16 on the GPU, SDPA attention,
+AdamW (fused). A step is forward with labels, backward and the optimizer step. Every
+(model, shape, implementation) runs in its own fresh interpreter, so patches never leak from
+one implementation into another. Reports tokens/s (median step time after warm-up) and peak
+allocated memory, plus the first-step loss (same seed and weights across implementations, so
+the losses must agree to bf16 precision). Out-of-memory is recorded as such.
+
+Writes ``e2e.json`` and ``e2e.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {
+    # Llama-3.2-1B shape (tied embeddings)
+    "llama-3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    # Qwen2.5-1.5B shape (tied embeddings)
+    "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
+}
+IMPLS = ("native", "liger_kernel", "liger_compat")
+
+
+def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
+    if impl == "liger_compat":
+        import liger_compat  # noqa: F401  (first import, as a user would)
+    import torch
+    import transformers
+
+    spec = dict(MODELS[model_name])
+    family = spec.pop("family")
+    if impl == "liger_kernel":
+        import liger_kernel.transformers as lk
+
+        getattr(lk, f"apply_liger_kernel_to_{family}")()
+    cfg_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    cfg = cfg_cls(max_position_embeddings=8192, **spec)
+    cfg._attn_implementation = "sdpa"
+    bsz, seq = (int(x) for x in shape.split("x"))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (bsz, seq), device="cuda", generator=g)
+    labels = ids.clone()
+    labels[torch.rand(bsz, seq, device="cuda", generator=g) < 0.1] = -100
+    res = {"model": model_name, "shape": shape, "impl": impl, "tokens": bsz * seq,
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "gpu": torch.cuda.get_device_name(0)}
+    if impl == "liger_compat":
+        import liger_compat
+
+        rep = liger_compat.check()
+        res["shims_applied"] = sorted(s["id"] for s in rep.shims if s["state"] == "applied")
+    try:
+        times, first_loss = [], None
+        for i in range(warmup + steps):
+            if i == warmup:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, labels=labels)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if first_loss is None:
+                first_loss = float(out.loss)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        res.update(status="ok", first_loss=first_loss, step_ms=step * 1e3,
+                   tokens_per_s=bsz * seq / step,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    except torch.OutOfMemoryError:
+        res.update(status="OOM")
+    return res
+
+
+def _markdown(rows: list[dict]) -> str:
+    lines = ["# End-to-end training step (forward + backward + AdamW), bf16, random weights", ""]
+    if rows:
+        r0 = next((r for r in rows if "gpu" in r), rows[0])
+        lines += [f"GPU: {r0.get('gpu')}; torch {r0.get('torch')}; transformers {r0.get('transformers')}", ""]
+    lines += ["| model | batch x seq | impl | step ms | tokens/s | x native tokens/s | peak GiB | x liger-kernel peak | first loss |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (r["model"], r["shape"])  # noqa: E731
+    by = {}
+    for r in rows:
+        by.setdefault(key(r), {})[r["impl"]] = r
+    for (m, s), d in by.items():
+        nat, lk = d.get("native", {}), d.get("liger_kernel", {})
+        for impl in IMPLS:
+            r = d.get(impl)
+            if r is None:
+                continue
+            if r.get("status") != "ok":
+                lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | |")
+                continue
+            xn = (f"{r['tokens_per_s'] / nat['tokens_per_s']:.2f}" if nat.get("status") == "ok" else "native OOM")
+            xm = (f"{r['peak_gib'] / lk['peak_gib']:.2f}" if lk.get("status") == "ok" else "-")
+            lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xn} | "
+                         f"{r['peak_gib']:.2f} | {xm} | {r['first_loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--shapes", default="4x2048,8x4096")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup)), flush=True)
+        return 0
+    for m in a.models.split(","):
+        if m not in MODELS:
+            ap.error(f"--models: unknown model {m!r}; choose from {', '.join(MODELS)}")
+    for i in a.impls.split(","):
+        if i not in IMPLS:
+            ap.error(f"--impls: unknown implementation {i!r}; choose from {', '.join(IMPLS)}")
+    rows = []
+    combos = [(m, s, i) for m in a.models.split(",") for s in a.shapes.split(",") for i in a.impls.split(",")]
+    for n, (m, s, i) in enumerate(combos, 1):
+        print(f"[{n}/{len(combos)}] {m} {s} {i}", file=sys.stderr, flush=True)
+        p = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--one", m, s, i,
+                            "--steps", str(a.steps), "--warmup", str(a.warmup)],
+                           capture_output=True, text=True)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            rows.append({"model": m, "shape": s, "impl": i, "status": "error",
+                         "error": (p.stderr or p.stdout)[-1500:]})
+            print(p.stderr[-1500:], file=sys.stderr)
+        else:
+            rows.append(json.loads(line[7:]))
+        print("   ", {k: rows[-1].get(k) for k in ("status", "step_ms", "tokens_per_s", "peak_gib", "first_loss")},
+              file=sys.stderr, flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(rows, indent=2))
+    md = _markdown(rows)
+    (out / "e2e.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
