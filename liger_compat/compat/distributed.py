@@ -290,9 +290,11 @@ def _warnings(info: DistributedInfo, *, model: Any, training_args: Any, device_c
     sharded_engine = info.engine.startswith("DeepSpeed ZeRO-3") or info.engine in ("FSDP", "FSDP2")
 
     if active and not wired and info.engine == "DeepSpeed ZeRO-3":
-        add("D1", "error",
-            "DeepSpeed ZeRO-3 with the fused LM-head loss, but the fused forward does not gather lm_head.weight "
-            "through its module (liger_compat.shims.distributed): the kernel would see ZeRO-3's empty partition.")
+        add("D1", "warning",
+            "DeepSpeed ZeRO-3 with a fused LM-head loss that reads lm_head.weight directly (not through "
+            "liger_compat.shims.distributed): inside the model's forward recent DeepSpeed gathers it as an "
+            "'external parameter'; anywhere else (a loss computed after the decoder, older DeepSpeed) the kernel "
+            "gets ZeRO-3's empty partition.")
     if active and not wired and info.head and info.head.startswith(("own FSDP", "ZeRO-3")):
         add("D2", "error",
             f"lm_head is an {info.head}, and the fused forward reads lm_head.weight outside lm_head.forward: it "

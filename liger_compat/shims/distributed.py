@@ -7,9 +7,11 @@ Issue 8. The fused forward computes the loss from ``lm_head.weight`` without cal
   ``lm_head.forward`` is a sharded ``DTensor`` (``[V / world, H]`` locally); the unit's forward
   pre-hook all-gathers it and registers the hooks that reduce-scatter its gradient.
 * DeepSpeed ZeRO-3: every parameter is partitioned (an empty tensor plus ``ds_*`` attributes)
-  until the owning module's forward pre-hook fetches it; the reduce of its gradient is
-  likewise set up by the module's hooks. Reading it from the parent's forward gives a 0-element
-  tensor (liger-kernel's fused loss fails the same way under ZeRO-3).
+  until the owning module's forward pre-hook fetches it. Inside the forward of the model that
+  DeepSpeed wraps, recent DeepSpeed also gathers a parameter read by attribute and registers it
+  as an "external parameter" of the calling module; anywhere else (a loss computed after calling
+  the decoder, as trl's fused-loss paths do) the read gives a 0-element tensor: trl #3368,
+  fixed for trl's own paths in trl #5891 / #6372 with ``GatheredParameters``.
 * FSDP1 with ``lm_head`` wrapped as its own ``FullyShardedDataParallel`` unit: the original
   parameter is a sharded, flattened view outside the wrapper's forward.
 

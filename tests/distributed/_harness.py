@@ -135,18 +135,38 @@ def assert_close(rows: list[dict[str, Any]], ref: dict[str, Any], *, loss_tol: f
         assert ref[kind]["moved"] > 100 * weight_tol, (kind, ref[kind]["moved"])
 
 
+def vs_single(dist: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Add the distance of each untied config to the one-process liger_compat run ("single")."""
+    single = dist.get("single")
+    for row in rows:
+        res = dist[row["config"]]
+        if single is None or row["config"].split("@")[0].endswith("_tied") or "state" not in res:
+            continue
+        row["vs_single_loss_max_abs_diff"] = max(abs(x - y) for x, y in zip(res["losses"], single["losses"]))
+        row["vs_single_weight_max_abs_diff"] = _max_abs(res["state"], single["state"])[0]
+
+
+def to_json(rows: list[dict[str, Any]], **meta: Any) -> str:
+    import json
+
+    return json.dumps({**meta, "rows": rows}, indent=1, default=str)
+
+
 def markdown(rows: list[dict[str, Any]], title: str) -> str:
     out = [f"### {title}", "",
            "| config | engine seen by check | head | step losses (liger_compat, 2 ranks) | single-process native | "
-           "max abs loss diff | max abs grad diff (step 1) / max abs grad | max abs weight diff (final) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "max abs loss diff | max abs grad diff (step 1) / max abs grad | max abs weight diff (final) | "
+           "vs 1-process liger_compat: loss / weight diff |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c = r["checks"]
         g = (f"{r['grad_max_abs_diff']:.2e} / {r['grad_max_abs']:.2e}" if "grad_max_abs_diff" in r else "n/a")
         out.append(
             f"| {r['config']} | {c.get('engine', '-')} | {str(c.get('head', '-')).split(' (')[0]} | "
             f"{', '.join(f'{x:.6f}' for x in r['losses'])} | {', '.join(f'{x:.6f}' for x in r['ref_losses'])} | "
-            f"{r['loss_max_abs_diff']:.2e} | {g} | {r['weight_max_abs_diff']:.2e} |")
+            f"{r['loss_max_abs_diff']:.2e} | {g} | {r['weight_max_abs_diff']:.2e} | "
+            + (f"{r['vs_single_loss_max_abs_diff']:.1e} / {r['vs_single_weight_max_abs_diff']:.1e} |"
+               if "vs_single_weight_max_abs_diff" in r else "- |"))
     return "\n".join(out) + "\n"
 
 

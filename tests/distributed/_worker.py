@@ -13,7 +13,10 @@ the engine averages gradients over ranks. That must equal one process over the g
 Configs: ``ddp``; ``fsdp2_head`` (each layer, lm_head and the root are fully_shard units: the
 head's weight is a sharded DTensor outside lm_head.forward); ``fsdp2_tied`` (tied embeddings,
 layers + root); ``fsdp1_head`` (FSDP1, use_orig_params=False, lm_head its own unit); ``single``
-(rank 0 alone, the liger_compat forward without any engine); ``fsdp2_head_bypass`` (negative
+(rank 0 alone, the liger_compat forward without any engine); ``zero3`` / ``zero3_tied``
+(DeepSpeed ZeRO-3, every parameter partitioned, SGD through deepspeed.initialize; needs
+deepspeed; ``zero3_outside`` computes the loss outside the model's forward, decoder then head,
+as trl's fused-loss paths do); ``*_bypass`` (negative
 control: the head gathered by hand, outside its hooks; its gradients must come out wrong). ``--forward helper`` runs the loss
 through ``liger_compat.shims.distributed.fused_head_loss`` from an instance forward (what the
 fused forward does once wired); ``--forward patched`` uses ``liger_compat.apply(model)`` (the
@@ -77,11 +80,37 @@ def bypass_forward(self, input_ids=None, labels=None, num_items_in_batch=None, *
     return CausalLMOutputWithPast(loss=loss)
 
 
-def train(model, spec, *, rank: int, world: int, device, collect_grads: bool = True, dist=None):
-    """SGD steps over the spec's global batches; this rank's rows; returns losses, step-1 grads."""
+def _is_deepspeed(model) -> bool:
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
+
+
+def outside_loss(model, ids, labels, n, *, bypass: bool):
+    """The loss computed outside the model's forward, as trl's fused-loss paths do: the decoder
+    (``model.model``), then the head. ``bypass`` reads ``lm_head.weight`` directly."""
     import torch
 
-    opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    from liger_compat.kernels import fused_linear_cross_entropy
+    from liger_compat.shims.distributed import fused_head_loss
+
+    m = model.module if _is_deepspeed(model) else model
+    hidden = m.model(input_ids=ids).last_hidden_state
+    target = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    if bypass:
+        return fused_linear_cross_entropy(hidden, m.lm_head.weight, target, num_items_in_batch=n)
+    return fused_head_loss(m.lm_head, hidden, target, num_items_in_batch=n)
+
+
+def train(model, spec, *, rank: int, world: int, device, collect_grads: bool = True, dist=None,
+          outside: str | None = None):
+    """SGD steps over the spec's global batches; this rank's rows; returns losses, step-1 grads.
+
+    A DeepSpeed engine brings its own optimizer (SGD, given to deepspeed.initialize) and steps
+    through ``engine.backward`` / ``engine.step``. ``outside`` ("helper" / "bypass") computes the
+    loss with :func:`outside_loss` instead of calling the model."""
+    import torch
+
+    ds = _is_deepspeed(model)
+    opt = None if ds else torch.optim.SGD(model.parameters(), lr=spec["lr"])
     losses, grads = [], None
     for step, (ids, labels) in enumerate(spec["batches"]):
         rows = ids.shape[0] // world
@@ -90,12 +119,21 @@ def train(model, spec, *, rank: int, world: int, device, collect_grads: bool = T
         n = (lab_r[:, 1:] != -100).sum()
         if dist is not None and world > 1:
             dist.all_reduce(n)
-        loss = model(input_ids=ids_r, labels=lab_r, num_items_in_batch=n).loss * world
-        loss.backward()
-        if step == 0 and collect_grads:
-            grads = full_grads(model)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if outside:
+            loss = outside_loss(model, ids_r, lab_r, n, bypass=outside == "bypass") * world
+        else:
+            loss = model(input_ids=ids_r, labels=lab_r, num_items_in_batch=n).loss * world
+        if ds:
+            model.backward(loss)
+            if step == 0 and collect_grads:
+                grads = zero3_full_grads(model)
+            model.step()
+        else:
+            loss.backward()
+            if step == 0 and collect_grads:
+                grads = full_grads(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         logged = loss.detach().clone()
         if dist is not None and world > 1:
             dist.all_reduce(logged)
@@ -118,7 +156,24 @@ def full_grads(model):
     return out
 
 
+def zero3_full_grads(engine):
+    from deepspeed.utils import safe_get_full_grad
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        g = safe_get_full_grad(p)
+        if g is not None:
+            out[_clean(name)] = g.detach().float().cpu().reshape(p.ds_shape)
+    return out
+
+
 def full_state(model, engine: str):
+    if engine.startswith("zero3"):
+        import deepspeed
+
+        module = model.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {_clean(k): v.detach().float().cpu().clone() for k, v in module.state_dict(keep_vars=True).items()}
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
 
@@ -129,7 +184,7 @@ def full_state(model, engine: str):
     return {_clean(k): (v.full_tensor() if is_dtensor(v) else v).detach().float().cpu() for k, v in sd.items()}
 
 
-def wrap(model, engine: str, device):
+def wrap(model, engine: str, device, spec=None):
     import torch
 
     if engine == "ddp":
@@ -145,6 +200,20 @@ def wrap(model, engine: str, device):
             fully_shard(model.lm_head)
         fully_shard(model)
         return model
+    if engine.startswith("zero3"):
+        import deepspeed
+
+        rows = spec["batches"][0][0].shape[0] // spec["world_size"]
+        config = {
+            "train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+            # partition every parameter, however small (the default keeps small ones whole)
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+            "gradient_clipping": 0.0, "steps_per_print": 10**9,
+        }
+        opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+        ds_engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        return ds_engine
     if engine == "fsdp1_head":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -191,14 +260,15 @@ def run_dist(args) -> None:
             continue
         model = build_model(spec, engine.endswith("_tied"), device)
         _install_forward(model, forward, liger_compat)
-        wrapped = wrap(model, engine, device)
+        wrapped = wrap(model, engine, device, spec)
         info = cdist.detect(wrapped)
         head = model.lm_head
         checks = {"forward": forward, "engine": info.engine, "head": info.head, "world_size": info.world_size,
                   "warnings": [w.code for w in info.warnings], "wired": sd.wired(),
                   "head_sharding": sd.head_sharding(head),
-                  "head_weight_is_dtensor_outside_forward": sd.is_dtensor(sd.head_module(head).weight)}
-        if engine.startswith("fsdp2"):
+                  "head_weight_is_dtensor_outside_forward": sd.is_dtensor(sd.head_module(head).weight),
+                  "head_weight_numel_outside_forward": sd.head_module(head).weight.numel()}
+        if engine.startswith(("fsdp2", "zero3")):
             with torch.no_grad(), sd.head_weight(head) as (w, _b):
                 checks["head_weight_full_shape"] = list(w.shape)
             checks["head_resharded_after_read"] = sd.is_dtensor(sd.head_module(head).weight) == \
@@ -206,8 +276,12 @@ def run_dist(args) -> None:
         calls0 = sd.engine_calls
         try:
             losses, grads = train(wrapped, spec, rank=rank, world=world, device=device,
-                                  collect_grads=engine != "fsdp1_head", dist=dist)
+                                  collect_grads=engine != "fsdp1_head", dist=dist,
+                                  outside=("bypass" if engine.endswith("_bypass") else "helper")
+                                  if "_outside" in engine else None)
             state = full_state(wrapped, "fsdp1" if engine == "fsdp1_head" else engine)
+            if engine.startswith("zero3"):
+                checks["head_partitioned_after_training"] = sd.head_module(head).weight.numel() == 0
         except Exception as exc:  # recorded: the test decides whether this config may fail
             if not args.allow_errors:
                 raise

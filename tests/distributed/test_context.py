@@ -63,12 +63,12 @@ def test_fsdp1_without_orig_params_warns():
     assert "D4" not in codes(ok)
 
 
-def test_zero3_without_gather_is_an_error(fused_active):
+def test_zero3_without_gather_warns(fused_active):
     env = {**ACCELERATE, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
     info = cdist.detect(env=env)
     assert info.engine == "DeepSpeed ZeRO-3" and info.zero_stage == 3
     assert "D1" in codes(info) and info.head_gather == "NOT wired"
-    assert any(w.code == "D1" and w.level == "error" for w in info.errors)
+    assert any(w.code == "D1" and w.level == "warning" for w in info.warnings)
     zero2 = cdist.detect(env={**env, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
     assert zero2.engine == "DeepSpeed ZeRO-2" and "D1" not in codes(zero2)
 
