@@ -79,6 +79,10 @@ _positional_cache: dict[Any, tuple[str, ...]] = {}
 
 
 def _positional_names(forward: Any) -> tuple[str, ...]:
+    base = getattr(forward, "__func__", forward)  # stable across calls, unlike the bound method
+    names = _positional_cache.get(base)
+    if names is not None:
+        return names
     fn = unwrap(forward)
     key = getattr(fn, "__code__", fn)
     names = _positional_cache.get(key)
@@ -87,6 +91,7 @@ def _positional_names(forward: Any) -> tuple[str, ...]:
         names = tuple(p.name for p in params
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
         _positional_cache[key] = names
+    _positional_cache[base] = names
     return names
 
 
@@ -124,25 +129,39 @@ def _return_dict(config: Any, flag: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _usable(instance: Any, fam: families.Family | None) -> bool:
+    if fam is None or not _config.kernel_enabled(_KERNEL):
+        return False
+    mods = getattr(instance, "_modules", None)  # nn.Module's own registry: cheaper than hasattr
+    if mods is not None and "model" in mods and "lm_head" in mods:
+        return True
+    return hasattr(instance, "model") and hasattr(instance, "lm_head")
+
+
+def _call_native(wrapped: Any, kw: dict[str, Any], known: str | None, has_keep: bool, keep: Any) -> Any:
+    if has_keep and known is not None:
+        kw[OLD if known == OLD else NEW] = keep
+    elif has_keep and not (isinstance(keep, int) and keep == 0):
+        kw[NEW] = keep  # the forward knows neither name: as native as it gets
+    return wrapped(**kw)
+
+
 def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    fam = families.family_of(type(instance))
+    # hot path: every forward call of a patched model goes through here; the common cases
+    # (no labels, or labels with a usable head) stay a few microseconds (benchmarks/overhead.py)
     kw = _as_kwargs(wrapped, args, kwargs)
-    want_logits = _want_logits(kw.pop(RETURN_LOGITS, None))
+    flag = kw.pop(RETURN_LOGITS, None)
     has_keep = NEW in kw or OLD in kw
     keep = normalize_keep(pop_keep(kw)) if has_keep else 0
-    known, _, _ = forward_params(wrapped)
-    labels = kw.get("labels")
-    usable = (fam is not None and _config.kernel_enabled(_KERNEL)
-              and hasattr(instance, "model") and hasattr(instance, "lm_head"))
-    if labels is None or not usable:
-        if _native_takes(known, keep) or not usable:
-            if has_keep and known is not None:
-                kw[OLD if known == OLD else NEW] = keep
-            elif has_keep and not (isinstance(keep, int) and keep == 0):
-                kw[NEW] = keep  # the forward knows neither name: as native as it gets
-            return wrapped(**kw)
+    known = forward_params(wrapped)[0]
+    fam = families.family_of(type(instance))
+    if kw.get("labels") is None:
+        if _native_takes(known, keep) or not _usable(instance, fam):
+            return _call_native(wrapped, kw, known, has_keep, keep)
         return _decoder_and_head(instance, fam, kw, keep, want_logits=True)
-    return _decoder_and_head(instance, fam, kw, keep, want_logits=want_logits)
+    if not _usable(instance, fam):
+        return _call_native(wrapped, kw, known, has_keep, keep)
+    return _decoder_and_head(instance, fam, kw, keep, want_logits=_want_logits(flag))
 
 
 def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep: Any, *, want_logits: bool) -> Any:

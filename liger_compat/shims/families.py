@@ -83,13 +83,26 @@ BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 BY_MODULE: dict[str, Family] = {f.module: f for f in FAMILIES}
 
 
+_family_cache: dict[type, Family | None] = {}
+
+
 def family_of(cls: type) -> Family | None:
-    """The family whose ``*ForCausalLM`` class is ``cls`` or one of its bases."""
+    """The family whose ``*ForCausalLM`` class is ``cls`` or one of its bases (cached per class)."""
+    try:
+        return _family_cache[cls]
+    except (KeyError, TypeError):
+        pass
+    found = None
     for klass in getattr(cls, "__mro__", ()):
         fam = BY_MODULE.get(getattr(klass, "__module__", ""))
         if fam is not None and klass.__name__ == fam.causal_lm:
-            return fam
-    return None
+            found = fam
+            break
+    try:
+        _family_cache[cls] = found
+    except TypeError:  # pragma: no cover - unhashable
+        pass
+    return found
 
 
 # --------------------------------------------------------------------------------------------

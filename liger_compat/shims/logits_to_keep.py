@@ -41,6 +41,12 @@ _param_cache: dict[Any, tuple[str | None, frozenset[str], bool]] = {}
 
 def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
     """``(keep name the forward knows or None, its parameter names, whether it takes **kwargs)``."""
+    # fast path: keyed by the function under a bound method (wrapt hands a new bound method
+    # object per call, the function under it is stable)
+    base = getattr(forward, "__func__", forward)
+    hit = _param_cache.get(base)
+    if hit is not None:
+        return hit
     fn = unwrap(forward)
     key = getattr(fn, "__code__", fn)
     hit = _param_cache.get(key)
@@ -53,6 +59,7 @@ def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
             known = "both"
         hit = (known, names, varkw)
         _param_cache[key] = hit
+    _param_cache[base] = hit
     return hit
 
 
