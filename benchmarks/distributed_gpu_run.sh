@@ -6,6 +6,7 @@ set -u
 OUT=${OUT:-/tmp/distributed_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the scripts import liger_compat from this checkout
 LOG="$OUT/distributed_gpu_run.log"
 {
   nvidia-smi -L
@@ -16,14 +17,14 @@ LOG="$OUT/distributed_gpu_run.log"
 step() { echo "=== $1 ($(date +%T))" >>"$LOG"; }
 
 step "2-GPU training vs 1-GPU reference: DDP, FSDP2, FSDP1"
-LIGER_COMPAT_DIST_RESULTS="$OUT" timeout 240 python3 -m pytest -q -p no:cacheprovider \
+LIGER_COMPAT_DIST_RESULTS="$OUT" timeout 110 python3 -m pytest -q -p no:cacheprovider \
   tests/distributed/test_multi_gpu.py -k ddp_fsdp2 >>"$LOG" 2>&1
 
 step "scaling, 1 GPU"
-timeout 150 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/distributed_scaling.py \
+timeout 80 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/distributed_scaling.py \
   --out "$OUT/distributed_scaling_1gpu.json" --warmup 2 --steps 6 >>"$LOG" 2>&1
 step "scaling, 2 GPUs"
-timeout 180 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/distributed_scaling.py \
+timeout 100 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/distributed_scaling.py \
   --out "$OUT/distributed_scaling_2gpu.json" --warmup 2 --steps 6 >>"$LOG" 2>&1
 python3 benchmarks/distributed_scaling.py --table "$OUT"/distributed_scaling_1gpu.json \
   "$OUT"/distributed_scaling_2gpu.json >"$OUT/distributed_scaling.md" 2>>"$LOG"
@@ -31,7 +32,7 @@ python3 benchmarks/distributed_scaling.py --table "$OUT"/distributed_scaling_1gp
 if [ "${WITH_ZERO3:-0}" = 1 ] && ls .whl_ds/deepspeed-*.whl >/dev/null 2>&1; then
   step "ZeRO-3 (deepspeed carried as wheels)"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_ds/*.whl >>"$LOG" 2>&1 &&
-    PYTHONPATH=/tmp/site LIGER_COMPAT_DIST_RESULTS="$OUT" timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    PYTHONPATH="/tmp/site:$PYTHONPATH" LIGER_COMPAT_DIST_RESULTS="$OUT" timeout 85 python3 -m pytest -q -p no:cacheprovider \
       tests/distributed/test_multi_gpu.py -k zero3 >>"$LOG" 2>&1
 fi
 step "done"

@@ -33,8 +33,14 @@ def _write(name: str, rows, seed: int, title: str, **meta) -> None:
         return
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ds = version("deepspeed")
+    except PackageNotFoundError:
+        ds = None
     info = dict(device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), torch=torch.__version__,
-                transformers=__import__("transformers").__version__, seed=seed, **meta)
+                transformers=__import__("transformers").__version__, deepspeed=ds, seed=seed, **meta)
     (d / f"{name}.json").write_text(h.to_json(rows, **info))
     head = ", ".join(f"{k} {v}" for k, v in info.items())
     (d / f"{name}.md").write_text(h.markdown(rows, title) + f"\n{head}\n")
