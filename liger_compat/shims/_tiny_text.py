@@ -41,6 +41,7 @@ def build_tokenizer(model_max_length: int = 64):
         pad_token="<pad>",
         unk_token="<unk>",
         model_max_length=model_max_length,
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids: generate() refuses them
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "right"
@@ -67,8 +68,13 @@ def _common_config(tokenizer: Any) -> dict[str, Any]:
 FAMILIES = ("llama", "qwen2")
 
 
-def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.1):
-    """A fresh two-layer ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights."""
+def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.1, echo: bool = True):
+    """A fresh two-layer ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights.
+
+    ``echo=True`` makes the head lean towards predicting the current token again (head = 3 x embedding,
+    the layers' output projections scaled down), so on :func:`sft_rows`, which repeat words, the token
+    accuracy is neither 0 nor 1 and a wrong accuracy shows.
+    """
     import torch
 
     if family == "llama":
@@ -86,6 +92,13 @@ def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
+        if echo:
+            emb = model.get_input_embeddings().weight
+            emb.mul_(10.0)
+            model.get_output_embeddings().weight.copy_(emb * 0.3)
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(0.3)
     return model
 
 
@@ -94,9 +107,18 @@ def _sentence(rng: random.Random, lo: int, hi: int) -> str:
     return " ".join(rng.choice(w) for _ in range(rng.randint(lo, hi)))
 
 
+def _repeating(rng: random.Random, n_words: int) -> str:
+    out: list[str] = []
+    w = words()
+    while len(out) < n_words:
+        out += [rng.choice(w)] * rng.randint(1, 3)
+    return " ".join(out[:n_words])
+
+
 def sft_rows(n: int = 16, seed: int = 0) -> list[dict[str, str]]:
+    """Texts of 8 .. 14 words in which words often repeat (see ``build_model(echo=True)``)."""
     rng = random.Random(seed)
-    return [{"text": _sentence(rng, 8, 14)} for _ in range(n)]
+    return [{"text": _repeating(rng, rng.randint(8, 14))} for _ in range(n)]
 
 
 def preference_rows(n: int = 16, seed: int = 0) -> list[dict[str, str]]:

@@ -272,3 +272,68 @@ register_submodule_shim(
     modules=("trl.trainer.sft_trainer",),
     patch_module=_patch_sft_module,
 )
+
+
+# --------------------------------------------------------------------------------------------
+# check --deep
+# --------------------------------------------------------------------------------------------
+
+from ..compat.scenarios import Context, Skip, scenario  # noqa: E402
+
+
+@scenario("F1", "SFTTrainer logs mean_token_accuracy from the fused forward", issue="F1", requires=("trl",))
+def _scenario_f1(ctx: Context) -> str:
+    """One SFT step (learning rate 0) on a tiny Llama; the logged accuracy must equal the one computed
+    from real logits of the same weights and batch."""
+    import dataclasses
+    import tempfile
+    import warnings
+
+    import torch
+
+    import liger_compat
+
+    from . import _tiny_text as tiny
+    from .trl_trainer_locations import find_trainer
+
+    trainer_cls, config_cls = find_trainer("sft")
+    style = read_style(trainer_cls.compute_loss)
+    if isinstance(style, str):
+        import trl
+
+        raise Skip(f"trl {trl.__version__}: {style}")
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("llama", tok, seed=ctx.seed)
+    liger_compat.apply(model)
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    with tempfile.TemporaryDirectory() as out:
+        want = dict(output_dir=out, max_steps=1, per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1,
+                    report_to="none", save_strategy="no", use_cpu=ctx.device == "cpu", bf16=False, fp16=False,
+                    max_seq_length=32, max_length=32, dataset_text_field="text", packing=False, loss_type="nll",
+                    disable_tqdm=True, dataset_num_proc=None)
+        args = config_cls(**{k: v for k, v in want.items() if k in fields})
+        tok_kw = ("processing_class" if "processing_class" in inspect.signature(unwrap(trainer_cls.__init__)).parameters
+                  else "tokenizer")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = trainer_cls(model=model, args=args, train_dataset=tiny.dataset(tiny.sft_rows(4, seed=ctx.seed)),
+                                  **{tok_kw: tok})
+            from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+            for cb in (PrinterCallback, ProgressCallback):
+                trainer.remove_callback(cb)
+            batch = next(iter(trainer.get_train_dataloader()))
+            trainer.train()
+    logged = [h for h in trainer.state.log_history if "mean_token_accuracy" in h]
+    if not logged:
+        raise AssertionError("SFTTrainer logged no mean_token_accuracy")
+    got = float(logged[0]["mean_token_accuracy"])
+    with torch.no_grad():
+        m = trainer.model
+        logits = m(input_ids=batch["input_ids"].to(m.device), attention_mask=batch["attention_mask"].to(m.device)).logits
+        labels = batch["labels"][:, 1:].to(logits.device)
+        mask = labels != -100
+        want_acc = ((logits[:, :-1].argmax(-1) == labels) & mask).sum().item() / max(1, mask.sum().item())
+    if abs(got - want_acc) > 1e-6:
+        raise AssertionError(f"logged mean_token_accuracy {got} != {want_acc} from the logits")
+    return f"mean_token_accuracy {got:.4f} (from logits: {want_acc:.4f}); switch {style.switch}"

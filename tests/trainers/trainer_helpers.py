@@ -156,8 +156,26 @@ def run_native_and_patched(build, base_model):
     return nat, pat, counter
 
 
+def code_file(fn: Any) -> str:
+    """The source file of a function or bound method (``functools.wraps`` copies ``__module__``, not
+    the code)."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    return code.co_filename if code is not None else ""
+
+
 def trl_head_on(model: Any) -> bool:
-    """Whether trl installed its own LM head (an instance-level forward from a trl module) on ``model``."""
+    """Whether trl installed its own LM head (an instance-level forward from trl's code) on ``model``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     fwd = vars(base).get("forward")
-    return fwd is not None and (getattr(fwd, "__module__", None) or "").startswith("trl")
+    return fwd is not None and "/trl/" in code_file(fwd)
+
+
+#: logged values that are not computed from the model (timing, counters, schedule)
+NOT_COMPARED = {"epoch", "learning_rate", "step", "num_tokens", "total_flos"}
+
+
+def comparable_keys(logs) -> list[str]:
+    return sorted(k for k, v in logs[0].items()
+                  if isinstance(v, (int, float)) and k not in NOT_COMPARED
+                  and not any(t in k for t in ("time", "runtime", "per_second")))
