@@ -62,9 +62,11 @@ def gated_forward_triton(gate, up, kind):
     return y
 
 
-def gated_backward_triton(dy, gate, up, kind):
-    da = torch.empty_like(gate)
-    db = torch.empty_like(up)
+def gated_backward_triton(dy, gate, up, kind, inplace=False):
+    """Gradients for gate and up. ``inplace=True`` writes them over ``gate`` and ``up`` (each
+    element is loaded before it is stored), saving two [N, I] buffers at the backward's peak."""
+    da = gate if inplace else torch.empty_like(gate)
+    db = up if inplace else torch.empty_like(up)
     n = gate.numel()
     if n:
         blk = _block(gate.device)

@@ -46,27 +46,44 @@ def gated_backward_torch(dy, gate, up, kind):
 
 class _Gated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, kind, backend):
+    def forward(ctx, gate, up, kind, backend, inplace_backward):
         if backend == "triton":
             from ._gated_mlp_triton import gated_forward_triton as fwd
         else:
             fwd = gated_forward_torch
         ctx.save_for_backward(gate, up)
         ctx.kind, ctx.backend = kind, backend
+        ctx.consumed, ctx.inplace = False, inplace_backward
         return fwd(gate, up, kind)
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        if ctx.backend == "triton":
-            from ._gated_mlp_triton import gated_backward_triton as bwd
+        if ctx.backend == "triton" and ctx.inplace:
+            from ._gated_mlp_triton import gated_backward_triton
+
+            # the Triton backward overwrites the saved gate/up with their gradients (the peak of
+            # a training step sits in the backward: two [N, I] buffers less); a second backward
+            # through the same graph (retain_graph=True) would read gradients as inputs, so it
+            # is refused loudly instead of giving wrong numbers
+            if ctx.consumed:
+                raise RuntimeError(
+                    "liger_compat swiglu/geglu: backward ran twice through the same graph; its saved "
+                    "inputs were reused for the first backward's gradients. Recompute the forward "
+                    "instead of backward(retain_graph=True), or set LIGER_COMPAT_KERNELS without swiglu/geglu."
+                )
+            ctx.consumed = True
+            dg, du = gated_backward_triton(dy.contiguous(), gate, up, ctx.kind, inplace=True)
+        elif ctx.backend == "triton":
+            from ._gated_mlp_triton import gated_backward_triton
+
+            dg, du = gated_backward_triton(dy.contiguous(), gate, up, ctx.kind)
         else:
-            bwd = gated_backward_torch
-        dg, du = bwd(dy.contiguous(), gate, up, ctx.kind)
-        return dg, du, None, None
+            dg, du = gated_backward_torch(dy.contiguous(), gate, up, ctx.kind)
+        return dg, du, None, None, None
 
 
-def _gated(name: str, kind: str, gate, up):
+def _gated(name: str, kind: str, gate, up, inplace_backward: bool = False):
     _checks.tensor("gate", gate)
     _checks.tensor("up", up)
     _checks.float_dtype("gate", gate)
@@ -78,14 +95,20 @@ def _gated(name: str, kind: str, gate, up):
     backend = _dispatch.choose(name, device)
     g = gate if gate.is_contiguous() else gate.contiguous()
     u = up if up.is_contiguous() else up.contiguous()
-    return _Gated.apply(g, u, kind, backend)
+    return _Gated.apply(g, u, kind, backend, bool(inplace_backward))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, elementwise, same shape and dtype as the inputs."""
-    return _gated("swiglu", "silu", gate, up)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``, elementwise, same shape and dtype as the inputs.
+
+    ``inplace_backward=True`` lets the Triton backward write the gradients over ``gate`` and ``up``
+    (two buffers of their size less at the backward's peak). Only for callers whose ``gate`` and
+    ``up`` are temporaries nobody reads after the forward (the MLP shim's projections); a second
+    backward through the same graph then raises.
+    """
+    return _gated("swiglu", "silu", gate, up, inplace_backward)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu(gate, approximate="tanh") * up``, elementwise."""
-    return _gated("geglu", "gelu_tanh", gate, up)
+def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up``, elementwise; ``inplace_backward`` as for :func:`swiglu`."""
+    return _gated("geglu", "gelu_tanh", gate, up, inplace_backward)

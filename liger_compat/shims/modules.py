@@ -250,7 +250,9 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     else:
         gate_proj, up_proj, down_proj = projs
         gate, up = gate_proj(x), up_proj(x)
-    return down_proj(_guarded(kernel_name, lambda: gated(gate, up), lambda: act(gate) * up)[0])
+    # gate / up are this call's own projections, read by nothing after the forward: the kernel
+    # may overwrite them with their gradients in the backward
+    return down_proj(_guarded(kernel_name, lambda: gated(gate, up, inplace_backward=True), lambda: act(gate) * up)[0])
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,3 +156,35 @@ def test_rope_triton_kernel_variants(monkeypatch, variant, layout):
     q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
     rq, rk = torch.autograd.grad((rope64(q64, cos, sin, layout) * gq).sum() + (rope64(k64, cos, sin, layout) * gk).sum(), (q64, k64))
     assert rel_err(dq, rq) < 1e-6 and rel_err(dk, rk) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+def test_gated_inplace_backward_gives_the_same_gradients_and_refuses_a_second_backward(kind):
+    fn, ref_fn = (swiglu, swiglu64) if kind == "swiglu" else (geglu, geglu64)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 40, generator=g, requires_grad=True)
+    wg, wu = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
+    dy = torch.randn(6, 24, generator=g)
+
+    def run(inplace):
+        gate, up = x @ wg, x @ wu  # temporaries, as in the MLP shim
+        y = fn(gate, up, inplace_backward=inplace)
+        (dx,) = torch.autograd.grad((y * dy).sum(), x, retain_graph=True)
+        return y, dx, gate, up
+
+    y0, dx0, gate0, up0 = run(False)
+    y1, dx1, _, _ = run(True)
+    x64 = x.detach().double().requires_grad_(True)
+    ref = ref_fn(x64 @ wg.double(), x64 @ wu.double())
+    (dx64,) = torch.autograd.grad((ref * dy.double()).sum(), x64)
+    assert rel_err(y1, ref) <= 1e-5 and rel_err(dx1, dx64) <= 1e-5
+    assert torch.equal(dx0, dx1)
+    # without inplace_backward the caller's tensors are never touched
+    assert torch.equal(gate0, x.detach() @ wg) and torch.equal(up0, x.detach() @ wu)
+    if expected_backend() == "triton":
+        gate, up = x @ wg, x @ wu
+        y = fn(gate, up, inplace_backward=True)
+        loss = (y * dy).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            loss.backward()
