@@ -169,7 +169,12 @@ def translate(cls: type, func: Any, args: tuple, kwargs: dict[str, Any],
     params = accepted_params(func)
     if params is None:
         return kwargs  # takes **kwargs: an inner __init__ decides
-    lib = (getattr(unwrap(func), "__module__", "") or "the library").split(".")[0]
+    inner = unwrap(func)
+    lib = (getattr(inner, "__module__", "") or "the library").split(".")[0]
+    # the class whose __init__ is called (a trl trainer calling Trainer.__init__ is named Trainer)
+    owner = (getattr(inner, "__qualname__", "") or "").rsplit(".", 1)[0] or cls.__name__
+    if "<locals>" in owner:
+        owner = cls.__name__
     out = kwargs
     for r in RENAMES:
         if not _in_scope(cls, r.scope):
@@ -182,7 +187,7 @@ def translate(cls: type, func: Any, args: tuple, kwargs: dict[str, Any],
                 value = out.pop(src)
                 out[dst] = conv(value) if conv is not None else value
                 shown = "" if conv is None else f" (value {value!r} -> {out[dst]!r})"
-                _warn(f"{cls.__name__}({src}=...) is spelled {dst}= in the installed {lib} "
+                _warn(f"{owner}({src}=...) is spelled {dst}= in the installed {lib} "
                       f"(renamed in {r.lib}); passed it as {dst}={shown}")
     # transformers 5.23 dropped warmup_ratio for a float warmup_steps; before 5.0 warmup_steps is an int
     if _in_scope(cls, _TA):

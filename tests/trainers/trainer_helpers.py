@@ -132,17 +132,35 @@ def tokenizer_kwarg(trainer_cls: type, tokenizer: Any) -> dict[str, Any]:
     return {"processing_class": tokenizer}
 
 
+def _skip_if_signature_drift(trainer: Any, exc: BaseException) -> None:
+    """An old trl trainer that cannot train natively on this transformers at all (trl < 0.13 on 4.46+):
+    there is no native run to compare with; test_trainer_signatures covers that combination."""
+    from liger_compat.shims import REGISTRY
+
+    reason = REGISTRY.get("trl.trainer_signatures").status()["reason"]
+    if f"{type(trainer).__name__}." in reason:
+        pytest.skip(f"no native run to compare with: {type(trainer).__name__} of this trl cannot train on this "
+                    f"transformers natively ({type(exc).__name__}: {exc}); see test_trainer_signatures")
+
+
 def run_native_and_patched(build, base_model):
     """Train ``build(model)`` twice from the same weights: unpatched, then with liger_compat.
 
     Returns ``(native_trainer, patched_trainer, counter)`` where ``counter`` counted the patched
     run's fused forwards.
     """
+    failure = None
     with native():
         nat = build(clone(base_model))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            nat.train()
+            try:
+                nat.train()
+            except (TypeError, AttributeError) as exc:
+                failure = exc
+    if failure is not None:
+        _skip_if_signature_drift(nat, failure)  # (liger_compat is back on here: its report is readable)
+        raise failure
     model = clone(base_model)
     liger_compat.apply(model)
     pat = build(model)
