@@ -1,0 +1,130 @@
+"""Write the README's performance section from the committed benchmark results.
+
+    python tools/readme_perf.py          # rewrite the block between the perf markers
+    python tools/readme_perf.py --check  # exit 1 when the README block is stale
+
+Reads benchmarks/results/{kernels,e2e,overhead}.json (and models_gpu.json when present). Every
+ratio compares implementations measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- perf:start -->", "<!-- perf:end -->"
+PEERS = ("torch eager", "torch.compile", "liger-kernel", "cut-cross-entropy")
+
+
+def _load(name: str):
+    p = RESULTS / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _kernels(k: dict) -> list[str]:
+    meta = k["meta"]
+    out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
+           f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s, copy {meta['copy_tbps']:.2f} TB/s "
+           "(`benchmarks/results/kernels.md` has every row).", ""]
+    rows = [r for r in k["rows"] if r["section"] == "flce"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    out += ["| fused linear cross-entropy | liger_compat ms (x floor) | extra MiB | " + " | ".join(f"x {p}" for p in PEERS) + " |",
+            "|---|---|---|" + "---|" * len(PEERS)]
+    for s in shapes:
+        by = {r["impl"]: r for r in rows if r["shape"] == s}
+        me = by.get("liger_compat")
+        if not me:
+            continue
+        ratios = [f"{me['ms'] / by[p]['ms']:.2f}" if p in by else "-" for p in PEERS]
+        out.append(f"| {s} | {me['ms']:.1f} ({me['ms'] / me['floor_ms']:.2f}) | {me['extra_mib']:.0f} | " + " | ".join(ratios) + " |")
+    out += ["", "(x peer = our time / the peer's time in the same run: below 1 is faster.)", ""]
+    rows = [r for r in k["rows"] if r["section"] == "elementwise"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    peers = ("torch eager", "torch.compile", "liger-kernel")
+    out += ["| kernel (GPU time) | liger_compat ms (x bandwidth floor) | " + " | ".join(f"x {p}" for p in peers) + " |",
+            "|---|---|" + "---|" * len(peers)]
+    for s in shapes:
+        by = {r["impl"]: r for r in rows if r["shape"] == s}
+        me = by.get("liger_compat")
+        if not me:
+            continue
+        ratios = [f"{me['ms'] / by[p]['ms']:.2f}" if p in by else "-" for p in peers]
+        out.append(f"| {s} | {me['ms']:.3f} ({me['ms'] / me['floor_ms']:.2f}) | " + " | ".join(ratios) + " |")
+    return out
+
+
+def _e2e(rows: list[dict]) -> list[str]:
+    r0 = next((r for r in rows if "gpu" in r), {})
+    out = ["", f"Training step (forward + backward + AdamW), bf16, random weights, {r0.get('gpu')}, "
+           f"transformers {r0.get('transformers')} (`benchmarks/results/e2e.md`):", "",
+           "| model | batch x seq | native tokens/s | liger-kernel tokens/s | liger_compat tokens/s | liger_compat x native | liger_compat x liger-kernel | peak GiB native / liger-kernel / liger_compat |",
+           "|---|---|---|---|---|---|---|---|"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["shape"]), {})[r["impl"]] = r
+
+    def tps(r):
+        return f"{r['tokens_per_s']:.0f}" if r and r.get("status") == "ok" else (r or {}).get("status", "-")
+
+    def peak(r):
+        return f"{r['peak_gib']:.1f}" if r and r.get("status") == "ok" else (r or {}).get("status", "-")
+
+    for (m, s), d in by.items():
+        n, lk, me = d.get("native"), d.get("liger_kernel"), d.get("liger_compat")
+        ok = lambda r: r is not None and r.get("status") == "ok"  # noqa: E731
+        xn = f"{me['tokens_per_s'] / n['tokens_per_s']:.2f}" if ok(me) and ok(n) else "-"
+        xl = f"{me['tokens_per_s'] / lk['tokens_per_s']:.2f}" if ok(me) and ok(lk) else "-"
+        out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} | {xn} | {xl} | {peak(n)} / {peak(lk)} / {peak(me)} |")
+    return out
+
+
+def _overhead(o: dict) -> list[str]:
+    imp = o["import"]
+    out = ["", "Shim overhead on the CPU (`python -m benchmarks.overhead`): `import liger_compat` adds "
+           f"{imp['added_ms']:.0f} ms to a fresh interpreter (median of {imp['runs']})"]
+    for path, r in o["wrapper"]["paths"].items():
+        out[-1] += f"; the forward wrapper costs {r['overhead_us']:.1f} us per call ({path})"
+    out[-1] += "."
+    return out
+
+
+def render() -> str:
+    parts: list[str] = []
+    k = _load("kernels.json")
+    if k:
+        parts += _kernels(k)
+    e = _load("e2e.json")
+    if e:
+        parts += _e2e(e)
+    o = _load("overhead.json")
+    if o:
+        parts += _overhead(o)
+    return START + "\n" + "\n".join(parts) + "\n" + END
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    a = ap.parse_args(argv)
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if START not in text:
+        raise SystemExit(f"README.md has no {START} marker")
+    new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: render(), text, flags=re.S)
+    if a.check:
+        if new != text:
+            print("README performance section is stale: run python tools/readme_perf.py", file=sys.stderr)
+            return 1
+        return 0
+    readme.write_text(new)
+    print("README performance section written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
