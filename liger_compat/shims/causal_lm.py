@@ -275,7 +275,8 @@ def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: in
     return shift_labels.to(hidden.device)
 
 
-def _compute_dtype(hidden: Any, weight: Any) -> Any:
+def _autocast_dtype(hidden: Any) -> Any:
+    """autocast's compute dtype on ``hidden``'s device, or None when autocast is off."""
     import torch
 
     dev = hidden.device.type
@@ -285,6 +286,13 @@ def _compute_dtype(hidden: Any, weight: Any) -> Any:
     except (TypeError, RuntimeError):  # older torch spellings
         if dev == "cuda" and torch.is_autocast_enabled():
             return torch.get_autocast_gpu_dtype()
+    return None
+
+
+def _compute_dtype(hidden: Any, weight: Any) -> Any:
+    auto = _autocast_dtype(hidden)
+    if auto is not None:
+        return auto
     return weight.dtype if hidden.dtype != weight.dtype else hidden.dtype
 
 
@@ -303,17 +311,22 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     h = hidden
     if divisor is not None:
         h = h / divisor  # (h W^T) / d == (h / d) W^T without a bias
-    dtype = _compute_dtype(h, inner.weight)
     opts = dict(ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items, return_token_accuracy=True)
+    if _distributed is not None:
+        # the weight as the sharding engine (if any) gathers it, inside lm_head's own call. The
+        # dtype is autocast's, or else the gathered weight's: under FSDP2 mixed precision the
+        # shard read here is fp32 while the gathered weight is param_dtype (bf16, say)
+        auto = _autocast_dtype(h)
+        with torch.autocast(h.device.type, enabled=False):
+            res = _distributed.fused_head_loss(model.lm_head, h if auto is None else h.to(auto), target,
+                                               dtype=auto, **opts)
+        return res.loss, res.token_accuracy
+    dtype = _compute_dtype(h, inner.weight)
+    b = inner.bias
     with torch.autocast(h.device.type, enabled=False):
-        if _distributed is not None:
-            # the weight as the sharding engine (if any) gathers it, inside lm_head's own call
-            res = _distributed.fused_head_loss(model.lm_head, h.to(dtype), target, dtype=dtype, **opts)
-        else:
-            b = inner.bias
-            res = kernels.fused_linear_cross_entropy(
-                h.to(dtype), inner.weight.to(dtype), target, bias=None if b is None else b.to(dtype), **opts
-            )
+        res = kernels.fused_linear_cross_entropy(
+            h.to(dtype), inner.weight.to(dtype), target, bias=None if b is None else b.to(dtype), **opts
+        )
     return res.loss, res.token_accuracy
 
 
