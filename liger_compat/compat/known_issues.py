@@ -50,7 +50,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         id="F1",
         title="SFTTrainer reads outputs.logits for token accuracy",
         failure="fused forward returns logits=None -> TypeError: 'NoneType' object is not subscriptable",
-        affects={"trl": ">=0.15"},
+        affects={"trl": ">=0.15,<1.15"},
         mitigated_by=("trl.sft_token_accuracy",),
         upstream="trl 0.15 SFTTrainer.compute_loss logs mean_token_accuracy from outputs.logits[..., :-1, :]",
         scenario="F1",

@@ -30,21 +30,57 @@ _callbacks: dict[str, list[Callable[[Any], None]]] = {}
 _lock = threading.RLock()
 
 
+#: modules that were still executing when a hook was registered for them (a trigger package imported
+#: from inside them): handled at the next dispatch once their import has finished
+_pending: set[str] = set()
+#: the module name whose hook is being registered (wrapt calls the hook at once if it is imported)
+_registering: str | None = None
+
+
+def _initializing(module: Any) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def _dispatch(module: Any) -> None:
-    for cb in list(_callbacks.get(getattr(module, "__name__", ""), ())):
+    name = getattr(module, "__name__", "")
+    flush_pending()
+    # wrapt also calls hooks at the end of an import, when __spec__._initializing is still set: only a
+    # module found in sys.modules while its hook is registered can be half-executed
+    if name == _registering and _initializing(module):
+        _pending.add(name)
+        return
+    for cb in list(_callbacks.get(name, ())):
         cb(module)
 
 
+def flush_pending() -> None:
+    """Patch the modules whose hooks were registered mid-import, if their import has finished since."""
+    for other in list(_pending):
+        mod = sys.modules.get(other)
+        if mod is not None and not _initializing(mod):
+            _pending.discard(other)
+            for cb in list(_callbacks.get(other, ())):
+                cb(mod)
+
+
 def _on_import(name: str, callback: Callable[[Any], None]) -> None:
+    global _registering
     with _lock:
         first = name not in _callbacks
         cbs = _callbacks.setdefault(name, [])
         if callback not in cbs:
             cbs.append(callback)
         if first:
-            wrapt.register_post_import_hook(_dispatch, name)  # fires at once when already imported
+            _registering = name
+            try:
+                wrapt.register_post_import_hook(_dispatch, name)  # fires at once when already imported
+            finally:
+                _registering = None
         elif name in sys.modules:
-            callback(sys.modules[name])
+            if _initializing(sys.modules[name]):
+                _pending.add(name)
+            else:
+                callback(sys.modules[name])
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,10 +208,18 @@ class SubmoduleShim(Shim):
         self.patched.extend(done)
 
     def status(self) -> dict[str, Any]:
+        """``patch_module`` results starting with ``"not needed"`` are notes, not patches: a shim whose
+        every imported target was not needed reports that state."""
+        flush_pending()
         st = super().status()
         if self.state == State.APPLIED and not st["reason"]:
-            if self.patched:
-                st["reason"] = "patched " + ", ".join(self.patched)
+            done = [p for p in self.patched if not p.startswith("not needed")]
+            notes = [p for p in self.patched if p.startswith("not needed")]
+            if done:
+                st["reason"] = "patched " + ", ".join(done) + ("; " + "; ".join(notes) if notes else "")
+            elif notes:
+                st["state"] = State.NOT_NEEDED.value
+                st["reason"] = "; ".join(n[len("not needed"):].lstrip(": ") for n in notes)
             else:
                 st["reason"] = "no target imported yet"
         if self.sub_errors:

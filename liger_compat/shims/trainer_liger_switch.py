@@ -21,6 +21,7 @@ left on and reported.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any
@@ -38,8 +39,6 @@ SWITCHES = ("use_liger_kernel", "use_liger")
 #: trl config fields that route the loss through liger-kernel's fused preference losses
 LOSS_SWITCHES = ("use_liger_loss",)
 
-events: list[str] = []
-
 
 class LigerSwitchWarning(UserWarning):
     """A trainer's liger switch was turned off because liger_compat's kernels are applied."""
@@ -50,12 +49,12 @@ def _active() -> bool:
     return not s.disabled and bool(s.kernels)
 
 
-def _note(entry: str) -> None:
-    if entry not in events:
-        events.append(entry)
+def _init_middleware(events: list[str], call_next: Any, wrapped: Any, instance: Any, args: tuple,
+                     kwargs: dict[str, Any]) -> Any:
+    def _note(entry: str) -> None:
+        if entry not in events:
+            events.append(entry)
 
-
-def _init_middleware(call_next: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     targs = kwargs.get("args", args[1] if len(args) > 1 else None)
     if targs is not None and instance is not None and _active():
         trainer = type(instance).__name__
@@ -83,32 +82,53 @@ def _init_middleware(call_next: Any, wrapped: Any, instance: Any, args: tuple, k
 
 
 class _SwitchShim(SubmoduleShim):
+    """Also says which kernels a trainer ended up with, once one was constructed with its switch on."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.events: list[str] = []
+        self.patch_module = self._patch
+
+    def _patch(self, module: Any, patches: ShimPatches) -> list[str]:
+        done = []
+        middleware = functools.partial(_init_middleware, self.events)
+        for cls in classes_defined_in(module, TRAINER_BASE):
+            if "__init__" in cls.__dict__:
+                patches.middleware(cls, "__init__", middleware)
+                done.append(f"{cls.__name__}.__init__")
+        return done
+
     def status(self) -> dict[str, Any]:
         st = super().status()
-        if events and st["state"] == "applied":
-            st["reason"] = "; ".join(events)
+        if self.events and st["state"] == "applied":
+            st["reason"] = "; ".join(self.events)
         return st
 
 
-def _patch(module: Any, patches: ShimPatches) -> list[str]:
-    done = []
-    for cls in classes_defined_in(module, TRAINER_BASE):
-        if "__init__" in cls.__dict__:
-            patches.middleware(cls, "__init__", _init_middleware)
-            done.append(f"{cls.__name__}.__init__")
-    return done
+_COMMON = dict(
+    description=__doc__.split("\n\n")[0],
+    fixes=(),
+)
 
-
+# one shim per package: a trigger must be the package of its targets, so that a target module is
+# never half-imported when its hook runs
 REGISTRY.register(_SwitchShim(
     id=SHIM_ID,
     library="transformers",
     trigger="transformers",
-    target="Trainer.__init__ and every trl trainer's __init__ (args.use_liger_kernel / use_liger)",
+    target="Trainer.__init__ (args.use_liger_kernel)",
     versions=">=4.45",
-    upstream="transformers 4.45 TrainingArguments.use_liger_kernel applies liger-kernel in Trainer.__init__; "
-             "trl 0.15 SFTConfig.use_liger; trl 1.15 deprecates use_liger_kernel",
-    fixes=(),
-    description=__doc__.split("\n\n")[0],
-    modules=("transformers.trainer",) + locations.all_trainer_modules(),
-    patch_module=_patch,
+    upstream="transformers 4.45 TrainingArguments.use_liger_kernel applies liger-kernel in Trainer.__init__",
+    modules=("transformers.trainer",),
+    **_COMMON,
+))
+
+REGISTRY.register(_SwitchShim(
+    id="trl.trainer_liger_switch",
+    library="trl",
+    trigger="trl",
+    target="every trl trainer's __init__ (args.use_liger_kernel / use_liger, before trl reads them)",
+    upstream="trl 0.15 SFTConfig.use_liger loads AutoLigerKernelForCausalLM; trl 1.15 deprecates use_liger_kernel",
+    modules=locations.all_trainer_modules(),
+    **_COMMON,
 ))

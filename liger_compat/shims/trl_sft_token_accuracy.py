@@ -4,7 +4,8 @@ Upstream: trl 0.15 ``SFTTrainer.compute_loss`` started logging ``mean_token_accu
 ``outputs.logits[..., :-1, :]`` unless ``args.use_liger`` (0.16+: ``use_liger_kernel``) is set;
 trl 0.22 added ``entropy`` from ``entropy_from_logits(outputs.logits)`` (masked by the attention
 mask; from 1.3 by the shifted labels); trl 0.26 reads ``outputs.token_accuracy`` on its liger path.
-trl 1.16 scores SFT through its own fused LM head and reads no logits (not needed there).
+trl 1.10 .. 1.14 default to ``loss_type="chunked_nll"`` (trl's own head; affected with ``"nll"``) and
+trl 1.15+ scores SFT through its own fused LM head and reads no logits (not needed there).
 
 Failure prevented: with liger_compat's fused causal-LM forward the model returns ``logits=None``
 together with a ``token_accuracy`` computed inside the kernel, and ``compute_loss`` died with
@@ -253,7 +254,7 @@ def _patch_sft_module(module: Any, patches: PatchSet) -> list[str]:
         return []
     style = read_style(trainer.__dict__["compute_loss"])
     if isinstance(style, str):
-        return [f"SFTTrainer.compute_loss not needed: {style}"]
+        return [f"not needed: {style}"]
     patches.wrap(trainer, "compute_loss", _make_wrapper(style))
     extra = ["accuracy"] + (["entropy"] if style.entropy else [])
     return [f"SFTTrainer.compute_loss (switch {style.switch}; logs {', '.join(extra)})"]
@@ -264,7 +265,7 @@ register_submodule_shim(
     library="trl",
     trigger="trl",
     target="SFTTrainer.compute_loss (mean_token_accuracy, entropy)",
-    versions=">=0.15",
+    versions=">=0.15",  # the upper end (1.15) is found by reading compute_loss: it reads no logits there
     upstream="trl 0.15 SFTTrainer.compute_loss logs mean_token_accuracy from outputs.logits; "
              "0.22 adds entropy_from_logits(outputs.logits)",
     fixes=("F1",),
