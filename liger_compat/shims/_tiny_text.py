@@ -85,13 +85,12 @@ def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.
         raise ValueError(f"family {family!r}: pick one of {FAMILIES}")
     cfg = Config(**_common_config(tokenizer))
     cfg._attn_implementation = "eager"
+    from .tiny_models import randomize
+
     torch.manual_seed(seed)
     model = Model(cfg)
+    randomize(model, seed=seed, init_std=init_std, perturb_norms=False)
     with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * init_std)
         if echo:
             emb = model.get_input_embeddings().weight
             emb.mul_(10.0)

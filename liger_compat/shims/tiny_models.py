@@ -78,6 +78,20 @@ def config_for(family: str | Family, **overrides: Any):
     return cfg
 
 
+def randomize(model: Any, *, seed: int, init_std: float, perturb_norms: bool = True) -> None:
+    """Matrices drawn with std ``init_std`` from a seeded generator (logits far from 0); norm
+    weights, with ``perturb_norms``, moved a little off their neutral value."""
+    import torch
+
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * init_std)
+            elif perturb_norms and "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
 def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any = "cpu",
           init_std: float = 0.2, **overrides: Any):
     """A fresh ``<Family>ForCausalLM`` with random weights of std ``init_std`` (logits far from 0)."""
@@ -91,12 +105,6 @@ def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any
     cfg = config_for(fam, **overrides)
     torch.manual_seed(seed)
     model = cls(cfg)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * init_std)
-            elif "norm" in name:  # keep norms near their neutral value, but not exactly at it
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    randomize(model, seed=seed, init_std=init_std)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()
