@@ -35,12 +35,14 @@ def table(grid: Grid, verified: dict[str, Any]) -> str:
         "",
         f"Tested on Python {grid.python} with torch {grid.torch} (CPU test suite, `tox -e <cell>`).",
         "",
-        "| transformers | trl | accelerate | datasets | state | passed | failed | skipped | run on | tox env |",
+        "| transformers | trl | accelerate | datasets | state | passed | failed | skipped | run on @ commit | tox env |",
         "|---|---|---|---|---|---:|---:|---:|---|---|",
     ]
     for c in grid.cells:
         r = cells.get(c.name)
-        nums = ([str(r["passed"]), str(r["failed"] + r["errors"]), str(r["skipped"]), str(r.get("date", ""))[:10]]
+        commit = ((r or {}).get("source") or {}).get("commit") or ""
+        nums = ([str(r["passed"]), str(r["failed"] + r["errors"]), str(r["skipped"]),
+                 str(r.get("date", ""))[:10] + (f" @ {commit[:7]}" if commit else "")]
                 if r else ["", "", "", ""])
         rows.append(f"| {c.transformers} | {c.trl} | {c.accelerate} | {c.datasets} | {_state(r)} | "
                     + " | ".join(nums) + f" | `{c.name}` |")
