@@ -12,7 +12,7 @@ from harness import examples, expected_backend
 from reference64 import geglu64, rel_err, rms_norm64, rope64, swiglu64
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOL = {"fp32": 1e-5, "bf16": 1.5e-2, "fp16": 2e-3}
+TOL = {"fp32": 1e-5, "bf16": 1.5e-2, "fp16": 4e-3}  # fp16: a single element rounds input and output (~2-3 eps)
 
 
 def _grads_close(pairs, tol):

@@ -72,6 +72,12 @@ def test_stand_in_old_trainer(tokenizer, tmp_path):
         assert not ps.revert()
 
 
+def trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
 def _needs_old_trl_on_new_transformers():
     import trl
     import transformers
@@ -105,8 +111,12 @@ def test_old_trl_trainer_trains_on_new_transformers(name, tokenizer, tmp_path):
         nat = build(clone(base))
         # 4.46+: the loop's get_batch_samples(epoch_iterator, n) lands in trl's (model, batch) one
         # ("'generator' object has no attribute 'generate'"), then compute_loss(num_items_in_batch=)
-        with pytest.raises((TypeError, AttributeError)):
+        try:
             nat.train()
+        except (TypeError, AttributeError):
+            pass
+        else:  # trl 0.12.2 already adapted its preference trainers to transformers 4.46
+            pytest.skip(f"{trainer_cls.__name__} of trl {trl_version()} trains natively on this transformers")
         batch = nat._prepare_inputs(next(iter(nat.get_train_dataloader())))
         nat.model.train()
         want = float(nat.compute_loss(nat.model, batch))
