@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -26,35 +27,35 @@ def _load(name: str):
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def _kernels(k: dict) -> list[str]:
-    meta = k["meta"]
-    out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
-           f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s, copy {meta['copy_tbps']:.2f} TB/s "
-           "(`benchmarks/results/kernels.md` has every row).", ""]
-    rows = [r for r in k["rows"] if r["section"] == "flce"]
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    out += ["| fused linear cross-entropy | liger_compat ms (x floor) | extra MiB | " + " | ".join(f"x {p}" for p in PEERS) + " |",
-            "|---|---|---|" + "---|" * len(PEERS)]
-    for s in shapes:
-        by = {r["impl"]: r for r in rows if r["shape"] == s}
-        me = by.get("liger_compat")
-        if not me:
-            continue
-        ratios = [f"{me['ms'] / by[p]['ms']:.2f}" if p in by else "-" for p in PEERS]
-        out.append(f"| {s} | {me['ms']:.1f} ({me['ms'] / me['floor_ms']:.2f}) | {me['extra_mib']:.0f} | " + " | ".join(ratios) + " |")
-    out += ["", "(x peer = our time / the peer's time in the same run: below 1 is faster.)", ""]
-    rows = [r for r in k["rows"] if r["section"] == "elementwise"]
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    peers = ("torch eager", "torch.compile", "liger-kernel")
-    out += ["| kernel (GPU time) | liger_compat ms (x bandwidth floor) | " + " | ".join(f"x {p}" for p in peers) + " |",
-            "|---|---|" + "---|" * len(peers)]
-    for s in shapes:
+def _ratio_table(rows: list[dict], section: str, peers: tuple[str, ...], first: str, ours_head: str,
+                 ours: Callable[[dict], str]) -> list[str]:
+    """One row per shape of ``section``: our figures, then our time / each peer's time."""
+    rows = [r for r in rows if r["section"] == section]
+    n_ours = ours_head.count("|") + 1
+    out = [f"| {first} | {ours_head} | " + " | ".join(f"x {p}" for p in peers) + " |",
+           "|---|" + "---|" * n_ours + "---|" * len(peers)]
+    for s in dict.fromkeys(r["shape"] for r in rows):
         by = {r["impl"]: r for r in rows if r["shape"] == s}
         me = by.get("liger_compat")
         if not me:
             continue
         ratios = [f"{me['ms'] / by[p]['ms']:.2f}" if p in by else "-" for p in peers]
-        out.append(f"| {s} | {me['ms']:.3f} ({me['ms'] / me['floor_ms']:.2f}) | " + " | ".join(ratios) + " |")
+        out.append(f"| {s} | {ours(me)} | " + " | ".join(ratios) + " |")
+    return out
+
+
+def _kernels(k: dict) -> list[str]:
+    meta = k["meta"]
+    out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
+           f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s, copy {meta['copy_tbps']:.2f} TB/s "
+           "(`benchmarks/results/kernels.md` has every row).", ""]
+    out += _ratio_table(k["rows"], "flce", PEERS, "fused linear cross-entropy",
+                        "liger_compat ms (x floor) | extra MiB",
+                        lambda me: f"{me['ms']:.1f} ({me['ms'] / me['floor_ms']:.2f}) | {me['extra_mib']:.0f}")
+    out += ["", "(x peer = our time / the peer's time in the same run: below 1 is faster.)", ""]
+    out += _ratio_table(k["rows"], "elementwise", ("torch eager", "torch.compile", "liger-kernel"),
+                        "kernel (GPU time)", "liger_compat ms (x bandwidth floor)",
+                        lambda me: f"{me['ms']:.3f} ({me['ms'] / me['floor_ms']:.2f})")
     return out
 
 
