@@ -15,6 +15,11 @@ from typing import Any, Iterable
 __version__ = "0.1.0"
 __all__ = ["check", "apply", "revert", "configure", "__version__"]
 
+from . import _lazy
+
+# before anything imports wrapt, whose wrapt.importer imports importlib.metadata (~25 ms): see _lazy
+_lazy.defer("importlib.metadata")
+
 from . import _config
 from .compat import check
 from .shims import REGISTRY as _REGISTRY

@@ -8,7 +8,8 @@ Kept free of heavy imports: importing ``liger_compat`` must not import torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+
+from ._record import Record
 
 #: Every kernel the package provides, by the name used in ``LIGER_COMPAT_KERNELS``
 #: and ``configure(kernels=...)``.
@@ -56,13 +57,16 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
     return frozenset(chosen)
 
 
-@dataclass
-class Settings:
-    disabled: bool = False
-    kernels: frozenset[str] = field(default_factory=lambda: frozenset(ALL_KERNELS))
-    debug: bool = False
-    #: where a setting came from, for the report
-    source: dict[str, str] = field(default_factory=dict)
+class Settings(Record):
+    _fields = ("disabled", "kernels", "debug", "source")
+
+    def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
+                 source: dict[str, str] | None = None) -> None:
+        self.disabled = disabled
+        self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
+        self.debug = debug
+        #: where a setting came from, for the report
+        self.source: dict[str, str] = {} if source is None else source
 
 
 def _from_env() -> Settings:

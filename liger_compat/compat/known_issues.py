@@ -8,14 +8,12 @@ shim registry to say whether the installed liger_compat mitigates them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import versions
 
 
-@dataclass(frozen=True)
-class KnownIssue:
+class KnownIssue(NamedTuple):
     id: str
     title: str
     failure: str

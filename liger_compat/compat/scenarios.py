@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._record import Record
 from . import versions
 
 
@@ -23,31 +23,39 @@ class Skip(Exception):
     """Raised by a scenario that cannot run on this installation; the message says why."""
 
 
-@dataclass
-class Context:
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
+class Context(Record):
+    _fields = ("device", "dtype", "seed")
+
+    def __init__(self, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
 
 
-@dataclass
-class Scenario:
-    id: str
-    title: str
-    func: Callable[[Context], str | None]
-    issue: str | None = None
-    requires: tuple[str, ...] = ()
+class Scenario(Record):
+    _fields = ("id", "title", "func", "issue", "requires")
+
+    def __init__(self, id: str, title: str, func: Callable[[Context], str | None], issue: str | None = None,
+                 requires: tuple[str, ...] = ()) -> None:
+        self.id = id
+        self.title = title
+        self.func = func
+        self.issue = issue
+        self.requires = requires
 
 
-@dataclass
-class ScenarioResult:
-    id: str
-    title: str
-    issue: str | None
-    outcome: str  # passed / failed / skipped
-    detail: str = ""
-    seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+class ScenarioResult(Record):
+    _fields = ("id", "title", "issue", "outcome", "detail", "seconds", "extra")
+
+    def __init__(self, id: str, title: str, issue: str | None, outcome: str, detail: str = "", seconds: float = 0.0,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.id = id
+        self.title = title
+        self.issue = issue
+        self.outcome = outcome  # passed / failed / skipped
+        self.detail = detail
+        self.seconds = seconds
+        self.extra: dict[str, Any] = {} if extra is None else extra
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -11,9 +11,8 @@ features of the release it leads to, which is what the shims' version gates ask 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # imported lazily: `import liger_compat` must stay cheap
     from packaging.specifiers import SpecifierSet
@@ -36,8 +35,7 @@ TRACKED: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class PackageVersion:
+class PackageVersion(NamedTuple):
     """One installed package as the report shows it."""
 
     name: str

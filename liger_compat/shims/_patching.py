@@ -8,20 +8,23 @@ objects, as in OpenTelemetry's instrumentations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import wrapt
 
+from .._record import Record
+
 _MISSING = object()
 
 
-@dataclass
-class Patch:
-    owner: Any
-    name: str
-    original: Any  # the value in owner.__dict__ before patching, or _MISSING if inherited
-    replacement: Any
+class Patch(Record):
+    _fields = ("owner", "name", "original", "replacement")
+
+    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.original = original  # the value in owner.__dict__ before patching, or _MISSING if inherited
+        self.replacement = replacement
 
     def revert(self) -> None:
         current = _own(self.owner, self.name)

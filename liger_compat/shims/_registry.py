@@ -29,12 +29,12 @@ import logging
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import wrapt
 
 from .. import _config
+from .._record import Record
 from ..compat import versions
 from ._patching import PatchSet
 
@@ -51,29 +51,52 @@ class State(str, enum.Enum):
     CONFLICT = "conflict"  # another library patched the target first; left alone
 
 
-@dataclass
-class Shim:
-    id: str
-    library: str
-    trigger: str
-    target: str
-    upstream: str
-    versions: str = ""
-    fixes: tuple[str, ...] = ()
-    kernels: tuple[str, ...] = ()
-    description: str = ""
-    probe: Callable[[Any], str | None] | None = None
-    _apply: Callable[[Any, PatchSet], None] | None = None
-    _revert: Callable[[], None] | None = None
-    apply_to_model: Callable[[Any, PatchSet], bool] | None = None
-    #: conflict detector run before applying: returns a description of a foreign patch or None
-    conflict: Callable[[Any], str | None] | None = None
+class Shim(Record):
+    _fields = ("id", "library", "trigger", "target", "upstream", "versions", "fixes", "kernels", "description",
+               "probe", "_apply", "_revert", "apply_to_model", "conflict", "state", "reason", "patches",
+               "model_patches")
 
-    # runtime state, owned by the registry
-    state: State = State.WAITING
-    reason: str = ""
-    patches: PatchSet = field(default_factory=PatchSet)
-    model_patches: list[PatchSet] = field(default_factory=list)
+    def __init__(
+        self,
+        id: str,
+        library: str,
+        trigger: str,
+        target: str,
+        upstream: str,
+        versions: str = "",
+        fixes: tuple[str, ...] = (),
+        kernels: tuple[str, ...] = (),
+        description: str = "",
+        probe: Callable[[Any], str | None] | None = None,
+        _apply: Callable[[Any, PatchSet], None] | None = None,
+        _revert: Callable[[], None] | None = None,
+        apply_to_model: Callable[[Any, PatchSet], bool] | None = None,
+        conflict: Callable[[Any], str | None] | None = None,
+        state: State = State.WAITING,
+        reason: str = "",
+        patches: PatchSet | None = None,
+        model_patches: list[PatchSet] | None = None,
+    ) -> None:
+        self.id = id
+        self.library = library
+        self.trigger = trigger
+        self.target = target
+        self.upstream = upstream
+        self.versions = versions
+        self.fixes = fixes
+        self.kernels = kernels
+        self.description = description
+        self.probe = probe
+        self._apply = _apply
+        self._revert = _revert
+        self.apply_to_model = apply_to_model
+        #: conflict detector run before applying: returns a description of a foreign patch or None
+        self.conflict = conflict
+        # runtime state, owned by the registry
+        self.state = state
+        self.reason = reason
+        self.patches = PatchSet() if patches is None else patches
+        self.model_patches: list[PatchSet] = [] if model_patches is None else model_patches
 
     def status(self) -> dict[str, Any]:
         return {
@@ -89,11 +112,13 @@ class Shim:
         }
 
 
-@dataclass
-class Conflict:
-    what: str
-    by: str
-    detail: str
+class Conflict(Record):
+    _fields = ("what", "by", "detail")
+
+    def __init__(self, what: str, by: str, detail: str) -> None:
+        self.what = what
+        self.by = by
+        self.detail = detail
 
     def to_dict(self) -> dict[str, str]:
         return {"what": self.what, "by": self.by, "detail": self.detail}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import wrapt
@@ -154,18 +153,31 @@ class ShimPatches(PatchSet):
         return errors + super().revert()
 
 
-@dataclass(eq=False)
 class SubmoduleShim(Shim):
     """A shim applied per submodule. ``patch_module(module, patches)`` returns what it patched."""
 
-    modules: tuple[str, ...] = ()
-    patch_module: Callable[[Any, PatchSet], list[str]] | None = None
+    _fields = Shim._fields + ("modules", "patch_module", "patched", "sub_errors", "module_patches", "_active")
 
-    # runtime
-    patched: list[str] = field(default_factory=list)
-    sub_errors: list[str] = field(default_factory=list)
-    module_patches: dict[str, PatchSet] = field(default_factory=dict)
-    _active: bool = False
+    def __init__(
+        self,
+        *args: Any,
+        modules: tuple[str, ...] = (),
+        patch_module: Callable[[Any, PatchSet], list[str]] | None = None,
+        patched: list[str] | None = None,
+        sub_errors: list[str] | None = None,
+        module_patches: dict[str, PatchSet] | None = None,
+        _active: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.modules = modules
+        self.patch_module = patch_module
+        # runtime
+        self.patched: list[str] = [] if patched is None else patched
+        self.sub_errors: list[str] = [] if sub_errors is None else sub_errors
+        self.module_patches: dict[str, PatchSet] = {} if module_patches is None else module_patches
+        self._active = _active
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         self._apply = self._install

@@ -32,16 +32,14 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import wrapt
 
 log = logging.getLogger("liger_compat")
 
 
-@dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     name: str
     prefix: str  # class-name prefix: "Qwen2" -> Qwen2ForCausalLM, Qwen2RMSNorm, Qwen2MLP
     module_name: str  # the directory under transformers/models

@@ -33,12 +33,10 @@ on to transformers 5) is logged, not warned again.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import inspect
 import logging
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ._patching import PatchSet, unwrap
 from ._submodule_hooks import ARGS_BASE, TRAINER_BASE, ShimPatches, classes_defined_in, register_submodule_shim
@@ -51,8 +49,7 @@ class RenamedKwargWarning(FutureWarning):
     """A keyword argument was translated to the spelling the installed library accepts."""
 
 
-@dataclass(frozen=True)
-class Rename:
+class Rename(NamedTuple):
     old: str
     new: str
     #: class names (anywhere in the MRO) the rename applies to
@@ -152,6 +149,8 @@ def _in_scope(cls: type, scope: tuple[str, ...]) -> bool:
 
 
 def _int_typed(cls: type, name: str) -> bool:
+    import dataclasses  # loaded with the trainer classes by now; not at `import liger_compat`
+
     for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
         if f.name == name:
             return f.type in (int, "int")
@@ -208,6 +207,8 @@ def translate(cls: type, func: Any, args: tuple, kwargs: dict[str, Any],
     moved = next((MOVED_TO_CONFIG[k.__name__] for k in cls.__mro__ if k.__name__ in MOVED_TO_CONFIG), ())
     stray = [k for k in moved if k in out and k not in params]
     if stray:
+        import dataclasses
+
         cfg = out.get("args", args[1] if len(args) > 1 else None)
         if cfg is not None and dataclasses.is_dataclass(cfg):
             out = dict(out)

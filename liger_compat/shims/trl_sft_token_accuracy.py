@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._patching import PatchSet, unwrap
 from ._submodule_hooks import register_submodule_shim
@@ -40,8 +39,7 @@ SHIM_ID = "trl.sft_token_accuracy"
 _ROWS_BYTES = 1 << 28  # logits of one entropy chunk: at most 256 MiB in float32
 
 
-@dataclass(frozen=True)
-class SFTMetricStyle:
+class SFTMetricStyle(NamedTuple):
     """What the installed ``SFTTrainer.compute_loss`` does, read from its source."""
 
     switch: str  # "use_liger_kernel" (0.16+) or "use_liger" (0.15)

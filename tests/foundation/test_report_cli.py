@@ -167,6 +167,34 @@ def test_import_does_not_import_torch_or_transformers():
     assert r.stdout.strip() == "[]"
 
 
+def test_import_keeps_costly_stdlib_modules_out():
+    """``import liger_compat`` stays cheap: no dataclasses (its classes are plain), and importlib.metadata
+    (which wrapt imports) is a not-yet-executed module, so email, csv, zipfile ... are not loaded."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        before = set(sys.modules)
+        import liger_compat
+        md = sys.modules["importlib.metadata"]
+        print(json.dumps({
+            "added": sorted(set(sys.modules) - before),
+            "metadata_was_loaded": "importlib.metadata" in before,
+            "metadata_ran": "version" in vars(md),
+            "hooks_active": liger_compat._REGISTRY.active,
+        }))
+        """
+    )
+    r = _run(code=code)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    costly = ("dataclasses", "email", "email.message", "csv", "zipfile", "socket", "datetime",
+              "importlib.metadata._adapters", "importlib.metadata._meta")
+    assert [m for m in costly if m in d["added"]] == []
+    if not d["metadata_was_loaded"]:  # a .pth file of this environment may have loaded it already
+        assert not d["metadata_ran"]
+    assert d["hooks_active"]
+
+
 def test_disable_env_turns_everything_off():
     code = "import liger_compat, json; r = liger_compat.check(); print(json.dumps([r.settings['disabled'], liger_compat._REGISTRY.active]))"
     r = _run(code=code, env={"LIGER_COMPAT_DISABLE": "1"})
