@@ -104,8 +104,9 @@ def _rope_heads_kernel(
                      cols, m, c1, c2, s1, s2, HALF, PASS, BACKWARD, BLOCK_PASS, tmask)
 
 
-#: positions per program of the heads kernel on CUDA
+#: positions per program of the heads kernel on CUDA, and its warps (benchmarks.kernels sweeps both)
 HEADS_BLOCK_T = 16
+HEADS_WARPS = 4
 
 
 def _heads_view(x, head_dim_index):
@@ -114,8 +115,11 @@ def _heads_view(x, head_dim_index):
 
 
 def _rope_heads(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index):
-    oq = torch.empty(q.shape, dtype=out_q, device=q.device)
-    ok = torch.empty(k.shape, dtype=out_k, device=k.device)
+    # outputs in the inputs' memory layout: transformers hands q/k as [B, heads, T, D] views of
+    # [B, T, heads, D] projections, and attention kernels and the projections' backward then
+    # see the layout they would have seen without us
+    oq = torch.empty_like(q, dtype=out_q)
+    ok = torch.empty_like(k, dtype=out_k)
     q4, k4 = _heads_view(q, head_dim_index), _heads_view(k, head_dim_index)
     oq4, ok4 = _heads_view(oq, head_dim_index), _heads_view(ok, head_dim_index)
     bsz, hq, t, d = q4.shape
@@ -137,7 +141,7 @@ def _rope_heads(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index):
         c.stride(0), c.stride(1), s.stride(0), s.stride(1),
         HALF=half, PASS=d - rot, BACKWARD=backward, BLOCK_T=block_t,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
-        num_warps=4,
+        num_warps=HEADS_WARPS,
     )
     return oq, ok
 

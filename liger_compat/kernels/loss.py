@@ -40,9 +40,12 @@ def _env_mib(name: str, default: int) -> int:
 #: and reads+writes the bf16 grad_weight once (~4*V*H*2 bytes) for 6*rows*H*V flop, so about
 #: 1000 rows are needed before the three matmuls, not memory traffic, set the time (NOTES.md).
 FLCE_CHUNK_ROWS = 1024
-#: Cap on the extra memory of one chunk (its logits plus a gathered copy of its hidden rows).
-#: ``LIGER_COMPAT_FLCE_CHUNK_MB=63`` keeps the fused loss under 64 MiB extra at V=128256 (about
-#: 250 rows: ~1.5x slower at the Llama-3-8B head); the default 256 MiB gives ~1000 rows there.
+#: Cap on one chunk's logits (``rows * V * 2`` bytes in bf16); a gathered copy of the chunk's
+#: hidden rows (``rows * H * 2``, 8 MiB at 1024 x 4096) comes on top when targets are ignored.
+#: The default 256 MiB gives the full 1024 rows up to V = 131072 (Llama 3: 8 chunks for 8192
+#: rows; a 1008-row cap needs 9 and was 5 % slower, NOTES.md). ``LIGER_COMPAT_FLCE_CHUNK_MB=62``
+#: keeps the fused loss under 64 MiB extra at V=128256 (248 rows, ~1.5x slower at the
+#: Llama-3-8B head).
 FLCE_CHUNK_BYTES = _env_mib("LIGER_COMPAT_FLCE_CHUNK_MB", 256)
 #: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
 FLCE_CHUNK_BYTES_CPU = 8 * 2**20
@@ -204,7 +207,7 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
     if device.type == "cpu":
         rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
-        rows = min(FLCE_CHUNK_ROWS, FLCE_CHUNK_BYTES // (elem * (v + h)))
+        rows = min(FLCE_CHUNK_ROWS, FLCE_CHUNK_BYTES // (elem * v))
         rows = rows // 8 * 8 if rows >= 16 else rows
     return int(max(1, min(n, rows)))
 

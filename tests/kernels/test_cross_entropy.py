@@ -237,3 +237,18 @@ def test_grad_weight_kernel_matches_matmul():
     torch.testing.assert_close(gw, gw0 + dl.T @ hc, rtol=1e-5, atol=1e-4)
     grad_weight_update(gw, dl, hc, accumulate=False)
     torch.testing.assert_close(gw, dl.T @ hc, rtol=1e-5, atol=1e-4)
+
+
+def test_flce_chunk_rows_on_an_accelerator(monkeypatch):
+    """The GPU chunk size: the full 1024 rows at a Llama-3 head under the default 256 MiB cap on
+    the logits (8 chunks for 8192 rows, not 9), and under 64 MiB extra (logits plus the gathered
+    hidden rows) with ``LIGER_COMPAT_FLCE_CHUNK_MB=62``."""
+    import liger_compat.kernels.loss as ce_mod
+
+    cuda = torch.device("cuda")  # only the device type is read; nothing is allocated
+    v, h = 128256, 4096
+    assert ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda) == 1024
+    assert ce_mod._chunk_rows(300, v, h, 2, "triton", cuda) == 300
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES", 62 * 2**20)
+    rows = ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
+    assert rows % 8 == 0 and rows * (v + h) * 2 < 64 * 2**20 and (rows + 8) * v * 2 > 62 * 2**20

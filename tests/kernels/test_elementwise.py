@@ -158,6 +158,30 @@ def test_rope_triton_kernel_variants(monkeypatch, variant, layout):
     assert rel_err(dq, rq) < 1e-6 and rel_err(dk, rk) < 1e-6
 
 
+
+def test_rope_keeps_the_transformers_layout_of_q_and_k():
+    """transformers hands q/k as [B, heads, T, D] views of [B, T, heads, D] projections; the
+    kernel's outputs (and their gradients) keep that memory layout, as the native ops do."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    g = torch.Generator().manual_seed(11)
+    b, t, hq, hk, d = 2, 6, 4, 2, 16
+    q = torch.randn(b, t, hq, d, generator=g).transpose(1, 2).requires_grad_(True)
+    k = torch.randn(b, t, hk, d, generator=g).transpose(1, 2).requires_grad_(True)
+    ang = torch.rand(b, t, d // 2, generator=g) * 6.3
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos(), ang.sin()
+    qe, ke = apply_rotary_pos_emb(q, k, cos, sin)
+    native_q = q * cos[:, None] + torch.cat([-q[..., d // 2:], q[..., : d // 2]], -1) * sin[:, None]
+    assert qe.stride() == q.stride() == native_q.stride() and ke.stride() == k.stride()
+    assert rel_err(qe, rope64(q, cos, sin, 1)) < 1e-6 and rel_err(ke, rope64(k, cos, sin, 1)) < 1e-6
+    gq = torch.randn(b, t, hq, d, generator=g).transpose(1, 2)
+    gk = torch.randn(b, t, hk, d, generator=g).transpose(1, 2)
+    dq, dk = torch.autograd.grad((qe * gq).sum() + (ke * gk).sum(), (q, k))
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    rq, rk = torch.autograd.grad((rope64(q64, cos, sin, 1) * gq).sum() + (rope64(k64, cos, sin, 1) * gk).sum(), (q64, k64))
+    assert rel_err(dq, rq) < 1e-6 and rel_err(dk, rk) < 1e-6
+
 @pytest.mark.parametrize("kind", ["swiglu", "geglu"])
 def test_gated_inplace_backward_gives_the_same_gradients_and_refuses_a_second_backward(kind):
     fn, ref_fn = (swiglu, swiglu64) if kind == "swiglu" else (geglu, geglu64)
