@@ -46,7 +46,8 @@ from .. import _config
 from . import conflicts, families
 from ._patching import PatchSet, unwrap
 from ._registry import REGISTRY, register
-from .logits_to_keep import NEW, OLD, forward_params, is_ours, keep_positions, normalize_keep, pop_keep
+from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_ours, keep_positions, normalize_keep, pop_keep,
+                             stable_key)
 
 try:  # issue 8: runs the fused loss inside lm_head's forward when FSDP / ZeRO-3 shard the head
     from . import distributed as _distributed
@@ -79,7 +80,7 @@ _positional_cache: dict[Any, tuple[str, ...]] = {}
 
 
 def _positional_names(forward: Any) -> tuple[str, ...]:
-    base = getattr(forward, "__func__", forward)  # stable across calls, unlike the bound method
+    base = stable_key(forward)
     names = _positional_cache.get(base)
     if names is not None:
         return names
@@ -143,6 +144,11 @@ def _call_native(wrapped: Any, kw: dict[str, Any], known: str | None, has_keep: 
         kw[OLD if known == OLD else NEW] = keep
     elif has_keep and not (isinstance(keep, int) and keep == 0):
         kw[NEW] = keep  # the forward knows neither name: as native as it gets
+    if isinstance(keep, int) and getattr(wrapped, "_self_wrapper", None) is _translate:
+        # our logits_to_keep wrapper sits right under this one and would pass an int under
+        # the same name: call below it (one wrapper layer less on every call). An index
+        # tensor still goes through it (it selects positions for int-only forwards).
+        wrapped = wrapped.__wrapped__
     return wrapped(**kw)
 
 

@@ -39,11 +39,20 @@ _UNSET = object()
 _param_cache: dict[Any, tuple[str | None, frozenset[str], bool]] = {}
 
 
+def stable_key(forward: Any) -> Any:
+    """A cache key for a (possibly bound, possibly wrapt-wrapped) forward that is the same object
+    on every call: wrapt binds a new ``BoundFunctionWrapper`` per attribute access, whose
+    ``_self_parent`` (the class-level wrapper) is stable and cheap to read, while its proxied
+    ``__func__`` costs ~2 us; a plain bound method's ``__func__`` is stable."""
+    parent = getattr(forward, "_self_parent", None)
+    if parent is not None:
+        return parent
+    return getattr(forward, "__func__", forward)
+
+
 def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
     """``(keep name the forward knows or None, its parameter names, whether it takes **kwargs)``."""
-    # fast path: keyed by the function under a bound method (wrapt hands a new bound method
-    # object per call, the function under it is stable)
-    base = getattr(forward, "__func__", forward)
+    base = stable_key(forward)
     hit = _param_cache.get(base)
     if hit is not None:
         return hit
@@ -87,6 +96,10 @@ def normalize_keep(keep: Any) -> Any:
     """``int >= 0`` (0 = every position) or a 1-D integer index tensor; clear error otherwise."""
     if keep is _UNSET or keep is None:
         return 0
+    if type(keep) is int:  # the common case, without touching torch
+        if keep < 0:
+            raise ValueError(f"{NEW} must be >= 0 (0 keeps every position), got {keep}")
+        return keep
     import torch
 
     if isinstance(keep, torch.Tensor):

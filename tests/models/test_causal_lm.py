@@ -323,3 +323,22 @@ def test_gradient_checkpointing_in_train_mode():
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5)
+
+
+def test_hot_path_calls_below_the_translation_wrapper_and_caches_by_a_stable_key(monkeypatch):
+    """Per-call cost (benchmarks/overhead.py): with an int ``logits_to_keep`` the fused forward
+    already passes the name the native forward knows, so it calls below our translation
+    wrapper (which still handles index tensors); the signature cache is keyed by an object
+    that is the same on every attribute access of the wrapt-bound forward."""
+    from liger_compat.shims import logits_to_keep as ltk
+
+    model = tiny("llama")
+    ids, _ = random_batch(model, seed=4)
+    assert ltk.stable_key(model.forward) is ltk.stable_key(model.forward)
+    calls = []
+    real = ltk.forward_params
+    monkeypatch.setattr(ltk, "forward_params", lambda f: calls.append(f) or real(f))
+    with torch.no_grad():
+        assert model(input_ids=ids, logits_to_keep=5).logits.shape[1] == 5
+        assert not calls  # _translate looks the signature up first thing; it was not entered
+        assert model(input_ids=ids, logits_to_keep=torch.tensor([1, 3])).logits.shape[1] == 2
