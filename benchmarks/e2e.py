@@ -34,21 +34,28 @@ MODELS = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
 }
-IMPLS = ("native", "liger_kernel", "liger_compat")
+IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
+#: liger_compat at its low-memory operating point (the fused loss's logits chunk capped at 62 MiB)
+LOWMEM = {"liger_compat_62mib": "62"}
 
 
-def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
-    if impl == "liger_compat":
+def setup(model_name: str, shape: str, impl: str, liger_kernel_switches: dict | None = None):
+    """The patched library as a user would set it up, then the model (random weights, bf16,
+    SDPA, train mode), fused AdamW and one batch of ids and labels (10 % ignored), on CUDA.
+    ``liger_kernel_switches``: keyword switches for ``apply_liger_kernel_to_<family>``."""
+    if impl in LOWMEM:
+        os.environ["LIGER_COMPAT_FLCE_CHUNK_MB"] = LOWMEM[impl]
+    if impl.startswith("liger_compat"):
         import liger_compat  # noqa: F401  (first import, as a user would)
     import torch
     import transformers
 
     spec = dict(MODELS[model_name])
     family = spec.pop("family")
-    if impl == "liger_kernel":
+    if impl.startswith("liger_kernel"):
         import liger_kernel.transformers as lk
 
-        getattr(lk, f"apply_liger_kernel_to_{family}")()
+        getattr(lk, f"apply_liger_kernel_to_{family}")(**(liger_kernel_switches or {}))
     cfg_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
     cfg = cfg_cls(max_position_embeddings=8192, **spec)
     cfg._attn_implementation = "sdpa"
@@ -62,10 +69,19 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
     ids = torch.randint(0, cfg.vocab_size, (bsz, seq), device="cuda", generator=g)
     labels = ids.clone()
     labels[torch.rand(bsz, seq, device="cuda", generator=g) < 0.1] = -100
+    return model, opt, ids, labels
+
+
+def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
+    import torch
+    import transformers
+
+    model, opt, ids, labels = setup(model_name, shape, impl)
+    bsz, seq = ids.shape
     res = {"model": model_name, "shape": shape, "impl": impl, "tokens": bsz * seq,
            "torch": torch.__version__, "transformers": transformers.__version__,
            "gpu": torch.cuda.get_device_name(0)}
-    if impl == "liger_compat":
+    if impl.startswith("liger_compat"):
         import liger_compat
 
         rep = liger_compat.check()
@@ -101,8 +117,11 @@ def _markdown(rows: list[dict]) -> str:
     if rows:
         r0 = next((r for r in rows if "gpu" in r), rows[0])
         lines += [f"GPU: {r0.get('gpu')}; torch {r0.get('torch')}; transformers {r0.get('transformers')}", ""]
-    lines += ["| model | batch x seq | impl | step ms | tokens/s | x native tokens/s | peak GiB | x liger-kernel peak | first loss |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["Median step after warm-up steps; every (model, shape, implementation) in a fresh process. "
+              "liger_compat_62mib: liger_compat with `LIGER_COMPAT_FLCE_CHUNK_MB=62`.", ""]
+    lines += ["| model | batch x seq | impl | step ms | tokens/s | x native tokens/s | x liger-kernel tokens/s | peak GiB | "
+              "x liger-kernel peak | first loss |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     key = lambda r: (r["model"], r["shape"])  # noqa: E731
     by = {}
     for r in rows:
@@ -114,13 +133,51 @@ def _markdown(rows: list[dict]) -> str:
             if r is None:
                 continue
             if r.get("status") != "ok":
-                lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | |")
+                lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | | |")
                 continue
             xn = (f"{r['tokens_per_s'] / nat['tokens_per_s']:.2f}" if nat.get("status") == "ok" else "native OOM")
-            xm = (f"{r['peak_gib'] / lk['peak_gib']:.2f}" if lk.get("status") == "ok" else "-")
-            lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xn} | "
+            xt = (f"{r['tokens_per_s'] / lk['tokens_per_s']:.3f}" if lk.get("status") == "ok" else "-")
+            xm = (f"{r['peak_gib'] / lk['peak_gib']:.3f}" if lk.get("status") == "ok" else "-")
+            lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xn} | {xt} | "
                          f"{r['peak_gib']:.2f} | {xm} | {r['first_loss']:.4f} |")
     return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    """``e2e_<model>.png``: tokens/s and peak memory against tokens per step, one line per
+    implementation (out-of-memory points left out)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plots", file=sys.stderr)
+        return []
+    written = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+        for impl in IMPLS:
+            pts = sorted((r["tokens"], r) for r in rows
+                         if r["model"] == model and r["impl"] == impl and r.get("status") == "ok")
+            if not pts:
+                continue
+            xs = [t for t, _ in pts]
+            ax_t.plot(xs, [r["tokens_per_s"] for _, r in pts], marker="o", label=impl)
+            ax_m.plot(xs, [r["peak_gib"] for _, r in pts], marker="o", label=impl)
+        for ax, ylabel in ((ax_t, "tokens/s"), (ax_m, "peak allocated GiB")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens per step (batch x seq)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        ax_t.legend(fontsize=8)
+        fig.suptitle(f"{model}: training step (forward, backward, AdamW), bf16; missing points = OOM")
+        fig.tight_layout()
+        path = out / f"e2e_{model}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,9 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
+    ap.add_argument("--plot", metavar="E2E_JSON", help="only draw the plots from this e2e.json")
     a = ap.parse_args(argv)
     if a.one:
         print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup)), flush=True)
+        return 0
+    if a.plot:
+        src = Path(a.plot)
+        for path in plots(json.loads(src.read_text()), src.parent):
+            print(path)
         return 0
     for m in a.models.split(","):
         if m not in MODELS:
@@ -163,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "e2e.json").write_text(json.dumps(rows, indent=2))
     md = _markdown(rows)
     (out / "e2e.md").write_text(md)
+    plots(rows, out)
     print(md)
     return 0
 

@@ -282,6 +282,39 @@ def _set_flce(rows=1024, mib=256, variant="split", compact=True, gw="cublas"):
     _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.GRAD_WEIGHT_IMPL = variant, compact, gw
 
 
+def flce_rows():
+    """Rows per chunk at the two operating points (~1000 rows, ~250 rows): cuBLAS shapes that
+    are multiples of 64 or not, and the number of chunks; with 10 % ignored targets (~7370 rows
+    left at the 8B head) and with none. (Run 6 also compared even chunks against full chunks
+    plus a remainder, a knob since removed.)"""
+    from liger_compat.kernels import fused_linear_cross_entropy
+    from liger_compat.kernels import loss as loss_mod
+
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    configs = [dict(rows=1008), dict(rows=1024), dict(rows=960), dict(rows=248), dict(rows=256), dict(rows=192)]
+    try:
+        for name in ("llama3-8b", "llama3.2-1b"):
+            n, hd, v, _ = HEADS[name]
+            h, w, t = _flce_inputs(n, hd, v)
+            floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+            for ignored in (True, False):
+                tt = t if ignored else t.clamp(min=0)
+                m = int((tt != -100).sum())
+                for cfg in configs:
+                    _set_flce(mib=4096, **cfg)
+                    rows = loss_mod._chunk_rows(m, v, hd, 2, "triton", h.device)
+
+                    def step():
+                        return torch.autograd.grad(fused_linear_cross_entropy(h, w, tt), (h, w))
+
+                    label = ", ".join(f"{k}={x}" for k, x in cfg.items())
+                    measure("flce_rows", f"{name} {'10% ignored' if ignored else 'no ignored'} ({m} rows)",
+                            f"{label} -> {rows} x {-(-m // rows)}", step, floor_ms=floor, chunk_rows=rows)
+            del h, w, t
+    finally:
+        _set_flce()
+
+
 def flce_variants():
     """Our own knobs at the Llama-3-8B head: rows per chunk / memory cap, CE row-kernel
     variant, the grad_weight update (cuBLAS addmm or the Triton kernel), skipping ignored rows."""
@@ -294,7 +327,7 @@ def flce_variants():
     floor = 6 * n * hd * v / (mt * 1e12) * 1e3
     configs = [
         dict(), dict(variant="row"), dict(compact=False), dict(gw="triton"),
-        dict(mib=63), dict(mib=63, gw="triton"), dict(mib=128), dict(rows=2048, mib=1024), dict(rows=4096, mib=2048),
+        dict(mib=62), dict(mib=62, gw="triton"), dict(mib=128), dict(rows=2048, mib=1024), dict(rows=4096, mib=2048),
     ]
     for cfg in configs:
         _set_flce(**cfg)
@@ -309,11 +342,11 @@ def flce_variants():
 
 
 def flce_lowmem():
-    """The low-memory operating point (LIGER_COMPAT_FLCE_CHUNK_MB=63) at every head."""
+    """The low-memory operating point (LIGER_COMPAT_FLCE_CHUNK_MB=62) at every head."""
     from liger_compat.kernels import fused_linear_cross_entropy
 
     mt = RESULTS["meta"].get("matmul_tflops", 797.0)
-    _set_flce(mib=63)
+    _set_flce(mib=62)
     try:
         for name, (n, hd, v, softcap) in HEADS.items():
             h, w, t = _flce_inputs(n, hd, v)
@@ -323,7 +356,7 @@ def flce_lowmem():
                 return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
 
             measure("flce_lowmem", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
-                    "liger_compat (63 MiB cap)", step, floor_ms=floor)
+                    "liger_compat (62 MiB cap)", step, floor_ms=floor)
             del h, w, t
     finally:
         _set_flce()
@@ -557,12 +590,20 @@ def elem_profile():
     cos, sin = ang.cos().to(bf), ang.sin().to(bf)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     best = None
-    for variant, bt in (("rows", 16), ("heads", 4), ("heads", 8), ("heads", 16), ("heads", 32)):
-        P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T = variant, bt
+    knobs = [("rows", 16, 4)] + [("heads", bt, nw) for bt in (4, 8, 16, 32) for nw in (1, 2, 4, 8)]
+    for variant, bt, nw in knobs:
+        P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T, P.HEADS_WARPS = variant, bt, nw
         ms = bench_graph_ms(lambda: torch.autograd.grad(K.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)))
-        add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=f"{variant} block_t={bt}", ms=ms)
-        best = min(best or (ms, (variant, bt)), (ms, (variant, bt)))
-    P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T = best[1]
+        add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=f"{variant} block_t={bt} warps={nw}", ms=ms)
+        best = min(best or (ms, (variant, bt, nw)), (ms, (variant, bt, nw)))
+    # the transformers layout: q/k as [B, heads, T, D] views of [B, T, heads, D]
+    qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+    kt = k.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+    P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T, P.HEADS_WARPS = best[1]
+    for label, fn in (("liger_compat (best knobs)", lambda: K.apply_rotary_pos_emb(qt, kt, cos, sin)),
+                      ("torch eager", lambda: _hf_rope(qt, kt, cos, sin))):
+        ms = bench_graph_ms(lambda: torch.autograd.grad(fn(), (qt, kt), (gq, gk)))
+        add(section="elem_profile", shape="rope fwd+bwd, transformers layout", impl=label, ms=ms)
     RESULTS["meta"]["rope_knobs"] = best[1]
 
 
@@ -585,7 +626,7 @@ def report() -> str:
         if r.get("run"):
             runs.setdefault(r["run"], set()).add(r["section"])
     for run, secs in sorted(runs.items()):
-        lines += [f"Sections {', '.join(sorted(secs))} come from the earlier run {run} (its own ceilings set "
+        lines += [f"Sections {', '.join(sorted(secs))} come from the separate run {run} (its own ceilings set "
                   f"their floors); every ratio compares rows of one run.", ""]
     fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap", "flce_lowmem")]
     if fl:
@@ -608,6 +649,7 @@ def report() -> str:
                 lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
                              f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} |")
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
+                       ("flce_rows", "liger_compat FLCE rows per chunk (config -> rows x chunks)"),
                        ("flce_profile", "one chunk, step by step (Llama-3-8B head)"),
                        ("elem_profile", "RMSNorm / RoPE launch variants (kernels alone)")):
         rs = _rows(sec)
@@ -620,6 +662,8 @@ def report() -> str:
                     lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.3f} | | |")
                 elif sec == "flce_profile":
                     lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x chunks: {r['ms_times_chunks']:.2f}) | | |")
+                elif sec == "flce_rows":
+                    lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
                 else:
                     lines.append(f"| {r['shape']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
     el = _rows("elementwise")
@@ -692,6 +736,7 @@ SECTIONS = {
     "profile": flce_profile,
     "norm": lambda: elementwise(),
     "flce_sweep": flce_sweep,
+    "flce_rows": flce_rows,
     "elementwise_sweep": lambda: elementwise(
         sizes={"rms_norm": [2048, 8192, 32768], "swiglu": [2048, 8192, 16384],
                "rope": [1024, 2048, 4096]},
@@ -721,7 +766,8 @@ def main(argv=None):
     sections = args.sections.split(",")
     rerun = {"norm": "elementwise", "elementwise_sweep": "elementwise_sweep", "elem_profile": "elem_profile",
              "flce": "flce", "softcap": "flce_softcap", "acc": "flce_acc", "lowmem": "flce_lowmem",
-             "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep"}
+             "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep",
+             "flce_rows": "flce_rows"}
     for m in args.merge or []:
         old = json.loads(Path(m).read_text())
         skip = {rerun[x] for x in sections if x in rerun}

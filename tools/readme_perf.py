@@ -62,34 +62,42 @@ def _kernels(k: dict) -> list[str]:
 def _e2e(rows: list[dict]) -> list[str]:
     r0 = next((r for r in rows if "gpu" in r), {})
     out = ["", f"Training step (forward + backward + AdamW), bf16, random weights, {r0.get('gpu')}, "
-           f"transformers {r0.get('transformers')} (`benchmarks/results/e2e.md`):", "",
-           "| model | batch x seq | native tokens/s | liger-kernel tokens/s | liger_compat tokens/s | liger_compat x native | liger_compat x liger-kernel | peak GiB native / liger-kernel / liger_compat |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"transformers {r0.get('transformers')} (`benchmarks/results/e2e.md`, plots `e2e_<model>.png`):", "",
+           "| model | batch x seq | native tokens/s | liger-kernel tokens/s | liger_compat tokens/s (x native, x liger-kernel) "
+           "| peak GiB native / liger-kernel / liger_compat (x liger-kernel) | 62 MiB FLCE cap: x liger-kernel tokens/s, peak |",
+           "|---|---|---|---|---|---|---|"]
     by = {}
     for r in rows:
         by.setdefault((r["model"], r["shape"]), {})[r["impl"]] = r
+    ok = lambda r: r is not None and r.get("status") == "ok"  # noqa: E731
 
     def tps(r):
-        return f"{r['tokens_per_s']:.0f}" if r and r.get("status") == "ok" else (r or {}).get("status", "-")
+        return f"{r['tokens_per_s']:.0f}" if ok(r) else (r or {}).get("status", "-")
 
     def peak(r):
-        return f"{r['peak_gib']:.1f}" if r and r.get("status") == "ok" else (r or {}).get("status", "-")
+        return f"{r['peak_gib']:.1f}" if ok(r) else (r or {}).get("status", "-")
+
+    def x(a, b, key, digits=2):
+        return f"{a[key] / b[key]:.{digits}f}" if ok(a) and ok(b) else "-"
 
     for (m, s), d in by.items():
-        n, lk, me = d.get("native"), d.get("liger_kernel"), d.get("liger_compat")
-        ok = lambda r: r is not None and r.get("status") == "ok"  # noqa: E731
-        xn = f"{me['tokens_per_s'] / n['tokens_per_s']:.2f}" if ok(me) and ok(n) else "-"
-        xl = f"{me['tokens_per_s'] / lk['tokens_per_s']:.2f}" if ok(me) and ok(lk) else "-"
-        out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} | {xn} | {xl} | {peak(n)} / {peak(lk)} / {peak(me)} |")
+        n, lk, me, low = d.get("native"), d.get("liger_kernel"), d.get("liger_compat"), d.get("liger_compat_62mib")
+        out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} ({x(me, n, 'tokens_per_s')}, "
+                   f"{x(me, lk, 'tokens_per_s')}) | {peak(n)} / {peak(lk)} / {peak(me)} ({x(me, lk, 'peak_gib', 3)}) | "
+                   f"{x(low, lk, 'tokens_per_s')}, {x(low, lk, 'peak_gib', 3)} |")
     return out
 
 
 def _overhead(o: dict) -> list[str]:
     imp = o["import"]
-    out = ["", "Shim overhead on the CPU (`python -m benchmarks.overhead`): `import liger_compat` adds "
-           f"{imp['added_ms']:.0f} ms to a fresh interpreter (median of {imp['runs']})"]
+    out = ["", "Shim overhead on the CPU (`python -m benchmarks.overhead`, `benchmarks/results/overhead.md`): "
+           f"`import liger_compat` adds {imp['added_ms']:.0f} ms to a fresh interpreter (median of {imp['runs']})"]
     for path, r in o["wrapper"]["paths"].items():
-        out[-1] += f"; the forward wrapper costs {r['overhead_us']:.1f} us per call ({path})"
+        if "module_overhead_us" in r:
+            out[-1] += (f"; a patched `model(...)` call costs {r['module_overhead_us']:.1f} us more than the native "
+                        f"one ({path}; the wrapper body alone {r['overhead_us']:.1f} us)")
+        else:
+            out[-1] += f"; the forward wrapper costs {r['overhead_us']:.1f} us per call ({path})"
     out[-1] += "."
     return out
 
