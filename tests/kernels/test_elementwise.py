@@ -76,7 +76,15 @@ def test_gated_mlp_matches_float64(seed, shape, dt, kind):
     dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
     (y.double() * dy).sum().backward()
     (ref * dy).sum().backward()
-    _grads_close([(a.grad, a64.grad), (b.grad, b64.grad)], tol)
+    _grads_close([(b.grad, b64.grad)], tol)
+    # d/da = dy * b * act'(a), and |act'| <= 1.13 for SiLU and tanh-GELU: the error is measured in
+    # that natural unit (|dy * b|). Relative to d/da itself it would grow without bound where
+    # act' crosses zero (a ~ -0.75 for GELU, -1.28 for SiLU) even in exact-to-fp32 arithmetic:
+    # that measures the function's conditioning there, not the kernel (HYPOTHESIS_PROFILE=explore
+    # found a one-element fp16 GeGLU case 0.025 off relative to a derivative of ~1e-5).
+    unit = (dy * b64.detach()).norm().item()
+    err_a = (a.grad.double() - a64.grad).norm().item() / max(a64.grad.norm().item(), unit, 1e-300)
+    assert err_a <= tol, err_a
 
 
 def _rope_inputs(g, b, hq, hk, t, d, rot, dt, layout, batch_cos):
