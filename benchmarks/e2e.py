@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import _results
+
 MODELS = {
     # Llama-3.2-1B shape (tied embeddings)
     "llama-3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -221,13 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(json.loads(line[7:]))
         print("   ", {k: rows[-1].get(k) for k in ("status", "step_ms", "tokens_per_s", "peak_gib", "first_loss")},
               file=sys.stderr, flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps(rows, indent=2))
-    md = _markdown(rows)
-    (out / "e2e.md").write_text(md)
-    plots(rows, out)
-    print(md)
+    _results.write(a.out, "e2e", rows, _markdown(rows))
+    plots(rows, Path(a.out))
     return 0
 
 

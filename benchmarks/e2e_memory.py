@@ -23,8 +23,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from . import _results
 from .e2e import MODELS, setup
 
 LIGER_SWITCHES = {"fused_linear_cross_entropy": "fused_linear_cross_entropy", "rms_norm": "rms_norm",
@@ -140,12 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[-1]
             print(f"    peak fwd {r['peak_forward_gib']:.2f} bwd {r['peak_backward_gib']:.2f} "
                   f"saved {r['saved_gib']:.2f} GiB", file=sys.stderr, flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e_memory.json").write_text(json.dumps(rows, indent=2))
-    md = _markdown(rows)
-    (out / "e2e_memory.md").write_text(md)
-    print(md)
+    _results.write(a.out, "e2e_memory", rows, _markdown(rows))
     return 0
 
 

@@ -19,13 +19,13 @@ Writes ``overhead.json`` and ``overhead.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from . import _results
 
 
 def _env() -> dict:
@@ -188,12 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "import": measure_import(a.runs),
         "wrapper": measure_wrapper(a.calls),
     }
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(json.dumps(res, indent=2))
-    md = to_markdown(res)
-    (out / "overhead.md").write_text(md)
-    print(md)
+    _results.write(a.out, "overhead", res, to_markdown(res))
     return 0
 
 

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from liger_compat import _lazy
 
 
@@ -73,7 +75,11 @@ def test_attribute_set_before_the_load_is_kept():
     assert d == {"kept": True, "err": "PackageNotFoundError", "wrapt": "stub"}
 
 
-def _write_probe(tmp_path, name: str) -> None:
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """A throw-away package on sys.path whose import takes a while, counts its runs and probes
+    itself mid-load; its name, and sys.modules cleaned afterwards."""
+    name = "liger_lazy_probe_pkg"
     pkg = tmp_path / name
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(
@@ -87,42 +93,33 @@ def _write_probe(tmp_path, name: str) -> None:
         """
     ))
     (pkg / "sub.py").write_text("X = 1\n")
-
-
-def test_defer_runs_the_module_once_on_first_use(tmp_path, monkeypatch):
-    name = "liger_lazy_probe_pkg"
-    _write_probe(tmp_path, name)
     monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        _lazy.defer(name)
-        mod = sys.modules[name]
-        exec(f"import {name}")  # an import statement reads __spec__: no load
-        assert "VALUE" not in vars(mod) and mod.__name__ == name and mod.__path__
-        results: list = []
-        threads = [threading.Thread(target=lambda: results.append(getattr(mod, "VALUE"))) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert results == [42] * 4
-        assert mod.RUNS == 1 and mod.probed is False and mod.sub.X == 1
-        assert "__getattr__" not in vars(mod) and "VALUE" in dir(mod)
-        _lazy.defer(name)  # already imported: nothing happens
-        assert sys.modules[name] is mod
-    finally:
-        for m in (name, f"{name}.sub"):
-            sys.modules.pop(m, None)
+    yield name
+    for m in (name, f"{name}.sub"):
+        sys.modules.pop(m, None)
 
 
-def test_defer_dir_loads_and_unknown_names_are_ignored(tmp_path, monkeypatch):
-    name = "liger_lazy_probe_dir"
-    _write_probe(tmp_path, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    try:
-        _lazy.defer(name)
-        assert "VALUE" in dir(sys.modules[name])
-        _lazy.defer("liger_no_such_module_anywhere")
-        assert "liger_no_such_module_anywhere" not in sys.modules
-    finally:
-        for m in (name, f"{name}.sub"):
-            sys.modules.pop(m, None)
+def test_defer_runs_the_module_once_on_first_use(probe):
+    name = probe
+    _lazy.defer(name)
+    mod = sys.modules[name]
+    exec(f"import {name}")  # an import statement reads __spec__: no load
+    assert "VALUE" not in vars(mod) and mod.__name__ == name and mod.__path__
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(getattr(mod, "VALUE"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [42] * 4
+    assert mod.RUNS == 1 and mod.probed is False and mod.sub.X == 1
+    assert "__getattr__" not in vars(mod) and "VALUE" in dir(mod)
+    _lazy.defer(name)  # already imported: nothing happens
+    assert sys.modules[name] is mod
+
+
+def test_defer_dir_loads_and_unknown_names_are_ignored(probe):
+    _lazy.defer(probe)
+    assert "VALUE" in dir(sys.modules[probe])
+    _lazy.defer("liger_no_such_module_anywhere")
+    assert "liger_no_such_module_anywhere" not in sys.modules
