@@ -12,7 +12,6 @@ else on failure.
 from __future__ import annotations
 
 import time
-import traceback
 from typing import Any, Callable
 
 from .._record import Record
@@ -109,6 +108,8 @@ def run_all(ctx: Context | None = None, progress: Callable[[int, int, Scenario],
         except Skip as exc:
             detail, outcome = str(exc), "skipped"
         except Exception as exc:
+            import traceback  # only when a scenario fails
+
             tb = traceback.extract_tb(exc.__traceback__)
             where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
             detail, outcome = f"{type(exc).__name__}: {exc}{where}", "failed"

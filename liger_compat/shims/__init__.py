@@ -9,8 +9,8 @@ patching happens in post-import hooks when the target library is imported.
 from __future__ import annotations
 
 import importlib
-import logging
 
+from .._log import log
 from ._registry import REGISTRY, Shim, State, register  # noqa: F401
 
 #: shim modules, imported in this order
@@ -39,5 +39,5 @@ def load_all() -> None:
         try:
             importlib.import_module(f"{__name__}.{name}")
         except Exception as exc:  # a broken shim module must not break `import liger_compat`
-            logging.getLogger("liger_compat").warning("liger_compat: shim module %s not loaded: %s", name, exc)
+            log.warning("liger_compat: shim module %s not loaded: %s", name, exc)
             REGISTRY.load_errors.append(f"liger_compat.shims.{name}: {type(exc).__name__}: {exc}")

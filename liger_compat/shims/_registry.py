@@ -25,20 +25,18 @@ library keeps its native behaviour: the import never breaks.
 from __future__ import annotations
 
 import enum
-import logging
 import sys
 import threading
-import traceback
 from typing import Any, Callable, Iterable
 
 import wrapt
 
+from .._log import log
 from .. import _config
 from .._record import Record
 from ..compat import versions
 from ._patching import PatchSet
 
-log = logging.getLogger("liger_compat")
 
 
 class State(str, enum.Enum):
@@ -223,6 +221,8 @@ class Registry:
                 shim.state = State.FAILED
                 shim.reason = f"{type(exc).__name__}: {exc}" + (f" (revert: {errors})" if errors else "")
                 log.warning("liger_compat: shim %s failed, native behaviour kept: %s", shim.id, shim.reason)
+                import traceback
+
                 log.debug("%s", traceback.format_exc())
                 return
             shim.state, shim.reason = State.APPLIED, ""

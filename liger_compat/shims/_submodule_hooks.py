@@ -12,17 +12,16 @@ alone and reported in the shim's reason while the other submodules stay patched.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from typing import Any, Callable
 
 import wrapt
 
+from .._log import log
 from ._patching import PatchSet
 from ._registry import REGISTRY, Shim, State
 
-log = logging.getLogger("liger_compat")
 
 #: module name -> callbacks; one wrapt hook per module name for the whole process
 _callbacks: dict[str, list[Callable[[Any], None]]] = {}

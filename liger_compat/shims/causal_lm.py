@@ -37,7 +37,6 @@ The wrapper (installed with wrapt on the class; ``inspect.signature`` still show
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import sys
 from typing import Any
@@ -55,7 +54,6 @@ except ImportError:  # pragma: no cover - a build without it: ordinary heads onl
     _distributed = None
 from ..compat.scenarios import Context, Skip, scenario
 
-log = logging.getLogger("liger_compat")
 
 _SHIM_ID = "transformers.fused_causal_lm_forward"
 _KERNEL = "fused_linear_cross_entropy"

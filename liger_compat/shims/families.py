@@ -28,7 +28,6 @@ module when it is imported.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
 import threading
@@ -36,7 +35,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import wrapt
 
-log = logging.getLogger("liger_compat")
+from .._log import log
+
 
 
 class Family(NamedTuple):

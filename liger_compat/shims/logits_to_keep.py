@@ -17,16 +17,15 @@ The forward's signature is left as it is (``inspect.signature`` still shows the 
 from __future__ import annotations
 
 import inspect
-import logging
 import operator
 from typing import Any
 
+from .._log import log
 from . import conflicts, families
 from ._patching import PatchSet, unwrap
 from ._registry import REGISTRY, register
 from ..compat.scenarios import Context, Skip, scenario
 
-log = logging.getLogger("liger_compat")
 
 NEW, OLD = "logits_to_keep", "num_logits_to_keep"
 _UNSET = object()

@@ -27,17 +27,16 @@ replaced (liger-kernel instance patching, ``kernels.kernelize``).
 from __future__ import annotations
 
 import inspect
-import logging
 import types
 from typing import Any, Callable
 
+from .._log import log
 from .. import _config
 from . import conflicts, families
 from ._patching import PatchSet, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import is_ours
 
-log = logging.getLogger("liger_compat")
 
 
 def _compiling() -> bool:

@@ -23,16 +23,15 @@ sure the wrapper is in front of whatever ``get_batch_samples`` is installed when
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import wrapt
 
+from .._log import log
 from ._patching import PatchSet, unwrap
 from ._submodule_hooks import register_submodule_shim
 
-log = logging.getLogger("liger_compat")
 
 IGNORE_INDEX = -100
 #: mask keys counted when a batch has no label tensor at all (1 = a token the loss sees)

@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-import logging
 import warnings
 from typing import Any, Callable, NamedTuple
 
+from .._log import log
 from ._patching import PatchSet, unwrap
 from ._submodule_hooks import ARGS_BASE, TRAINER_BASE, ShimPatches, classes_defined_in, register_submodule_shim
 from . import trl_trainer_locations as locations
 
-log = logging.getLogger("liger_compat")
 
 
 class RenamedKwargWarning(FutureWarning):

@@ -22,7 +22,6 @@ left on and reported.
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 from typing import Any
 
@@ -31,7 +30,6 @@ from ._registry import REGISTRY
 from ._submodule_hooks import TRAINER_BASE, ShimPatches, SubmoduleShim, classes_defined_in
 from . import trl_trainer_locations as locations
 
-log = logging.getLogger("liger_compat")
 
 SHIM_ID = "transformers.trainer_liger_switch"
 #: TrainingArguments / trl config fields that apply liger-kernel's kernels to the model

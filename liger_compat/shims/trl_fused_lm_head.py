@@ -20,7 +20,6 @@ each model a trl head was installed on (``REGISTRY.report_conflict`` and this sh
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ._patching import PatchSet
@@ -28,7 +27,6 @@ from ._registry import REGISTRY
 from ._submodule_hooks import SubmoduleShim
 from . import trl_trainer_locations as locations
 
-log = logging.getLogger("liger_compat")
 
 SHIM_ID = "trl.fused_lm_head"
 #: models trl's head was installed on, as the report names them

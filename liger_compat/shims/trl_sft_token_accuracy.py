@@ -27,13 +27,11 @@ What the shim does, per ``compute_loss`` call, without copying trl's metric code
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, NamedTuple
 
 from ._patching import PatchSet, unwrap
 from ._submodule_hooks import register_submodule_shim
 
-log = logging.getLogger("liger_compat")
 
 SHIM_ID = "trl.sft_token_accuracy"
 _ROWS_BYTES = 1 << 28  # logits of one entropy chunk: at most 256 MiB in float32

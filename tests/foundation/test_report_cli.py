@@ -169,7 +169,8 @@ def test_import_does_not_import_torch_or_transformers():
 
 def test_import_keeps_costly_stdlib_modules_out():
     """``import liger_compat`` stays cheap: no dataclasses (its classes are plain), and importlib.metadata
-    (which wrapt imports) is a not-yet-executed module, so email, csv, zipfile ... are not loaded."""
+    (which wrapt imports) is a not-yet-executed module, so email, csv, zipfile ... are not loaded;
+    the package logger is created on first use (no logging, traceback)."""
     code = textwrap.dedent(
         """
         import json, sys
@@ -188,11 +189,22 @@ def test_import_keeps_costly_stdlib_modules_out():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     costly = ("dataclasses", "email", "email.message", "csv", "zipfile", "socket", "datetime",
-              "importlib.metadata._adapters", "importlib.metadata._meta")
+              "importlib.metadata._adapters", "importlib.metadata._meta", "logging", "traceback")
     assert [m for m in costly if m in d["added"]] == []
     if not d["metadata_was_loaded"]:  # a .pth file of this environment may have loaded it already
         assert not d["metadata_ran"]
     assert d["hooks_active"]
+
+
+def test_the_lazy_logger_is_the_package_logger(caplog):
+    import logging
+
+    from liger_compat._log import log
+
+    assert log.name == "liger_compat" and log.getEffectiveLevel() == logging.getLogger("liger_compat").getEffectiveLevel()
+    with caplog.at_level(logging.WARNING, logger="liger_compat"):
+        log.warning("liger_compat: probe %d", 7)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("liger_compat", "liger_compat: probe 7")]
 
 
 def test_disable_env_turns_everything_off():
