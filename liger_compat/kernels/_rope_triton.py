@@ -16,46 +16,6 @@ __all__ = ["rope_triton"]
 
 
 @triton.jit
-def _rope_kernel(
-    x_ptr, o_ptr, c_ptr, s_ptr, n_rows, X, Y,
-    sxb, sxx, sxy, sob, sox, soy, scb, scx, scy, ssb, ssx, ssy,
-    HALF: tl.constexpr, PASS: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    b = rows // (X * Y)
-    xx = (rows // Y) % X
-    yy = rows % Y
-    xo = (b * sxb + xx * sxx + yy * sxy)[:, None]
-    oo = (b * sob + xx * sox + yy * soy)[:, None]
-    co = (b * scb + xx * scx + yy * scy)[:, None]
-    so = (b * ssb + xx * ssx + yy * ssy)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    m = rmask[:, None] & (cols < HALF)
-    x1 = tl.load(x_ptr + xo + cols, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + xo + HALF + cols, mask=m, other=0.0).to(tl.float32)
-    c1 = tl.load(c_ptr + co + cols, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(c_ptr + co + HALF + cols, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(s_ptr + so + cols, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(s_ptr + so + HALF + cols, mask=m, other=0.0).to(tl.float32)
-    if BACKWARD:
-        y1 = x1 * c1 + x2 * s2
-        y2 = x2 * c2 - x1 * s1
-    else:
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
-    ty = o_ptr.dtype.element_ty
-    tl.store(o_ptr + oo + cols, y1.to(ty), mask=m)
-    tl.store(o_ptr + oo + HALF + cols, y2.to(ty), mask=m)
-    if PASS > 0:
-        pc = tl.arange(0, BLOCK_PASS)[None, :]
-        pm = rmask[:, None] & (pc < PASS)
-        xp = tl.load(x_ptr + xo + 2 * HALF + pc, mask=pm, other=0.0)
-        tl.store(o_ptr + oo + 2 * HALF + pc, xp.to(ty), mask=pm)
-
-
-@triton.jit
 def _rotate_tile(x_ptr, o_ptr, xo, oo, cols, m, c1, c2, s1, s2, HALF: tl.constexpr, PASS: tl.constexpr,
                  BACKWARD: tl.constexpr, BLOCK_PASS: tl.constexpr, tmask):
     x1 = tl.load(x_ptr + xo + cols, mask=m, other=0.0).to(tl.float32)
@@ -74,6 +34,30 @@ def _rotate_tile(x_ptr, o_ptr, xo, oo, cols, m, c1, c2, s1, s2, HALF: tl.constex
         pm = tmask[:, None] & (pc < PASS)
         xp = tl.load(x_ptr + xo + 2 * HALF + pc, mask=pm, other=0.0)
         tl.store(o_ptr + oo + 2 * HALF + pc, xp.to(ty), mask=pm)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, o_ptr, c_ptr, s_ptr, n_rows, X, Y,
+    sxb, sxx, sxy, sob, sox, soy, scb, scx, scy, ssb, ssx, ssy,
+    HALF: tl.constexpr, PASS: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    b = rows // (X * Y)
+    xx = (rows // Y) % X
+    yy = rows % Y
+    co = (b * scb + xx * scx + yy * scy)[:, None]
+    so = (b * ssb + xx * ssx + yy * ssy)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    m = rmask[:, None] & (cols < HALF)
+    c1 = tl.load(c_ptr + co + cols, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + co + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + so + cols, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptr + so + HALF + cols, mask=m, other=0.0).to(tl.float32)
+    _rotate_tile(x_ptr, o_ptr, (b * sxb + xx * sxx + yy * sxy)[:, None], (b * sob + xx * sox + yy * soy)[:, None],
+                 cols, m, c1, c2, s1, s2, HALF, PASS, BACKWARD, BLOCK_PASS, rmask)
 
 
 @triton.jit
