@@ -7,27 +7,16 @@ of a block, so a test compares the patched model with the very same weights unpa
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-import liger_compat
 from liger_compat.shims.families import FAMILIES
 from liger_compat.shims.tiny_models import FamilyUnavailable, build
+from patch_helpers import native  # noqa: F401  (re-exported to the model tests)
 
 FAMILY_NAMES = [f.name for f in FAMILIES]
 
 
-@contextlib.contextmanager
-def native():
-    """Every liger_compat patch removed inside the block, re-applied after it."""
-    errors = liger_compat.revert()
-    assert not errors, errors
-    try:
-        yield
-    finally:
-        liger_compat.apply()
 
 
 def tiny(family: str, **kw):

@@ -5,15 +5,12 @@ transformers < 4.49 the new name is swallowed by ``**kwargs`` natively."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
-import liger_compat
 from liger_compat.shims import _tiny_text as tiny
 
-from trainer_helpers import (assert_logs_close, clone, comparable_keys, fresh_model, make_config, native, tokenizer_kwarg, train_logs,
-                             trainer_or_skip, trl_head_on)
+from trainer_helpers import (assert_logs_close, comparable_keys, fresh_model, make_config, native, run_native_and_patched,
+                             tokenizer_kwarg, train_logs, trainer_or_skip, trl_head_on)
 
 def words_reward(completions, **kwargs):
     return [float(len(str(c).split())) for c in completions]
@@ -59,24 +56,7 @@ def test_grpo_logits_to_keep_and_metrics(family, tokenizer, tmp_path):
     base.save_pretrained(base_dir)
     build = _build(tokenizer, tmp_path / "out", base_dir)
 
-    with native():
-        nat = build(clone(base))
-        rec_native = _KeepRecorder(nat.model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            nat.train()
-        rec_native.close()
-
-    model = clone(base)
-    liger_compat.apply(model)
-    pat = build(model)
-    rec = _KeepRecorder(pat.model)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pat.train()
-    finally:
-        rec.close()
+    nat, pat, rec, rec_native = run_native_and_patched(build, base, recorder=_KeepRecorder)
 
     native_logs, patched_logs = train_logs(nat), train_logs(pat)
     keys = comparable_keys(native_logs)

@@ -47,7 +47,7 @@ def _run(name, family, tokenizer, tmp_path, **cfg):
     from trainer_helpers import clone
 
     ref_base["model"] = clone(base)
-    nat, pat, counter = run_native_and_patched(build, base)
+    nat, pat, counter, _ = run_native_and_patched(build, base)
     native_logs, patched_logs = train_logs(nat), train_logs(pat)
     assert_logs_close(native_logs, patched_logs, comparable_keys(native_logs))
     return nat, pat, counter

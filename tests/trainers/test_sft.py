@@ -35,7 +35,7 @@ def test_sft_metrics_match_native(family, loss_type, tokenizer, tmp_path):
     base = fresh_model(family, tokenizer)
     cfg = {} if loss_type == "default" else {"loss_type": loss_type}
     build = _build(tokenizer, tmp_path, **cfg)
-    nat, pat, counter = run_native_and_patched(build, base)
+    nat, pat, counter, _ = run_native_and_patched(build, base)
     native_logs, patched_logs = train_logs(nat), train_logs(pat)
     keys = [k for k in ("loss", "mean_token_accuracy", "entropy") if k in native_logs[0]]
     assert_logs_close(native_logs, patched_logs, keys)

@@ -3,7 +3,6 @@ the tiny setup of :mod:`liger_compat.shims._tiny_text`, and a native (unpatched)
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -15,21 +14,13 @@ import pytest
 import liger_compat
 from liger_compat.shims import _tiny_text as tiny
 from liger_compat.shims.trl_trainer_locations import TrainerUnavailable, find_trainer
+from patch_helpers import native  # noqa: F401  (re-exported to the trainer tests)
 
 
 #: pass as a make_config override to leave a default out
 OMIT = object()
 
 
-@contextlib.contextmanager
-def native():
-    """Every liger_compat patch removed inside the block, re-applied after it."""
-    errors = liger_compat.revert()
-    assert not errors, errors
-    try:
-        yield
-    finally:
-        liger_compat.apply()
 
 
 def trainer_or_skip(name: str):
@@ -143,35 +134,38 @@ def _skip_if_signature_drift(trainer: Any, exc: BaseException) -> None:
                     f"transformers natively ({type(exc).__name__}: {exc}); see test_trainer_signatures")
 
 
-def run_native_and_patched(build, base_model):
+def run_native_and_patched(build, base_model, recorder=None):
     """Train ``build(model)`` twice from the same weights: unpatched, then with liger_compat.
 
-    Returns ``(native_trainer, patched_trainer, counter)`` where ``counter`` counted the patched
-    run's fused forwards.
+    ``recorder(model)`` (default :class:`FusedOutputCounter`) watches the forwards of each run and
+    has ``close()``. Returns ``(native_trainer, patched_trainer, patched_record, native_record)``.
     """
+    recorder = recorder or FusedOutputCounter
+
+    def train(trainer):
+        rec = recorder(trainer.model)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.train()
+        finally:
+            rec.close()
+        return rec
+
     failure = None
     with native():
         nat = build(clone(base_model))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                nat.train()
-            except (TypeError, AttributeError) as exc:
-                failure = exc
+        try:
+            nat_rec = train(nat)
+        except (TypeError, AttributeError) as exc:
+            failure = exc
     if failure is not None:
         _skip_if_signature_drift(nat, failure)  # (liger_compat is back on here: its report is readable)
         raise failure
     model = clone(base_model)
     liger_compat.apply(model)
     pat = build(model)
-    counter = FusedOutputCounter(pat.model)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pat.train()
-    finally:
-        counter.close()
-    return nat, pat, counter
+    return nat, pat, train(pat), nat_rec
 
 
 def code_file(fn: Any) -> str:
