@@ -274,12 +274,12 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
             torch.cuda.empty_cache()
 
 
-def _set_flce(rows=1024, mib=256, variant="split", compact=True, gw="cublas"):
+def _set_flce(rows=1024, mib=256, variant="split", compact=True, logits="auto"):
     from liger_compat.kernels import _ce_triton
     from liger_compat.kernels import loss as loss_mod
 
     loss_mod.FLCE_CHUNK_ROWS, loss_mod.FLCE_CHUNK_BYTES = rows, mib * 2**20
-    _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.GRAD_WEIGHT_IMPL = variant, compact, gw
+    _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.LOGITS_IMPL = variant, compact, logits
 
 
 def flce_rows():
@@ -317,7 +317,8 @@ def flce_rows():
 
 def flce_variants():
     """Our own knobs at the Llama-3-8B head: rows per chunk / memory cap, CE row-kernel
-    variant, the grad_weight update (cuBLAS addmm or the Triton kernel), skipping ignored rows."""
+    variant, the logits GEMM (cuBLAS, or the Triton GEMM with the statistics in its epilogue),
+    skipping ignored rows."""
     from liger_compat.kernels import fused_linear_cross_entropy
     from liger_compat.kernels import loss as loss_mod
 
@@ -326,8 +327,8 @@ def flce_variants():
     mt = RESULTS["meta"].get("matmul_tflops", 797.0)
     floor = 6 * n * hd * v / (mt * 1e12) * 1e3
     configs = [
-        dict(), dict(variant="row"), dict(compact=False), dict(gw="triton"),
-        dict(mib=62), dict(mib=62, gw="triton"), dict(mib=128), dict(rows=2048, mib=1024), dict(rows=4096, mib=2048),
+        dict(), dict(logits="cublas"), dict(variant="row", logits="cublas"), dict(compact=False),
+        dict(mib=62), dict(mib=62, logits="cublas"), dict(mib=128), dict(rows=2048, mib=1024), dict(rows=4096, mib=2048),
     ]
     for cfg in configs:
         _set_flce(**cfg)
@@ -390,33 +391,104 @@ def flce_profile():
         "grad_weight addmm (bf16 rmw)": lambda: gw.addmm_(buf.t(), hc),
         "grad_weight mm (first chunk, no read)": lambda: torch.mm(buf.t(), hc, out=gw),
     }
-    from liger_compat.kernels import _matmul_triton
-
-    gw_cfgs = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-               (64, 256, 64, 4, 4), (128, 128, 32, 4, 4)]
-    for cfg in gw_cfgs:
-        steps[f"grad_weight triton {cfg}"] = (
-            lambda cfg=cfg: _matmul_triton.grad_weight_update(gw, buf, hc, True, cfg))
-    best = None
     for name, fn in steps.items():
         try:
             ms = bench_ms(fn)
             add(section="flce_profile", shape=f"llama3-8b chunk {rows} rows x{chunks}", impl=name, ms=ms,
                 ms_times_chunks=ms * chunks)
-            if name.startswith("grad_weight triton") and (best is None or ms < best[0]):
-                best = (ms, name)
         except Exception as exc:
             add(section="flce_profile", shape="llama3-8b", impl=name, error=str(exc)[:300])
-    if best is not None:  # the fastest Triton config becomes the one the variants use
-        cfg = next(c for c in gw_cfgs if f"grad_weight triton {c}" == best[1])
-        _matmul_triton.GW_CONFIG = cfg
-        RESULTS["meta"]["gw_config_best"] = cfg
-        # check it: same numbers as cuBLAS
-        ref = torch.randn_like(w)
-        mine = ref.clone()
-        _matmul_triton.grad_weight_update(mine, buf, hc, True, cfg)
-        ref.addmm_(buf.t(), hc)
-        RESULTS["meta"]["gw_triton_rel_err_vs_cublas"] = rel(mine, ref)
+
+
+def flce_gemm():
+    """The chunk's matmuls at the Llama-3-8B head (1024 rows) against the 8192^3 ceiling: cuBLAS,
+    the Triton logits GEMM with the CE statistics in its epilogue (configs), the
+    CE passes it replaces, and the whole loss with each choice at every head. (Run 8a also tried
+    cuBLASLt and two streams for the gradient matmuls, run 8b a Triton grad_weight kernel:
+    NOTES.md.)"""
+    from liger_compat.kernels import _ce_triton, _logits_triton, fused_linear_cross_entropy
+    from liger_compat.kernels import loss as loss_mod
+    from liger_compat.kernels.loss import CEOptions
+
+    n, hd, v, _ = HEADS["llama3-8b"]
+    h, w, t = _flce_inputs(n, hd, v)
+    h, w = h.detach(), w.detach()
+    rows = 1024
+    hc, tc = h[:rows].contiguous(), t[:rows]
+    buf = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
+    gh = torch.empty(rows, hd, device="cuda", dtype=torch.bfloat16)
+    gw = torch.randn_like(w)
+    opt = CEOptions()
+    shape = f"llama3-8b chunk {rows} rows"
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    ideal = 2 * rows * hd * v / (mt * 1e12) * 1e3
+
+    def rec(impl, fn, **kw):
+        try:
+            ms = bench_ms(fn)
+            add(section="flce_gemm", shape=shape, impl=impl, ms=ms, x_ideal_mm=ms / ideal, **kw)
+            return ms
+        except Exception as exc:
+            add(section="flce_gemm", shape=shape, impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+            return None
+
+    rec("cublas: logits mm", lambda: torch.mm(hc, w.t(), out=buf))
+    rec("cublas: grad_hidden mm", lambda: torch.mm(buf, w, out=gh))
+    rec("cublas: grad_weight addmm", lambda: gw.addmm_(buf.t(), hc))
+    rec("cublas: grad_weight mm", lambda: torch.mm(buf.t(), hc, out=gw))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    rec("cublas: 8192^3", lambda: torch.mm(a, a))
+    del a
+    torch.mm(hc, w.t(), out=buf)
+    logits0 = buf.clone()
+    rec("CE: copy of the chunk (subtract)", lambda: buf.copy_(logits0))
+    rec("CE: stats+grad from the logits (partial, combine, grad)",
+        lambda: (buf.copy_(logits0), _ce_triton.ce_rows_triton(buf, tc, opt, scale=torch.ones((), device="cuda"), grad=buf)))
+    parts = _logits_triton.logits_with_partials(hc, w, buf, opt)
+    rec("CE: stats+grad from GEMM partials (combine, grad)",
+        lambda: (buf.copy_(logits0), _ce_triton.ce_rows_triton(buf, tc, opt, scale=torch.ones((), device="cuda"), grad=buf, partials=parts)))
+    # correctness of the Triton GEMM and its partials
+    ref = torch.mm(hc, w.t())
+    mine = torch.empty_like(ref)
+    parts = _logits_triton.logits_with_partials(hc, w, mine, opt)
+    st_ref = _ce_triton.ce_rows_triton(ref, tc, opt)
+    st_mine = _ce_triton.ce_rows_triton(mine, tc, opt, partials=parts)
+    RESULTS["meta"]["triton_logits_check"] = dict(
+        logits_rel_err_vs_cublas=rel(mine, ref), lse_maxdiff=(st_mine[2] - st_ref[2]).abs().max().item(),
+        loss_maxdiff=(st_mine[0] - st_ref[0]).abs().max().item())
+    log("triton logits check", RESULTS["meta"]["triton_logits_check"])
+    del ref, mine
+    best = None
+    for cfg in [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (128, 128, 64, 4, 4, False),
+                (256, 128, 64, 8, 3, False), (128, 128, 128, 8, 3, False), (64, 256, 64, 4, 4, False),
+                (128, 256, 64, 8, 3, True), (128, 128, 64, 4, 4, True)]:
+        ms = rec(f"triton logits+partials {cfg}", lambda cfg=cfg: _logits_triton.logits_with_partials(hc, w, buf, opt, cfg))
+        if ms is not None and (best is None or ms < best[0]):
+            best = (ms, cfg)
+    if best is not None:
+        _logits_triton.CONFIG = best[1]
+        RESULTS["meta"]["triton_logits_best"] = best[1]
+    del gw, buf, gh
+    gc.collect()
+    torch.cuda.empty_cache()
+    # the whole loss under each choice, every head
+    floor_of = {}
+    try:
+        for name, (n, hd, v, softcap) in HEADS.items():
+            h, w, t = _flce_inputs(n, hd, v)
+            floor_of[name] = 6 * n * hd * v / (mt * 1e12) * 1e3
+            for logits_impl in ("cublas", "triton"):
+                loss_mod.LOGITS_IMPL = logits_impl
+
+                def step():
+                    return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
+
+                measure("flce_gemm_whole", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
+                        f"liger_compat, logits {logits_impl}", step, floor_ms=floor_of[name])
+            del h, w, t
+    finally:
+        loss_mod.LOGITS_IMPL = "auto"
 
 
 def flce_sweep():
@@ -651,6 +723,8 @@ def report() -> str:
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
                        ("flce_rows", "liger_compat FLCE rows per chunk (config -> rows x chunks)"),
                        ("flce_profile", "one chunk, step by step (Llama-3-8B head)"),
+                       ("flce_gemm", "the chunk's matmuls: cuBLAS and the Triton logits GEMM (1024 rows, Llama-3-8B head)"),
+                       ("flce_gemm_whole", "the whole loss: cuBLAS logits vs the Triton logits GEMM"),
                        ("elem_profile", "RMSNorm / RoPE launch variants (kernels alone)")):
         rs = _rows(sec)
         if rs:
@@ -662,7 +736,9 @@ def report() -> str:
                     lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.3f} | | |")
                 elif sec == "flce_profile":
                     lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x chunks: {r['ms_times_chunks']:.2f}) | | |")
-                elif sec == "flce_rows":
+                elif sec == "flce_gemm":
+                    lines.append(f"| {r['impl']} | {r['ms']:.3f} (x ideal matmul: {r['x_ideal_mm']:.2f}) | | |")
+                elif sec in ("flce_rows", "flce_gemm_whole"):
                     lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
                 else:
                     lines.append(f"| {r['shape']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
@@ -737,6 +813,7 @@ SECTIONS = {
     "norm": lambda: elementwise(),
     "flce_sweep": flce_sweep,
     "flce_rows": flce_rows,
+    "flce_gemm": flce_gemm,
     "elementwise_sweep": lambda: elementwise(
         sizes={"rms_norm": [2048, 8192, 32768], "swiglu": [2048, 8192, 16384],
                "rope": [1024, 2048, 4096]},
@@ -767,7 +844,7 @@ def main(argv=None):
     rerun = {"norm": "elementwise", "elementwise_sweep": "elementwise_sweep", "elem_profile": "elem_profile",
              "flce": "flce", "softcap": "flce_softcap", "acc": "flce_acc", "lowmem": "flce_lowmem",
              "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep",
-             "flce_rows": "flce_rows"}
+             "flce_rows": "flce_rows", "flce_gemm": "flce_gemm"}
     for m in args.merge or []:
         old = json.loads(Path(m).read_text())
         skip = {rerun[x] for x in sections if x in rerun}

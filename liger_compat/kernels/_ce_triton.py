@@ -132,67 +132,88 @@ def _ce_partial_kernel(
 
 
 @triton.jit
-def _ce_finish_kernel(
-    logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
-    loss_ptr, zloss_ptr, lse_ptr, correct_ptr, scale_ptr, stride_scale,
+def _ce_combine_kernel(
+    logits_ptr, stride_l, target_ptr, loss_ptr, zloss_ptr, lse_ptr, correct_ptr,
     part_m, part_s, part_z, part_i, NB,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
-    STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_NB: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):
-    """Split variant, step 2: every (row, block) program combines the row's partials into lse;
-    block 0 writes the row's statistics; each program writes the gradient of its block."""
+    """Split variant, step 2: one program per row folds the row's ``NB`` partials (from step 1
+    or from the logits GEMM's epilogue) into lse, loss, z-loss and the argmax hit."""
     row = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    row_ptr = logits_ptr + row * stride_l
     tgt = tl.load(target_ptr + row).to(tl.int64)
     valid = tgt != ignore_index
     in_range = (tgt >= 0) & (tgt < V)
     tgt_safe = tl.where(valid & in_range, tgt, 0)
-    if STATS:
-        nbs = tl.arange(0, BLOCK_NB)
+    base = row * NB
+    m = tl.zeros([], tl.float32) - float("inf")
+    s = tl.zeros([], tl.float32)
+    zsum = tl.zeros([], tl.float32)
+    best = tl.zeros([], tl.float32) - float("inf")
+    best_blk = tl.zeros([], tl.int64)
+    for start in range(0, NB, BLOCK_NB):
+        nbs = start + tl.arange(0, BLOCK_NB)
         nmask = nbs < NB
-        pm = tl.load(part_m + row * NB + nbs, mask=nmask, other=float("-inf"))
-        ps = tl.load(part_s + row * NB + nbs, mask=nmask, other=0.0)
-        m = tl.max(pm, axis=0)
-        lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
-        if blk == 0:
-            best_blk = tl.argmax(pm, axis=0)
-            best_idx = tl.load(part_i + row * NB + best_blk).to(tl.int64)
-            zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
-            if HAS_SOFTCAP:
-                zt = softcap * _tanh(zt / softcap)
-            loss = lse - (1.0 - label_smoothing) * zt
-            if HAS_SMOOTHING:
-                pz = tl.load(part_z + row * NB + nbs, mask=nmask, other=0.0)
-                loss -= label_smoothing * tl.sum(pz, axis=0) / V
-            zl = lse_square_scale * lse * lse
-            loss += zl
-            loss = tl.where(valid, loss, 0.0)
-            loss = tl.where(valid & (~in_range), float("nan"), loss)
-            tl.store(loss_ptr + row, loss)
-            tl.store(zloss_ptr + row, tl.where(valid, zl, 0.0))
-            tl.store(lse_ptr + row, lse)
-            tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+        pm = tl.load(part_m + base + nbs, mask=nmask, other=float("-inf"))
+        ps = tl.load(part_s + base + nbs, mask=nmask, other=0.0)
+        bm = tl.max(pm, axis=0)
+        bi = tl.argmax(pm, axis=0).to(tl.int64) + start  # first block on ties
+        take = bm > best
+        best_blk = tl.where(take, bi, best_blk)
+        best = tl.where(take, bm, best)
+        m_new = tl.maximum(m, bm)
+        s = s * tl.exp(m - m_new) + tl.sum(ps * tl.exp(pm - m_new), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            zsum += tl.sum(tl.load(part_z + base + nbs, mask=nmask, other=0.0), axis=0)
+    lse = m + tl.log(s)
+    best_idx = tl.load(part_i + base + best_blk).to(tl.int64)
+    zt = tl.load(logits_ptr + row * stride_l + tgt_safe).to(tl.float32)
+    if HAS_SOFTCAP:
+        zt = softcap * _tanh(zt / softcap)
+    loss = lse - (1.0 - label_smoothing) * zt
+    if HAS_SMOOTHING:
+        loss -= label_smoothing * zsum / V
+    zl = lse_square_scale * lse * lse
+    loss += zl
+    loss = tl.where(valid, loss, 0.0)
+    loss = tl.where(valid & (~in_range), float("nan"), loss)
+    tl.store(loss_ptr + row, loss)
+    tl.store(zloss_ptr + row, tl.where(valid, zl, 0.0))
+    tl.store(lse_ptr + row, lse)
+    tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+
+
+@triton.jit
+def _ce_grad_kernel(
+    logits_ptr, stride_l, target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Split variant, step 3: each (row, block of V) program writes its block of the gradient."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    tgt = tl.load(target_ptr + row).to(tl.int64)
+    valid = tgt != ignore_index
+    in_range = (tgt >= 0) & (tgt < V)
+    tgt_safe = tl.where(valid & in_range, tgt, 0)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
+    scale = tl.where(valid, scale, 0.0)
+    p_scale = (1.0 + 2.0 * lse_square_scale * lse) * scale
+    cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        t = _tanh(x / softcap)
+        z = softcap * t
     else:
-        lse = tl.load(lse_ptr + row)
-    if GRAD:
-        scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
-        scale = tl.where(valid, scale, 0.0)
-        p_scale = (1.0 + 2.0 * lse_square_scale * lse) * scale
-        cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            t = _tanh(x / softcap)
-            z = softcap * t
-        else:
-            z = x
-        d = tl.exp(z - lse) * p_scale - label_smoothing / V * scale
-        d = tl.where(cols == tgt_safe, d - (1.0 - label_smoothing) * scale, d)
-        if HAS_SOFTCAP:
-            d = d * (1.0 - t * t)
-        tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+        z = x
+    d = tl.exp(z - lse) * p_scale - label_smoothing / V * scale
+    d = tl.where(cols == tgt_safe, d - (1.0 - label_smoothing) * scale, d)
+    if HAS_SOFTCAP:
+        d = d * (1.0 - t * t)
+    tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 #: "split": rows are cut into blocks of V spread over programs (two launches; fills the GPU
@@ -208,8 +229,12 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
     return min(triton.next_power_of_2(v), 8192), 16
 
 
-def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None):
-    """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch`."""
+def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None, partials=None):
+    """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch`.
+
+    ``partials`` = ``(max, sum-exp, argmax, row-sum)`` per (row, block of V), as written by
+    :func:`liger_compat.kernels._logits_triton.logits_with_partials`: the statistics then come
+    from them instead of a pass over the logits (split variant)."""
     c, v = logits.shape
     if c == 0:
         return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
@@ -233,6 +258,9 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     else:
         scale, stride_scale = lse, 0
     variant = CE_KERNEL_VARIANT if variant is None else variant
+    if partials is not None:
+        variant = "split"
+    target = target.contiguous()
     common = dict(HAS_SOFTCAP=opt.softcap is not None, HAS_SMOOTHING=opt.label_smoothing != 0.0)
     softcap = opt.softcap if opt.softcap is not None else 1.0
     g = grad if grad is not None else logits
@@ -240,7 +268,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     if variant == "row":
         block, warps = _block_v(v, dev)
         _ce_row_kernel[(c,)](
-            logits, logits.stride(0), target.contiguous(), g, sg,
+            logits, logits.stride(0), target, g, sg,
             loss, zl, lse, correct, scale, stride_scale,
             v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
             STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common,
@@ -251,23 +279,30 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         nb = triton.cdiv(v, block)
         warps = 8 if dev.type == "cuda" else 1
         if stats:
-            pm = torch.empty((c, nb), dtype=f32, device=dev)
-            ps = torch.empty_like(pm)
-            pz = torch.empty_like(pm) if opt.label_smoothing != 0.0 else pm
-            pi = torch.empty((c, nb), dtype=torch.int32, device=dev)
-            _ce_partial_kernel[(c, nb)](
-                logits, logits.stride(0), pm, ps, pz, pi, nb, v, softcap,
-                BLOCK_V=block, num_warps=warps, **common,
+            if partials is None:
+                pm = torch.empty((c, nb), dtype=f32, device=dev)
+                ps = torch.empty_like(pm)
+                pz = torch.empty_like(pm) if opt.label_smoothing != 0.0 else pm
+                pi = torch.empty((c, nb), dtype=torch.int32, device=dev)
+                _ce_partial_kernel[(c, nb)](
+                    logits, logits.stride(0), pm, ps, pz, pi, nb, v, softcap,
+                    BLOCK_V=block, num_warps=warps, **common,
+                )
+            else:
+                pm, ps, pi, pz = partials
+            npart = pm.shape[1]
+            _ce_combine_kernel[(c,)](
+                logits, logits.stride(0), target, loss, zl, lse, correct, pm, ps, pz, pi, npart,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
+                BLOCK_NB=min(triton.next_power_of_2(npart), 1024), num_warps=4 if dev.type == "cuda" else 1,
+                **common,
             )
-        else:
-            pm = ps = pz = pi = lse
-        _ce_finish_kernel[(c, nb)](
-            logits, logits.stride(0), target.contiguous(), g, sg,
-            loss, zl, lse, correct, scale, stride_scale, pm, ps, pz, pi, nb,
-            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
-            STATS=stats, GRAD=grad is not None, BLOCK_V=block,
-            BLOCK_NB=triton.next_power_of_2(nb), num_warps=warps, **common,
-        )
+        if grad is not None:
+            _ce_grad_kernel[(c, nb)](
+                logits, logits.stride(0), target, g, sg, lse, scale, stride_scale,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
+                HAS_SOFTCAP=common["HAS_SOFTCAP"], BLOCK_V=block, num_warps=warps,
+            )
     if not stats:
         return None
     return loss, zl, lse, correct.view(torch.bool)

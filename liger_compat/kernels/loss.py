@@ -1,7 +1,8 @@
 """Cross-entropy and fused linear cross-entropy (the LM-head loss without ``[N, V]`` logits).
 
 ``fused_linear_cross_entropy(hidden, weight, target)`` is the loss of ``hidden @ weight.T (+ bias)``
-computed chunk by chunk over the rows: each chunk's logits are produced by one matmul, one
+computed chunk by chunk over the rows: each chunk's logits are produced by one matmul (on the
+GPU a Triton GEMM that also writes per-tile row statistics, ``_logits_triton.py``), one
 row kernel turns them *in place* into the gradient of the loss with respect to them (while
 computing log-sum-exp, loss, z-loss, argmax for token accuracy and the softcap), and two more
 matmuls turn that into the chunk's ``grad_hidden`` rows and its share of ``grad_weight``. Only
@@ -212,8 +213,12 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
     return int(max(1, min(n, rows)))
 
 
-#: How the GPU path updates grad_weight each chunk: "cublas" (addmm) or "triton" (_matmul_triton).
-GRAD_WEIGHT_IMPL = "cublas"
+#: How the GPU path computes each chunk's logits: ``"cublas"`` (``torch.mm``, then a Triton pass
+#: over the logits for the row statistics), ``"triton"`` (``_logits_triton``: a Triton GEMM whose
+#: epilogue writes those statistics, wherever its tensor descriptors apply and there is no bias)
+#: or ``"auto"``: the Triton GEMM except with softcap, whose tanh in the epilogue made it slower
+#: than cuBLAS plus the pass (NOTES.md, row 13). ``LIGER_COMPAT_FLCE_LOGITS`` sets it.
+LOGITS_IMPL = os.environ.get("LIGER_COMPAT_FLCE_LOGITS", "auto")
 #: Skip ignore_index rows on the Triton path (one host sync to count them); their rows of
 #: grad_hidden are zero and they cost no matmul work.
 COMPACT_IGNORED = True
@@ -250,10 +255,17 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
         gw = make(w.shape, dtype=acc_dtype, device=dev)
     else:
         gw = None
-    use_triton_gw = need_gw and backend == "triton" and GRAD_WEIGHT_IMPL == "triton" and acc_dtype == w.dtype
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
     buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
     wt = w.t()
+    fused_stats = None
+    if LOGITS_IMPL not in ("auto", "cublas", "triton"):
+        raise ValueError(f"LIGER_COMPAT_FLCE_LOGITS must be 'auto', 'cublas' or 'triton', got {LOGITS_IMPL!r}")
+    if backend == "triton" and b is None and (LOGITS_IMPL == "triton" or (LOGITS_IMPL == "auto" and opt.softcap is None)):
+        from . import _logits_triton
+
+        if _logits_triton.supported(h, w):
+            fused_stats = _logits_triton.logits_with_partials
     for start in range(0, m, rows):
         end = min(m, start + rows)
         if idx is None:
@@ -264,11 +276,14 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
             hc, tc = h.index_select(0, ic), target.index_select(0, ic)
             sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
         logits = buf[: end - start]
-        if b is not None:
+        extra = {}
+        if fused_stats is not None:
+            extra["partials"] = fused_stats(hc, w, logits, opt)
+        elif b is not None:
             torch.addmm(b, hc, wt, out=logits)
         else:
             torch.mm(hc, wt, out=logits)
-        st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None)
+        st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if idx is None:
                 loss[start:end], zl[start:end], _, correct[start:end] = st
@@ -277,11 +292,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
         if any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
             if need_gw:
-                if use_triton_gw:
-                    from ._matmul_triton import grad_weight_update
-
-                    grad_weight_update(gw, d, hc, accumulate=start > 0)
-                elif acc_dtype != d.dtype:
+                if acc_dtype != d.dtype:
                     gw += (d.t() @ hc).to(acc_dtype)
                 elif start == 0:  # first chunk: write, no read-modify-write of a zeroed buffer
                     torch.mm(d.t(), hc, out=gw)

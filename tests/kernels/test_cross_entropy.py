@@ -214,15 +214,13 @@ def test_triton_row_kernel_variants_agree_with_reference(variant):
     torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("gw_impl", ["cublas", "triton"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_flce_triton_driver_chunks_compaction_and_grad_weight_kernel(monkeypatch, gw_impl, reduction):
-    """The GPU driver: several chunks, ignored rows compacted away, both grad_weight updates."""
+def test_flce_triton_driver_chunks_and_compaction(monkeypatch, reduction):
+    """The GPU driver: several chunks, ignored rows compacted away (fp32: the cuBLAS logits)."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     import liger_compat.kernels.loss as ce_mod
 
-    monkeypatch.setattr(ce_mod, "GRAD_WEIGHT_IMPL", gw_impl)
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 70 * 9)  # 9 rows per chunk
     hid, w, b, t = _inputs(13, 40, 24, 70, torch.float32, 0.3, True)
     ps = [x.clone().requires_grad_(True) for x in (hid, w, b)]
@@ -238,19 +236,45 @@ def test_flce_triton_driver_chunks_compaction_and_grad_weight_kernel(monkeypatch
     assert (ps[0].grad[t == -100] == 0).all()
 
 
-def test_grad_weight_kernel_matches_matmul():
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 3.0, "label_smoothing": 0.1, "lse_square_scale": 1e-3}])
+def test_flce_triton_logits_gemm_with_fused_statistics(monkeypatch, opts, impl):
+    """Each chunk's logits come from the Triton GEMM whose epilogue writes the row statistics
+    ("auto": not with softcap); loss, token accuracy and gradients still match float64. fp16
+    inputs: the interpreter mishandles bf16 tensor descriptors (bf16 runs in test_gpu.py)."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
-    from liger_compat.kernels._matmul_triton import grad_weight_update
+    import liger_compat.kernels._logits_triton as lt
+    import liger_compat.kernels.loss as ce_mod
 
-    g = torch.Generator().manual_seed(4)
-    dl, hc = torch.randn(37, 75, generator=g), torch.randn(37, 50, generator=g)
-    gw0 = torch.randn(75, 50, generator=g)
-    gw = gw0.clone()
-    grad_weight_update(gw, dl, hc, accumulate=True)
-    torch.testing.assert_close(gw, gw0 + dl.T @ hc, rtol=1e-5, atol=1e-4)
-    grad_weight_update(gw, dl, hc, accumulate=False)
-    torch.testing.assert_close(gw, dl.T @ hc, rtol=1e-5, atol=1e-4)
+    calls = []
+    real = lt.logits_with_partials
+    monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ce_mod, "LOGITS_IMPL", impl)
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 72 * 11)  # 11 rows per chunk
+    hid, w, _, t = _inputs(21, 40, 24, 72, torch.float16, 0.3, False)
+    ps = [x.clone().requires_grad_(True) for x in (hid, w)]
+    out = fused_linear_cross_entropy(ps[0], ps[1], t, return_token_accuracy=True, **opts)
+    out.loss.backward()
+    kept = int((t != -100).sum())
+    fused = impl == "triton" or "softcap" not in opts
+    assert len(calls) == (-(-kept // 11) if fused else 0) and kept > 11
+    p64 = [x.double().requires_grad_(True) for x in (hid, w)]
+    ref, _, acc = ce64(p64[0] @ p64[1].T, t, **opts)
+    ref.backward()
+    assert rel_err(out.loss, ref) < 5e-3
+    assert abs(out.token_accuracy.item() - acc.item()) <= 1.0 / kept
+    for mine, theirs in zip(ps, p64):
+        assert rel_err(mine.grad, theirs.grad) < 5e-3
+
+
+def test_flce_logits_setting_is_checked(monkeypatch):
+    import liger_compat.kernels.loss as ce_mod
+
+    monkeypatch.setattr(ce_mod, "LOGITS_IMPL", "cuBLAS ")
+    hid, w, _, t = _inputs(1, 4, 8, 16, torch.float32, 0.0, False)
+    with pytest.raises(ValueError, match="LIGER_COMPAT_FLCE_LOGITS"):
+        fused_linear_cross_entropy(hid, w, t)
 
 
 def test_flce_chunk_rows_on_an_accelerator(monkeypatch):

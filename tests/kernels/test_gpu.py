@@ -35,12 +35,22 @@ def _flce_inputs(n, h, v, dtype, seed):
 
 @pytest.mark.parametrize("n,h,v", [(1, 64, 1000), (1031, 1000, 32011), (4096, 2048, 128256)])
 @pytest.mark.parametrize("opts", [{}, {"softcap": 30.0, "label_smoothing": 0.1, "lse_square_scale": 1e-4}])
-def test_flce_bf16_vs_eager(n, h, v, opts):
+@pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
+def test_flce_bf16_vs_eager(n, h, v, opts, logits_impl, monkeypatch):
+    import liger_compat.kernels._logits_triton as lt
+    import liger_compat.kernels.loss as loss_mod
+
+    calls = []
+    real = lt.logits_with_partials
+    monkeypatch.setattr(loss_mod, "LOGITS_IMPL", logits_impl)
+    monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     hid, w, t = _flce_inputs(n, h, v, torch.bfloat16, n + v)
     a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
     out = fused_linear_cross_entropy(a, b, t, return_token_accuracy=True, **opts)
     out.loss.backward()
     assert last_backend["fused_linear_cross_entropy"] == "triton"
+    # the Triton GEMM runs where its tensor descriptors apply (rows of 16-byte multiples)
+    assert bool(calls) == (logits_impl == "triton" and v % 8 == 0 and h % 8 == 0)
     # eager LM head in fp32 (the precision reference)
     h32, w32 = hid.float().requires_grad_(True), w.float().requires_grad_(True)
     ref, _, acc = ce64(h32 @ w32.T, t, **opts)

@@ -1,0 +1,118 @@
+"""Triton GEMM for the fused loss's logits, ``logits = hidden_chunk @ weight.T``, whose epilogue
+also writes the row statistics the cross-entropy needs (per output tile: max, sum of
+``exp(z - max)``, argmax, and the row sum for label smoothing), so the row kernel no longer
+reads the chunk once just to find each row's log-sum-exp.
+
+Persistent programs (one per SM) walk the output tiles column-block by column-block, all row
+blocks of one weight block in a row, so each ``[BLOCK_N, H]`` slice of the weight comes from
+DRAM once and is reused from L2 by the row blocks. Operands and the result move through tensor
+descriptors (TMA on Hopper). The statistics are taken from the logits as stored (rounded to
+the output dtype, softcap applied), i.e. exactly what the gradient pass reads back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import triton, tl
+
+__all__ = ["logits_with_partials", "supported"]
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize) on CUDA
+CONFIG = (128, 256, 64, 8, 3, False)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logits_kernel(
+    a_desc, b_desc, c_desc, pm_ptr, ps_ptr, pi_ptr, pz_ptr, M, N, K, NB, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BM)
+    tiles = num_m * tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_n = tile // num_m  # row blocks of one weight block run side by side
+        off_m = (tile % num_m) * BM
+        off_n = pid_n * BN
+        acc = tl.zeros((BM, BN), tl.float32)
+        for ks in range(k_steps):
+            a = a_desc.load([off_m, ks * BK])
+            b = b_desc.load([off_n, ks * BK])
+            acc = tl.dot(a, b.T, acc)
+        c = acc.to(c_desc.dtype)
+        c_desc.store([off_m, off_n], c)
+        cols = off_n + tl.arange(0, BN)
+        z = c.to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        z = tl.where((cols < N)[None, :], z, float("-inf"))
+        m = tl.max(z, axis=1)
+        s = tl.sum(tl.exp(z - m[:, None]), axis=1)
+        rows = off_m + tl.arange(0, BM)
+        out = rows.to(tl.int64) * NB + pid_n
+        rmask = rows < M
+        tl.store(pm_ptr + out, m, mask=rmask)
+        tl.store(ps_ptr + out, s, mask=rmask)
+        tl.store(pi_ptr + out, tl.argmax(z, axis=1).to(tl.int32) + off_n, mask=rmask)
+        if HAS_SMOOTHING:
+            tl.store(pz_ptr + out, tl.sum(tl.where((cols < N)[None, :], z, 0.0), axis=1), mask=rmask)
+
+
+def supported(hc: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned rows and a 16-bit float type. (Triton's CPU
+    interpreter reads bf16 tensor descriptors wrongly, so there only fp16 qualifies.)"""
+    es = hc.element_size()
+    types = (torch.bfloat16, torch.float16) if hc.device.type != "cpu" else (torch.float16,)
+    return (
+        hc.dtype in types and w.dtype == hc.dtype
+        and hc.stride(1) == 1 and w.stride(1) == 1
+        and (hc.stride(0) * es) % 16 == 0 and (w.stride(0) * es) % 16 == 0
+        and (w.shape[0] * es) % 16 == 0 and hc.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    )
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def logits_with_partials(hc, w, out, opt, config=None):
+    """``out[:] = hc @ w.T``; returns the partials ``(pm, ps, pi, pz)``, each ``[rows, NB]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = hc.shape
+    n = w.shape[0]
+    dev = hc.device
+    if dev.type == "cuda":
+        bm, bn, bk, warps, stages, ws = config or CONFIG
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in _NUM_SMS:
+            _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        programs = _NUM_SMS[idx]
+    else:  # interpreter
+        bm, bn, bk, warps, stages, ws = 16, 32, 16, 1, 1, False
+        programs = 4
+    nb = triton.cdiv(n, bn)
+    f32 = torch.float32
+    pm = torch.empty((m, nb), dtype=f32, device=dev)
+    ps = torch.empty_like(pm)
+    pz = torch.empty_like(pm) if opt.label_smoothing != 0.0 else pm
+    pi = torch.empty((m, nb), dtype=torch.int32, device=dev)
+    a_desc = TensorDescriptor.from_tensor(hc, [bm, bk])
+    b_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+    c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+    tiles = triton.cdiv(m, bm) * nb
+    grid = (min(programs, tiles),)
+    _logits_kernel[grid](
+        a_desc, b_desc, c_desc, pm, ps, pi, pz, m, n, k, nb,
+        opt.softcap if opt.softcap is not None else 1.0,
+        HAS_SOFTCAP=opt.softcap is not None, HAS_SMOOTHING=opt.label_smoothing != 0.0,
+        BM=bm, BN=bn, BK=bk, NUM_PROGRAMS=grid[0], WARP_SPECIALIZE=ws,
+        num_warps=warps, num_stages=stages,
+    )
+    return pm, ps, pi, pz
