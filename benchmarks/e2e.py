@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(json.loads(line[7:]))
         print("   ", {k: rows[-1].get(k) for k in ("status", "step_ms", "tokens_per_s", "peak_gib", "first_loss")},
               file=sys.stderr, flush=True)
-    _results.write(a.out, "e2e", rows, _markdown(rows))
+        _results.write(a.out, "e2e", rows, _markdown(rows))  # after every run: a cut-off run keeps its rows
     plots(rows, Path(a.out))
     return 0
 

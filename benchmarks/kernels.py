@@ -274,11 +274,12 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
             torch.cuda.empty_cache()
 
 
-def _set_flce(rows=1024, mib=256, variant="split", compact=True, logits="auto"):
+def _set_flce(rows=None, mib=256, variant="split", compact=True, logits="auto"):
     from liger_compat.kernels import _ce_triton
     from liger_compat.kernels import loss as loss_mod
 
-    loss_mod.FLCE_CHUNK_ROWS, loss_mod.FLCE_CHUNK_BYTES = rows, mib * 2**20
+    # ``rows``: that many rows per chunk exactly (the cap set from them; at V=128256)
+    loss_mod.FLCE_CHUNK_BYTES = rows * 2 * 128256 if rows else mib * 2**20
     _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.LOGITS_IMPL = variant, compact, logits
 
 
