@@ -39,12 +39,12 @@ def _env_mib(name: str, default: int) -> int:
 
 #: Size of one chunk's logits on an accelerator (``rows * V * 2`` bytes in bf16), which sets the
 #: rows per chunk; a gathered copy of the chunk's hidden rows (``rows * H * 2``, 8 MiB at
-#: 1040 x 4096) comes on top when targets are ignored. Each chunk reads the weight twice and
+#: 1024 x 4096) comes on top when targets are ignored. Each chunk reads the weight twice and
 #: reads+writes the bf16 grad_weight once (~4*V*H*2 bytes) for 6*rows*H*V flop, so ~1000 rows
 #: are needed before the three matmuls, not that traffic, set the time (NOTES.md). The default
-#: 256 MiB gives 1040 rows at V=128256 (Llama 3: 8 chunks for 8192 rows). Settings measured at
+#: 256 MiB gives 1024 rows at V=128256 (Llama 3: 8 chunks for 8192 rows). Settings measured at
 #: the Llama-3-8B head (``LIGER_COMPAT_FLCE_CHUNK_MB``): 62 -> under 64 MiB extra (248 rows,
-#: ~1.6x slower); 512 -> ~2090 rows, ~0.92x the time of the default.
+#: ~1.6x slower); 512 -> 2048 rows, ~0.92x the time of the default.
 FLCE_CHUNK_BYTES = _env_mib("LIGER_COMPAT_FLCE_CHUNK_MB", 256)
 #: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
 FLCE_CHUNK_BYTES_CPU = 8 * 2**20
@@ -206,8 +206,14 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
     if device.type == "cpu":
         rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
-        rows = FLCE_CHUNK_BYTES // (elem * v)
-        rows = rows // 8 * 8 if rows >= 16 else rows
+        cap = FLCE_CHUNK_BYTES // (elem * v)
+        # whole 128-row matmul tiles where that costs no extra chunk (1040 rows = 8 tiles + 16
+        # rows was 3-8 % slower than 1024, NOTES.md row 17), else a multiple of 8
+        tiles = cap // 128 * 128
+        if tiles and -(-n // tiles) == -(-n // cap):
+            rows = tiles
+        else:
+            rows = cap // 8 * 8 if cap >= 16 else cap
     return int(max(1, min(n, rows)))
 
 
