@@ -65,6 +65,26 @@ def _logits_kernel(
             tl.store(pz_ptr + out, tl.sum(tl.where((cols < N)[None, :], z, 0.0), axis=1), mask=rmask)
 
 
+_CAPABLE: dict[object, bool] = {}
+
+
+def _capable(device: torch.device) -> bool:
+    """Triton with host-side tensor descriptors, and on CUDA a Hopper-class GPU (compute
+    capability 9.0+: TMA; the kernel was measured on an H100 only)."""
+    key = (device.type, device.index)
+    if key not in _CAPABLE:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (Triton >= 3.4)
+
+            ok = "warp_specialize" in tl.range.__init__.__code__.co_varnames
+            if ok and device.type == "cuda":
+                ok = torch.cuda.get_device_capability(device) >= (9, 0)
+        except Exception:
+            ok = False
+        _CAPABLE[key] = ok
+    return _CAPABLE[key]
+
+
 def supported(hc: torch.Tensor, w: torch.Tensor) -> bool:
     """Tensor descriptors need 16-byte aligned rows and a 16-bit float type. (Triton's CPU
     interpreter reads bf16 tensor descriptors wrongly, so there only fp16 qualifies.)"""
@@ -75,6 +95,7 @@ def supported(hc: torch.Tensor, w: torch.Tensor) -> bool:
         and hc.stride(1) == 1 and w.stride(1) == 1
         and (hc.stride(0) * es) % 16 == 0 and (w.stride(0) * es) % 16 == 0
         and (w.shape[0] * es) % 16 == 0 and hc.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+        and _capable(hc.device)
     )
 
 

@@ -297,3 +297,18 @@ def test_flce_chunk_rows_on_an_accelerator(monkeypatch):
     assert rows % 8 == 0 and rows * (v + h) * 2 < 64 * 2**20 and (rows + 8) * v * 2 > 62 * 2**20
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES", 512 * 2**20)
     assert ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda) == 2048
+
+
+def test_logits_gemm_only_where_it_applies(monkeypatch):
+    """The Triton logits GEMM is chosen only for 16-bit, 16-byte-aligned rows on a capable
+    setup (Triton with tensor descriptors; on CUDA compute capability 9.0+)."""
+    pytest.importorskip("triton")
+    import liger_compat.kernels._logits_triton as lt
+
+    h, w = torch.zeros(4, 8, dtype=torch.float16), torch.zeros(16, 8, dtype=torch.float16)
+    monkeypatch.setitem(lt._CAPABLE, ("cpu", None), True)
+    assert lt.supported(h, w)
+    assert not lt.supported(h.float(), w.float())
+    assert not lt.supported(torch.zeros(4, 9, dtype=torch.float16)[:, :8], w)  # 18-byte rows
+    monkeypatch.setitem(lt._CAPABLE, ("cpu", None), False)
+    assert not lt.supported(h, w)
