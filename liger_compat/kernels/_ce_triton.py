@@ -10,6 +10,11 @@ Per row of ``logits[C, V]`` (read in blocks of ``BLOCK_V``, computed in fp32):
   ``(softmax * (1 + 2 s lse) - eps / V - (1 - eps) * onehot) * (1 - tanh^2 if softcap)``,
   stored in the gradient's dtype (bf16 in the fused loss, over the logits themselves).
 
+The "split" variant (default on CUDA) does the same in three launches over (row, block of V)
+programs: per-block partials (max, sum-exp, argmax, row sum), a per-row combine into the
+statistics, and the gradient. The partials may instead come from the epilogue of the logits
+GEMM (``_logits_triton.py``), which saves the first launch's read of the logits.
+
 Targets outside ``[0, V)`` that are not ``ignore_index`` never address memory; the row's loss
 becomes NaN (the Python-side range check runs under ``settings.debug``).
 """
