@@ -35,6 +35,52 @@ def _tanh(x):
 
 
 @triton.jit
+def _row_target(target_ptr, row, ignore_index, V):
+    """The row's target, whether it counts, whether it is a class id, and an index safe to load."""
+    tgt = tl.load(target_ptr + row).to(tl.int64)
+    valid = tgt != ignore_index
+    in_range = (tgt >= 0) & (tgt < V)
+    return tgt, valid, in_range, tl.where(valid & in_range, tgt, 0)
+
+
+@triton.jit
+def _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
+                     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, V, label_smoothing, lse_square_scale,
+                     softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """From the row's lse (row sum ``zsum``, argmax ``best_idx``): loss (with z-loss; 0 when
+    ignored, NaN for an out-of-range target), z-loss, lse and the argmax hit."""
+    zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
+    if HAS_SOFTCAP:
+        zt = softcap * _tanh(zt / softcap)
+    loss = lse - (1.0 - label_smoothing) * zt
+    if HAS_SMOOTHING:
+        loss -= label_smoothing * zsum / V
+    zl = lse_square_scale * lse * lse
+    loss += zl
+    loss = tl.where(valid, loss, 0.0)
+    loss = tl.where(valid & (~in_range), float("nan"), loss)
+    tl.store(loss_ptr + row, loss)
+    tl.store(zloss_ptr + row, tl.where(valid, zl, 0.0))
+    tl.store(lse_ptr + row, lse)
+    tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+
+
+@triton.jit
+def _grad_block(x, cols, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``d loss / d logits`` for one block of the row's stored logits ``x`` (fp32)."""
+    if HAS_SOFTCAP:
+        t = _tanh(x / softcap)
+        z = softcap * t
+    else:
+        z = x
+    d = tl.exp(z - lse) * p_scale - smooth
+    d = tl.where(cols == tgt_safe, d - hit, d)
+    if HAS_SOFTCAP:
+        d = d * (1.0 - t * t)
+    return d
+
+
+@triton.jit
 def _ce_row_kernel(
     logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, scale_ptr, stride_scale,
@@ -44,10 +90,7 @@ def _ce_row_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
-    tgt = tl.load(target_ptr + row).to(tl.int64)
-    valid = tgt != ignore_index
-    in_range = (tgt >= 0) & (tgt < V)
-    tgt_safe = tl.where(valid & in_range, tgt, 0)
+    tgt, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     offs = tl.arange(0, BLOCK_V)
 
     if STATS:
@@ -73,21 +116,9 @@ def _ce_row_kernel(
             if HAS_SMOOTHING:
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         lse = m + tl.log(s)
-        zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
-        if HAS_SOFTCAP:
-            zt = softcap * _tanh(zt / softcap)
-        loss = lse - (1.0 - label_smoothing) * zt
-        if HAS_SMOOTHING:
-            loss -= label_smoothing * zsum / V
-        zl = lse_square_scale * lse * lse
-        loss += zl
-        loss = tl.where(valid, loss, 0.0)
-        loss = tl.where(valid & (~in_range), float("nan"), loss)
-        zl = tl.where(valid, zl, 0.0)
-        tl.store(loss_ptr + row, loss)
-        tl.store(zloss_ptr + row, zl)
-        tl.store(lse_ptr + row, lse)
-        tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+        _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
+                         loss_ptr, zloss_ptr, lse_ptr, correct_ptr, V, label_smoothing, lse_square_scale,
+                         softcap, HAS_SOFTCAP, HAS_SMOOTHING)
     else:
         lse = tl.load(lse_ptr + row)
 
@@ -102,15 +133,7 @@ def _ce_row_kernel(
             cols = start + offs
             mask = cols < V
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                t = _tanh(x / softcap)
-                z = softcap * t
-            else:
-                z = x
-            d = tl.exp(z - lse) * p_scale - smooth
-            d = tl.where(cols == tgt_safe, d - hit, d)
-            if HAS_SOFTCAP:
-                d = d * (1.0 - t * t)
+            d = _grad_block(x, cols, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTCAP)
             tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -146,10 +169,7 @@ def _ce_combine_kernel(
     """Split variant, step 2: one program per row folds the row's ``NB`` partials (from step 1
     or from the logits GEMM's epilogue) into lse, loss, z-loss and the argmax hit."""
     row = tl.program_id(0).to(tl.int64)
-    tgt = tl.load(target_ptr + row).to(tl.int64)
-    valid = tgt != ignore_index
-    in_range = (tgt >= 0) & (tgt < V)
-    tgt_safe = tl.where(valid & in_range, tgt, 0)
+    tgt, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     base = row * NB
     m = tl.zeros([], tl.float32) - float("inf")
     s = tl.zeros([], tl.float32)
@@ -173,20 +193,9 @@ def _ce_combine_kernel(
             zsum += tl.sum(tl.load(part_z + base + nbs, mask=nmask, other=0.0), axis=0)
     lse = m + tl.log(s)
     best_idx = tl.load(part_i + base + best_blk).to(tl.int64)
-    zt = tl.load(logits_ptr + row * stride_l + tgt_safe).to(tl.float32)
-    if HAS_SOFTCAP:
-        zt = softcap * _tanh(zt / softcap)
-    loss = lse - (1.0 - label_smoothing) * zt
-    if HAS_SMOOTHING:
-        loss -= label_smoothing * zsum / V
-    zl = lse_square_scale * lse * lse
-    loss += zl
-    loss = tl.where(valid, loss, 0.0)
-    loss = tl.where(valid & (~in_range), float("nan"), loss)
-    tl.store(loss_ptr + row, loss)
-    tl.store(zloss_ptr + row, tl.where(valid, zl, 0.0))
-    tl.store(lse_ptr + row, lse)
-    tl.store(correct_ptr + row, (valid & (best_idx == tgt)).to(tl.int8))
+    _store_row_stats(row, logits_ptr + row * stride_l, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
+                     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, V, label_smoothing, lse_square_scale,
+                     softcap, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -198,10 +207,7 @@ def _ce_grad_kernel(
     """Split variant, step 3: each (row, block of V) program writes its block of the gradient."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    tgt = tl.load(target_ptr + row).to(tl.int64)
-    valid = tgt != ignore_index
-    in_range = (tgt >= 0) & (tgt < V)
-    tgt_safe = tl.where(valid & in_range, tgt, 0)
+    _, valid, _, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
     scale = tl.where(valid, scale, 0.0)
@@ -209,20 +215,14 @@ def _ce_grad_kernel(
     cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        t = _tanh(x / softcap)
-        z = softcap * t
-    else:
-        z = x
-    d = tl.exp(z - lse) * p_scale - label_smoothing / V * scale
-    d = tl.where(cols == tgt_safe, d - (1.0 - label_smoothing) * scale, d)
-    if HAS_SOFTCAP:
-        d = d * (1.0 - t * t)
+    d = _grad_block(x, cols, lse, p_scale, label_smoothing / V * scale, (1.0 - label_smoothing) * scale,
+                    tgt_safe, softcap, HAS_SOFTCAP)
     tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-#: "split": rows are cut into blocks of V spread over programs (two launches; fills the GPU
-#: even for a few hundred rows); "row": one program streams a whole row (one launch).
+#: "split": rows are cut into blocks of V spread over programs (partial, combine and gradient
+#: launches; fills the GPU even for a few hundred rows); "row": one program streams a whole row
+#: (one launch).
 CE_KERNEL_VARIANT = "split"
 #: block of V per program for the split variant on CUDA
 SPLIT_BLOCK_V = 4096

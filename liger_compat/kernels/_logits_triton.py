@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from ._ce_triton import _tanh
 from ._dispatch import triton, tl
 
 __all__ = ["logits_with_partials", "supported"]
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize) on CUDA
 CONFIG = (128, 256, 64, 8, 3, False)
-
-
-@triton.jit
-def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
