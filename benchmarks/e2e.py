@@ -1,7 +1,7 @@
 """End-to-end training step: native transformers vs liger-kernel vs liger_compat.
 
     python -m benchmarks.e2e [--models llama-3.2-1b,qwen2.5-1.5b] [--shapes 4x2048,8x4096]
-                             [--impls native,liger_kernel,liger_compat] [--steps 6] [--out DIR]
+                             [--impls native,liger_kernel,liger_compat,...] [--steps 6] [--out DIR]
 
 Models are built from config with random weights (no hub), bf16 on the GPU, SDPA attention,
 AdamW (fused). A step is forward with labels, backward and the optimizer step. Every
@@ -36,17 +36,25 @@ MODELS = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
 }
-IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
-#: liger_compat at its low-memory operating point (the fused loss's logits chunk capped at 62 MiB)
-LOWMEM = {"liger_compat_62mib": "62"}
+#: liger_compat under other settings: the fused loss's logits chunk capped at 62 MiB (its
+#: low-memory operating point) or raised to 512 MiB; the MLP keeping its norm output and
+#: activation for the backward (no recompute), or rebuilding only one of them
+VARIANTS = {
+    "liger_compat_62mib": {"LIGER_COMPAT_FLCE_CHUNK_MB": "62"},
+    "liger_compat_512mib": {"LIGER_COMPAT_FLCE_CHUNK_MB": "512"},
+    "liger_compat_keep": {"LIGER_COMPAT_MLP_RECOMPUTE": "0"},
+    "liger_compat_act": {"LIGER_COMPAT_MLP_RECOMPUTE": "activation"},
+    "liger_compat_input": {"LIGER_COMPAT_MLP_RECOMPUTE": "input"},
+}
+IMPLS = ("native", "liger_kernel", "liger_compat", *VARIANTS)
+DEFAULT_IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
 
 
 def setup(model_name: str, shape: str, impl: str, liger_kernel_switches: dict | None = None):
     """The patched library as a user would set it up, then the model (random weights, bf16,
     SDPA, train mode), fused AdamW and one batch of ids and labels (10 % ignored), on CUDA.
     ``liger_kernel_switches``: keyword switches for ``apply_liger_kernel_to_<family>``."""
-    if impl in LOWMEM:
-        os.environ["LIGER_COMPAT_FLCE_CHUNK_MB"] = LOWMEM[impl]
+    os.environ.update(VARIANTS.get(impl, {}))
     if impl.startswith("liger_compat"):
         import liger_compat  # noqa: F401  (first import, as a user would)
     import torch
@@ -119,8 +127,11 @@ def _markdown(rows: list[dict]) -> str:
     if rows:
         r0 = next((r for r in rows if "gpu" in r), rows[0])
         lines += [f"GPU: {r0.get('gpu')}; torch {r0.get('torch')}; transformers {r0.get('transformers')}", ""]
+    present = dict.fromkeys(r["impl"] for r in rows)
+    notes = [f"{v}: liger_compat with " + ", ".join(f"`{k}={val}`" for k, val in VARIANTS[v].items())
+             for v in VARIANTS if v in present]
     lines += ["Median step after warm-up steps; every (model, shape, implementation) in a fresh process. "
-              "liger_compat_62mib: liger_compat with `LIGER_COMPAT_FLCE_CHUNK_MB=62`.", ""]
+              + "; ".join(notes) + ("." if notes else ""), ""]
     lines += ["| model | batch x seq | impl | step ms | tokens/s | x native tokens/s | x liger-kernel tokens/s | peak GiB | "
               "x liger-kernel peak | first loss |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--shapes", default="4x2048,8x4096")
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"any of {', '.join(IMPLS)}")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")

@@ -12,6 +12,9 @@ the optimizer state up, then a second step is measured phase by phase: memory al
 the forward, peak during forward, backward and the optimizer step, and every tensor that
 autograd saves during the forward (through ``saved_tensors_hooks``), grouped by the op that
 produced it (``grad_fn``; parameters and inputs as ``leaf``), each storage counted once.
+Those census hooks make liger_compat's rebuild of the norm output feeding the MLP step aside (it
+does under any outer saved-tensor hooks); the activation rebuild of a plain ``nn.Linear``
+down_proj needs no hooks and still applies. ``benchmarks.e2e`` measures peaks without hooks.
 
 Writes ``e2e_memory.json`` and ``e2e_memory.md`` under ``--out``.
 """

@@ -64,7 +64,7 @@ def _e2e(rows: list[dict]) -> list[str]:
     out = ["", f"Training step (forward + backward + AdamW), bf16, random weights, {r0.get('gpu')}, "
            f"transformers {r0.get('transformers')} (`benchmarks/results/e2e.md`, plots `e2e_<model>.png`):", "",
            "| model | batch x seq | native tokens/s | liger-kernel tokens/s | liger_compat tokens/s (x native, x liger-kernel) "
-           "| peak GiB native / liger-kernel / liger_compat (x liger-kernel) | 62 MiB FLCE cap: x liger-kernel tokens/s, peak |",
+           "| peak GiB native / liger-kernel / liger_compat (x liger-kernel) | other settings: x liger-kernel tokens/s, peak |",
            "|---|---|---|---|---|---|---|"]
     by = {}
     for r in rows:
@@ -81,11 +81,24 @@ def _e2e(rows: list[dict]) -> list[str]:
         return f"{a[key] / b[key]:.{digits}f}" if ok(a) and ok(b) else "-"
 
     for (m, s), d in by.items():
-        n, lk, me, low = d.get("native"), d.get("liger_kernel"), d.get("liger_compat"), d.get("liger_compat_62mib")
+        n, lk, me = d.get("native"), d.get("liger_kernel"), d.get("liger_compat")
+        others = "; ".join(f"{_VARIANT_LABELS.get(v, v)} {x(r, lk, 'tokens_per_s')}, {x(r, lk, 'peak_gib', 3)}"
+                           for v, r in d.items() if v.startswith("liger_compat_"))
         out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} ({x(me, n, 'tokens_per_s')}, "
                    f"{x(me, lk, 'tokens_per_s')}) | {peak(n)} / {peak(lk)} / {peak(me)} ({x(me, lk, 'peak_gib', 3)}) | "
-                   f"{x(low, lk, 'tokens_per_s')}, {x(low, lk, 'peak_gib', 3)} |")
+                   f"{others or '-'} |")
+    out += ["", "Other settings: " + "; ".join(f"{label} = `{env}`" for label, env in _VARIANT_ENV.items()
+                                             if any(v in d for d in by.values() for v in _VARIANT_KEYS[label])) + "."]
     return out
+
+
+#: e2e implementation names of liger_compat under other settings -> short labels for the table
+_VARIANT_LABELS = {"liger_compat_62mib": "62 MiB", "liger_compat_512mib": "512 MiB", "liger_compat_keep": "keep",
+                   "liger_compat_act": "act only", "liger_compat_input": "input only"}
+_VARIANT_KEYS = {label: [k for k, v in _VARIANT_LABELS.items() if v == label] for label in _VARIANT_LABELS.values()}
+_VARIANT_ENV = {"62 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=62", "512 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=512",
+                "keep": "LIGER_COMPAT_MLP_RECOMPUTE=0", "act only": "LIGER_COMPAT_MLP_RECOMPUTE=activation",
+                "input only": "LIGER_COMPAT_MLP_RECOMPUTE=input"}
 
 
 def _overhead(o: dict) -> list[str]:

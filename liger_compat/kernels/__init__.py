@@ -3,8 +3,8 @@
 Public functional API:
 
 - :func:`fused_linear_cross_entropy` and :func:`cross_entropy` (``CrossEntropyOutput``)
-- :func:`rms_norm`
-- :func:`swiglu`, :func:`geglu`
+- :func:`rms_norm`, :func:`project_norm_output` (projections of its output, which is rebuilt in the backward)
+- :func:`swiglu`, :func:`geglu`, :func:`gated_project` (``down(act(gate) * up)``, activation rebuilt in the backward)
 - :func:`apply_rotary_pos_emb`
 
 Every function dispatches through :mod:`liger_compat.kernels._dispatch`: CUDA tensors run the
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ._dispatch import HAS_TRITON, last_backend, use_backend
 from .loss import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy
-from .gated_mlp import geglu, swiglu
-from .norm import rms_norm
+from .gated_mlp import gated_project, geglu, swiglu
+from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
 
 __all__ = [
@@ -25,8 +25,10 @@ __all__ = [
     "cross_entropy",
     "CrossEntropyOutput",
     "rms_norm",
+    "project_norm_output",
     "swiglu",
     "geglu",
+    "gated_project",
     "apply_rotary_pos_emb",
     "use_backend",
     "last_backend",

@@ -38,7 +38,8 @@ def _gated_fwd(a_ptr, b_ptr, y_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gated_bwd(dy_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_bwd(dy_ptr, a_ptr, b_ptr, da_ptr, db_ptr, y_ptr, n, GELU: tl.constexpr, STORE_Y: tl.constexpr,
+               BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -47,6 +48,8 @@ def _gated_bwd(dy_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, GELU: tl.constexpr, BLOC
     act, d = _act(a, GELU)
     tl.store(da_ptr + offs, (dy * b * d).to(da_ptr.dtype.element_ty), mask=mask)
     tl.store(db_ptr + offs, (dy * act).to(db_ptr.dtype.element_ty), mask=mask)
+    if STORE_Y:  # the forward's output again, same rounding as _gated_fwd
+        tl.store(y_ptr + offs, (act * b).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(device: torch.device) -> int:
@@ -62,13 +65,16 @@ def gated_forward_triton(gate, up, kind):
     return y
 
 
-def gated_backward_triton(dy, gate, up, kind, inplace=False):
+def gated_backward_triton(dy, gate, up, kind, inplace=False, output_over_dy=False):
     """Gradients for gate and up. ``inplace=True`` writes them over ``gate`` and ``up`` (each
-    element is loaded before it is stored), saving two [N, I] buffers at the backward's peak."""
+    element is loaded before it is stored), saving two [N, I] buffers at the backward's peak.
+    ``output_over_dy=True`` also writes the forward's output ``act(gate) * up`` over ``dy`` (for
+    a weight gradient that needs it, without a pass of its own); returns ``(da, db, y)`` then."""
     da = gate if inplace else torch.empty_like(gate)
     db = up if inplace else torch.empty_like(up)
     n = gate.numel()
     if n:
         blk = _block(gate.device)
-        _gated_bwd[(triton.cdiv(n, blk),)](dy, gate, up, da, db, n, GELU=kind != "silu", BLOCK=blk, num_warps=8)
-    return da, db
+        _gated_bwd[(triton.cdiv(n, blk),)](dy, gate, up, da, db, dy, n, GELU=kind != "silu",
+                                           STORE_Y=bool(output_over_dy), BLOCK=blk, num_warps=8)
+    return (da, db, dy) if output_over_dy else (da, db)

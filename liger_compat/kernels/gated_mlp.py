@@ -4,19 +4,47 @@
 Both compute in fp32 and round once to the input dtype. The backward recomputes the
 activation from ``gate`` and ``up`` instead of saving it. Triton kernels in
 ``_gated_mlp_triton.py``; the torch reference below is what CPU tensors run.
+
+:func:`gated_project` is the MLP's ``down(act(gate) * up)`` without the activation kept for the
+backward: ``down`` would save it for its weight gradient, and it is rebuilt from ``gate`` and
+``up`` (kept anyway) when that gradient is computed (``_recompute.py``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _recompute
 
-__all__ = ["swiglu", "geglu"]
+__all__ = ["swiglu", "geglu", "gated_project"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+#: What the MLP rebuilds in the backward instead of keeping from the forward
+#: (``LIGER_COMPAT_MLP_RECOMPUTE``): ``activation`` (``act(gate) * up``, :func:`gated_project`),
+#: ``input`` (the norm output feeding gate / up, :func:`norm.project_norm_output`), both
+#: (``1``, the default) or neither (``0``); comma-separated names also work.
+MLP_RECOMPUTE = os.environ.get("LIGER_COMPAT_MLP_RECOMPUTE", "1")
+_PARTS = ("activation", "input")
+
+
+def recompute_parts() -> frozenset[str]:
+    """The parts :data:`MLP_RECOMPUTE` names; ``ValueError`` naming the setting for anything else."""
+    value = str(MLP_RECOMPUTE).strip().lower()
+    if value in ("1", "true", "yes", "on", "all"):
+        return frozenset(_PARTS)
+    if value in ("0", "false", "no", "off", "none", ""):
+        return frozenset()
+    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+    if not parts <= set(_PARTS):
+        exc = ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from {', '.join(_PARTS)}; "
+                         f"got {MLP_RECOMPUTE!r}")
+        exc.liger_compat_passed_on = True  # a setting error, not an input the kernel refuses
+        raise exc
+    return parts
 
 
 def _act_and_grad(a: torch.Tensor, kind: str):
@@ -44,17 +72,26 @@ def gated_backward_torch(dy, gate, up, kind):
     return (g * up.float() * d).to(gate.dtype), (g * act).to(up.dtype)
 
 
+def _forward_fn(backend):
+    if backend == "triton":
+        from ._gated_mlp_triton import gated_forward_triton
+
+        return gated_forward_triton
+    return gated_forward_torch
+
+
+_TWICE = ("liger_compat swiglu/geglu: backward ran twice through the same graph; its saved "
+          "inputs were reused for the first backward's gradients. Recompute the forward "
+          "instead of backward(retain_graph=True), or set LIGER_COMPAT_KERNELS without swiglu/geglu.")
+
+
 class _Gated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, kind, backend, inplace_backward):
-        if backend == "triton":
-            from ._gated_mlp_triton import gated_forward_triton as fwd
-        else:
-            fwd = gated_forward_torch
         ctx.save_for_backward(gate, up)
         ctx.kind, ctx.backend = kind, backend
         ctx.consumed, ctx.inplace = False, inplace_backward
-        return fwd(gate, up, kind)
+        return _forward_fn(backend)(gate, up, kind)
 
     @staticmethod
     def backward(ctx, dy):
@@ -67,11 +104,7 @@ class _Gated(torch.autograd.Function):
             # through the same graph (retain_graph=True) would read gradients as inputs, so it
             # is refused loudly instead of giving wrong numbers
             if ctx.consumed:
-                raise RuntimeError(
-                    "liger_compat swiglu/geglu: backward ran twice through the same graph; its saved "
-                    "inputs were reused for the first backward's gradients. Recompute the forward "
-                    "instead of backward(retain_graph=True), or set LIGER_COMPAT_KERNELS without swiglu/geglu."
-                )
+                raise RuntimeError(_TWICE)
             ctx.consumed = True
             dg, du = gated_backward_triton(dy.contiguous(), gate, up, ctx.kind, inplace=True)
         elif ctx.backend == "triton":
@@ -83,7 +116,65 @@ class _Gated(torch.autograd.Function):
         return dg, du, None, None, None
 
 
-def _gated(name: str, kind: str, gate, up, inplace_backward: bool = False):
+class _GatedLinear(torch.autograd.Function):
+    """``linear(act(gate) * up, weight, bias)`` saving ``gate``, ``up`` and ``weight`` only.
+
+    The backward computes ``d(act*up) = dout @ weight``, then one elementwise kernel reads it with
+    ``gate`` and ``up``, writes their gradients and, over ``d(act*up)``, the activation again, which
+    the weight gradient ``dout^T @ act*up`` reads: the activation costs one extra write instead of
+    being kept from the forward to the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, kind, backend, inplace_backward):
+        h = _forward_fn(backend)(gate, up, kind)
+        ctx.save_for_backward(gate, up, weight)
+        ctx.kind, ctx.backend, ctx.has_bias = kind, backend, bias is not None
+        ctx.consumed, ctx.inplace = False, inplace_backward
+        return torch.nn.functional.linear(h, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up, weight = ctx.saved_tensors
+        if ctx.consumed:
+            raise RuntimeError(_TWICE)
+        d2 = dout.reshape(-1, dout.shape[-1])
+        dh = (d2 @ weight).view(gate.shape)
+        need_w = ctx.needs_input_grad[2]
+        h = None
+        if ctx.backend == "triton":
+            from ._gated_mlp_triton import gated_backward_triton, gated_forward_triton
+
+            ctx.consumed = ctx.inplace  # see _Gated.backward
+            if need_w and dh.dtype == gate.dtype:
+                dg, du, h = gated_backward_triton(dh, gate, up, ctx.kind, inplace=ctx.inplace, output_over_dy=True)
+            else:  # the activation first: an in-place backward overwrites gate / up
+                h = gated_forward_triton(gate, up, ctx.kind) if need_w else None
+                dg, du = gated_backward_triton(dh, gate, up, ctx.kind, inplace=ctx.inplace)
+        else:
+            h = gated_forward_torch(gate, up, ctx.kind) if need_w else None
+            dg, du = gated_backward_torch(dh, gate, up, ctx.kind)
+        dw = d2.t() @ h.reshape(-1, h.shape[-1]) if need_w else None
+        db = d2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return dg, du, dw, db, None, None, None
+
+
+def _remake(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """Rebuilds ``out`` (the :class:`_Gated` output) from the inputs its node keeps."""
+    ctx = out.grad_fn  # a custom Function's node is its ctx
+    kind, backend = ctx.kind, ctx.backend
+    fwd = _forward_fn(backend)
+
+    def remake() -> torch.Tensor:
+        if ctx.consumed:  # gate / up already hold their gradients
+            raise RuntimeError(_TWICE)
+        return fwd(gate, up, kind)
+
+    return remake
+
+
+def _prepare(name: str, gate, up):
+    """Checked, contiguous ``(gate, up, backend)``."""
     _checks.tensor("gate", gate)
     _checks.tensor("up", up)
     _checks.float_dtype("gate", gate)
@@ -95,7 +186,12 @@ def _gated(name: str, kind: str, gate, up, inplace_backward: bool = False):
     backend = _dispatch.choose(name, device)
     g = gate if gate.is_contiguous() else gate.contiguous()
     u = up if up.is_contiguous() else up.contiguous()
-    return _Gated.apply(g, u, kind, backend, bool(inplace_backward))
+    return g, u, backend
+
+
+def _gated(name: str, kind: str, gate, up, inplace_backward: bool = False):
+    g, u, backend = _prepare(name, gate, up)
+    return _Gated.apply(g, u, kind, backend, bool(inplace_backward)), g, u
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
@@ -106,9 +202,79 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     ``up`` are temporaries nobody reads after the forward (the MLP shim's projections); a second
     backward through the same graph then raises.
     """
-    return _gated("swiglu", "silu", gate, up, inplace_backward)
+    return _gated("swiglu", "silu", gate, up, inplace_backward)[0]
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up``, elementwise; ``inplace_backward`` as for :func:`swiglu`."""
-    return _gated("geglu", "gelu_tanh", gate, up, inplace_backward)
+    return _gated("geglu", "gelu_tanh", gate, up, inplace_backward)[0]
+
+
+_KINDS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+
+
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device.type))
+    except TypeError:  # torch < 2.4: no device argument
+        return bool(torch.is_autocast_enabled())
+
+
+def _plain_linear(m, x: torch.Tensor) -> bool:
+    """``m`` is an ``nn.Linear`` whose call is exactly ``F.linear(x, weight, bias)``: no hooks, plain
+    same-dtype parameters (no DTensor, no DeepSpeed ZeRO-3 partition), no autocast."""
+    import torch.nn.modules.module as mm
+
+    if type(m) is not torch.nn.Linear or "forward" in vars(m):
+        return False
+    if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None) or getattr(
+            m, "_backward_pre_hooks", None):
+        return False
+    if any(getattr(mm, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                "_global_backward_hooks", "_global_backward_pre_hooks")):
+        return False
+    params = [m.weight] + ([m.bias] if m.bias is not None else [])
+    return (all(type(p) is torch.nn.Parameter and type(p.data) is torch.Tensor and not hasattr(p, "ds_id")
+                and p.dtype == x.dtype and p.device == x.device for p in params)
+            and not _autocast_on(x.device))
+
+
+def gated_project(gate: torch.Tensor, up: torch.Tensor, project, *, activation: str = "silu",
+                  inplace_backward: bool = False):
+    """``project(act(gate) * up)`` (``act`` = ``"silu"`` or ``"gelu_tanh"``) without keeping the
+    activation for the backward.
+
+    ``project`` (the MLP's ``down_proj``) would save its input for its weight gradient; that input
+    is instead rebuilt from ``gate`` and ``up`` (saved by the gated kernel anyway) when the backward
+    needs it: one ``[..., I]`` buffer less per MLP until the backward.
+
+    * ``project`` a plain ``nn.Linear`` (no hooks, plain parameters of the inputs' dtype, no
+      autocast): one autograd node for the activation and the linear layer, whose backward writes
+      the activation again in the same kernel that computes the gate / up gradients.
+    * any other module or callable (LoRA-wrapped, sharded, hooked): ``project`` runs as it is, and
+      views of the activation its graph would keep are rebuilt by one more elementwise launch in
+      the backward (``_recompute.call_recomputing``; it steps aside under other saved-tensor hooks).
+
+    Values and gradients equal ``project(swiglu(gate, up))``'s (the activation is recomputed by the
+    same kernel). Without grad, under ``torch.compile`` or with ``LIGER_COMPAT_MLP_RECOMPUTE`` not
+    naming ``activation`` this is exactly that call. ``inplace_backward`` as for :func:`swiglu`.
+    """
+    name = _KINDS.get(activation)
+    if name is None:
+        raise ValueError(f"activation must be one of {sorted(_KINDS)}, got {activation!r}")
+    g, u, backend = _prepare(name, gate, up)
+    inplace = bool(inplace_backward)
+    rebuild = "activation" in recompute_parts()
+    if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and _plain_linear(project, g)
+            and (g.requires_grad or u.requires_grad or project.weight.requires_grad)):
+        return _GatedLinear.apply(g, u, project.weight, project.bias, activation, backend, inplace)
+    h = _Gated.apply(g, u, activation, backend, inplace)
+    try:
+        if not rebuild or not _recompute.applies(h):
+            return project(h)
+        return _recompute.call_recomputing(project, h, _remake(h, g, u))
+    except (TypeError, ValueError) as exc:
+        # project's own error, not this kernel refusing its input: callers that fall back to
+        # native code on a refusal (the MLP shim) pass it on instead
+        exc.liger_compat_passed_on = True
+        raise

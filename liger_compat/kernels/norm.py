@@ -7,15 +7,19 @@ and weight). ``casting="gemma"`` follows ``GemmaRMSNorm``: everything in fp32, `
 
 Forward and backward in Triton (``_rms_norm_triton.py``) behind the one dispatch point; the
 torch reference below is what CPU tensors run.
+
+:func:`project_norm_output` runs the projections that read a norm's output (the MLP's gate / up)
+without their graph keeping that output: it is recomputed from the norm's saved input in the
+backward (``_recompute.py``), one ``[N, H]`` buffer less per norm until then.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _recompute
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "project_norm_output"]
 
 CASTINGS = ("llama", "gemma")
 
@@ -47,17 +51,25 @@ def rms_norm_backward_torch(dy, x2, w, rstd, offset, casting, need_dw=True):
     return dx.to(x2.dtype), dw
 
 
+def _forward_fn(backend):
+    if backend == "triton":
+        from ._rms_norm_triton import rms_norm_forward_triton
+
+        return rms_norm_forward_triton
+    return rms_norm_forward_torch
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w, eps, offset, casting, backend):
-        if backend == "triton":
-            from ._rms_norm_triton import rms_norm_forward_triton as fwd
-        else:
-            fwd = rms_norm_forward_torch
-        y, rstd = fwd(x2, w, eps, offset, casting)
+    def forward(ctx, x, w, eps, offset, casting, backend):
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y, rstd = _forward_fn(backend)(x2, w, eps, offset, casting)
         ctx.save_for_backward(x2, w, rstd)
-        ctx.offset, ctx.casting, ctx.backend = offset, casting, backend
-        return y
+        ctx.eps, ctx.offset, ctx.casting, ctx.backend, ctx.shape = eps, offset, casting, backend, x.shape
+        # the output is this node's own (no view node after it), so rebuild() can find the node
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -66,10 +78,27 @@ class _RMSNorm(torch.autograd.Function):
             from ._rms_norm_triton import rms_norm_backward_triton as bwd
         else:
             bwd = rms_norm_backward_torch
-        dx, dw = bwd(dy.contiguous(), x2, w, rstd, ctx.offset, ctx.casting, ctx.needs_input_grad[1])
+        dy2 = dy.reshape(x2.shape)
+        dx, dw = bwd(dy2.contiguous(), x2, w, rstd, ctx.offset, ctx.casting, ctx.needs_input_grad[1])
         if dw is not None:
             dw = dw.to(w.dtype)
-        return dx, dw, None, None, None, None
+        return dx.view(ctx.shape), dw, None, None, None, None
+
+
+def rebuild(y: torch.Tensor):
+    """For ``y`` returned by :func:`rms_norm` (with grad), a function that recomputes it bit for bit
+    from what its autograd node keeps (input, weight, rstd), else ``None``. Meant to run in the
+    backward before the norm's own backward (``kernels._recompute``)."""
+    node = y.grad_fn
+    if getattr(node, "_forward_cls", None) is not _RMSNorm:
+        return None
+    shape = y.shape
+
+    def remake() -> torch.Tensor:
+        x2, w, _ = node.saved_tensors  # raises if the norm's backward already freed them
+        return _forward_fn(node.backend)(x2, w, node.eps, node.offset, node.casting)[0].view(shape)
+
+    return remake
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"):
@@ -88,8 +117,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
         raise ValueError(f"eps must be >= 0, got {eps}")
     device = _checks.same_device(x=x, weight=weight)
     backend = _dispatch.choose("rms_norm", device)
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y = _RMSNorm.apply(x2, weight, float(eps), float(offset), casting, backend)
-    return y.view(*x.shape[:-1], x.shape[-1])
+    return _RMSNorm.apply(x, weight, float(eps), float(offset), casting, backend)
+
+
+def project_norm_output(y: torch.Tensor, project):
+    """``project(y)`` where ``y`` is :func:`rms_norm`'s output, with the tensors of ``y`` that
+    ``project``'s graph would keep recomputed in the backward instead (bit for bit the same).
+
+    Plain ``project(y)`` when ``y`` is not such an output (a view of it, a native norm's), without
+    grad, under ``torch.compile`` or other saved-tensor hooks, or with
+    ``LIGER_COMPAT_MLP_RECOMPUTE`` not naming ``input``. The caller must not keep ``y`` alive after the call.
+    """
+    from . import gated_mlp
+
+    remake = rebuild(y) if "input" in gated_mlp.recompute_parts() else None
+    if remake is None:
+        return project(y)
+    return _recompute.call_recomputing(project, y, remake)

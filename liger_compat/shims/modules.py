@@ -75,6 +75,8 @@ def _guarded(kernel: str, run_kernel: Callable[[], Any], run_native: Callable[[]
     try:
         return run_kernel(), True
     except (TypeError, ValueError) as exc:
+        if getattr(exc, "liger_compat_passed_on", False):  # raised by code the kernel called (a projection)
+            raise
         key = (kernel, f"{type(exc).__name__}: {exc}")
         if key not in _refused:
             _refused.add(key)
@@ -241,17 +243,23 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         return wrapped(*args)
     from .. import kernels
 
-    gated = getattr(kernels, kernel_name)
     x = args[0]
-    if layout == "fused_gate_up":
-        gate, up = projs[0](x).chunk(2, dim=-1)
-        down_proj = projs[1]
-    else:
-        gate_proj, up_proj, down_proj = projs
-        gate, up = gate_proj(x), up_proj(x)
+    down_proj = projs[-1]
+
+    def project_in(t: Any) -> tuple[Any, Any]:
+        if layout == "fused_gate_up":
+            return projs[0](t).chunk(2, dim=-1)
+        return projs[0](t), projs[1](t)
+
+    # x is our RMSNorm's output when the family's norm is patched: gate_proj / up_proj then keep
+    # nothing of it, it is recomputed from the norm's saved input in the backward
+    gate, up = kernels.project_norm_output(x, project_in)
     # gate / up are this call's own projections, read by nothing after the forward: the kernel
-    # may overwrite them with their gradients in the backward
-    return down_proj(_guarded(kernel_name, lambda: gated(gate, up, inplace_backward=True), lambda: act(gate) * up)[0])
+    # may overwrite them with their gradients in the backward. down_proj's input is rebuilt from
+    # them in the backward instead of being kept (kernels.gated_project).
+    return _guarded(kernel_name, lambda: kernels.gated_project(gate, up, down_proj, activation=kind,
+                                                               inplace_backward=True),
+                    lambda: down_proj(act(gate) * up))[0]
 
 
 # --------------------------------------------------------------------------------------------

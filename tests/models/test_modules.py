@@ -247,7 +247,7 @@ def test_a_kernel_refusing_its_input_falls_back_to_native(monkeypatch, caplog):
         raise ValueError("weight is a sharded DTensor (simulated)")
 
     monkeypatch.setattr(kernels, "rms_norm", refuse)
-    monkeypatch.setattr(kernels, "swiglu", refuse)
+    monkeypatch.setattr(kernels, "gated_project", refuse)
     monkeypatch.setattr(kernels, "apply_rotary_pos_emb", refuse)
     modules._rms_modes.clear()
     with torch.no_grad():
@@ -256,3 +256,57 @@ def test_a_kernel_refusing_its_input_falls_back_to_native(monkeypatch, caplog):
     assert "swiglu kernel refused" in caplog.text and "rope kernel refused" in caplog.text
     monkeypatch.undo()
     modules._rms_modes.clear()
+
+
+def test_patched_norm_and_mlp_keep_neither_activation_and_pass_down_projs_errors_on(caplog):
+    """RMSNorm -> MLP: gate/up_proj's input (the norm output) and down_proj's (act(gate) * up) are
+    recomputed in the backward instead of kept; gradients match float64."""
+    import gc
+    import weakref
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(MyRMSNorm(16), MyMLP(16, 24))
+    mlp = net[1]
+    x = torch.randn(2, 5, 16)
+    gout = torch.randn(2, 5, 16)
+    p64 = {n: p.detach().double().requires_grad_(True) for n, p in net.named_parameters()}
+    x64 = x.double().requires_grad_(True)
+    lin = torch.nn.functional.linear
+    n64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * p64["0.weight"]
+    h64 = torch.nn.functional.silu(lin(n64, p64["1.gate_proj.weight"], p64["1.gate_proj.bias"])) * lin(
+        n64, p64["1.up_proj.weight"], p64["1.up_proj.bias"])
+    ref = lin(h64, p64["1.down_proj.weight"], p64["1.down_proj.bias"])
+    names = ["0.weight", "1.gate_proj.weight", "1.down_proj.weight"]
+    ref_grads = torch.autograd.grad((ref * gout).sum(), [x64] + [p64[n] for n in names])
+    seen = {}
+
+    def record(name, module):
+        inner = module.forward
+        module.forward = lambda h: (seen.setdefault(name, weakref.ref(h.untyped_storage())), inner(h))[1]
+
+    record("gate_proj", mlp.gate_proj)
+    record("down_proj", mlp.down_proj)
+    liger_compat.apply(model=net)
+    try:
+        xin = x.clone().requires_grad_(True)
+        out = net(xin)
+        gc.collect()
+        assert set(seen) == {"gate_proj", "down_proj"}
+        assert seen["gate_proj"]() is None, "the norm output is still kept for the backward"
+        assert seen["down_proj"]() is None, "act(gate) * up is still kept for the backward"
+        params = dict(net.named_parameters())
+        grads = torch.autograd.grad((out * gout).sum(), [xin] + [params[n] for n in names])
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+        for mine, want in zip(grads, ref_grads):
+            torch.testing.assert_close(mine.double(), want, rtol=1e-5, atol=1e-6)
+
+        def broken(h):
+            raise ValueError("down_proj: boom")
+
+        mlp.down_proj.forward = broken
+        with pytest.raises(ValueError, match="down_proj: boom"):
+            net(xin)
+        assert "refused" not in caplog.text
+    finally:
+        liger_compat.revert()
+        liger_compat.apply()
