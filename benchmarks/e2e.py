@@ -37,10 +37,11 @@ MODELS = {
                          rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
 }
 #: liger_compat under other settings: the fused loss's logits chunk capped at 62 MiB (its
-#: low-memory operating point) or raised to 512 MiB; the MLP keeping its norm output and
+#: low-memory operating point), 256 MiB (the default before session 5) or 512 MiB; the MLP keeping its norm output and
 #: activation for the backward (no recompute), or rebuilding only one of them
 VARIANTS = {
     "liger_compat_62mib": {"LIGER_COMPAT_FLCE_CHUNK_MB": "62"},
+    "liger_compat_256mib": {"LIGER_COMPAT_FLCE_CHUNK_MB": "256"},
     "liger_compat_512mib": {"LIGER_COMPAT_FLCE_CHUNK_MB": "512"},
     "liger_compat_keep": {"LIGER_COMPAT_MLP_RECOMPUTE": "0"},
     "liger_compat_act": {"LIGER_COMPAT_MLP_RECOMPUTE": "activation"},

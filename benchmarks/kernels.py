@@ -274,11 +274,13 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
             torch.cuda.empty_cache()
 
 
-def _set_flce(rows=None, mib=256, variant="split", compact=True, logits="auto"):
+def _set_flce(rows=None, mib=None, variant="split", compact=True, logits="auto"):
     from liger_compat.kernels import _ce_triton
     from liger_compat.kernels import loss as loss_mod
 
-    # ``rows``: that many rows per chunk exactly (the cap set from them; at V=128256)
+    # ``rows``: that many rows per chunk exactly (the cap set from them; at V=128256);
+    # ``mib``: the LIGER_COMPAT_FLCE_CHUNK_MB setting (None: the default)
+    mib = loss_mod.FLCE_CHUNK_MB_DEFAULT if mib is None else mib
     loss_mod.FLCE_CHUNK_BYTES = rows * 2 * 128256 if rows else mib * 2**20
     _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.LOGITS_IMPL = variant, compact, logits
 
@@ -329,7 +331,7 @@ def flce_variants():
     floor = 6 * n * hd * v / (mt * 1e12) * 1e3
     configs = [
         dict(), dict(logits="cublas"), dict(variant="row", logits="cublas"), dict(compact=False),
-        dict(mib=62), dict(mib=62, logits="cublas"), dict(mib=128), dict(rows=2048, mib=1024), dict(rows=4096, mib=2048),
+        dict(mib=62), dict(mib=62, logits="cublas"), dict(mib=128), dict(mib=256), dict(rows=4096, mib=2048),
     ]
     for cfg in configs:
         _set_flce(**cfg)
@@ -341,6 +343,30 @@ def flce_variants():
         label = "default" if not cfg else ", ".join(f"{k}={v}" for k, v in cfg.items())
         measure("flce_variants", f"llama3-8b {label} ({rows} rows)", "liger_compat", step, floor_ms=floor, chunk_rows=rows)
     _set_flce()
+
+
+def flce_mib():
+    """Every head at the 256 and 512 MiB chunk settings (the default before and since session 5)."""
+    from liger_compat.kernels import fused_linear_cross_entropy
+    from liger_compat.kernels import loss as loss_mod
+
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    try:
+        for name, (n, hd, v, softcap) in HEADS.items():
+            h, w, t = _flce_inputs(n, hd, v)
+            floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+            for mib in (256, 512):
+                _set_flce(mib=mib)
+
+                def step():
+                    return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
+
+                rows = loss_mod._chunk_rows(n, v, hd, 2, "triton", h.device)
+                measure("flce_mib", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
+                        f"liger_compat {mib} MiB ({rows} rows)", step, floor_ms=floor, chunk_rows=rows)
+            del h, w, t
+    finally:
+        _set_flce()
 
 
 def flce_lowmem():
@@ -723,6 +749,7 @@ def report() -> str:
                              f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} |")
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
                        ("flce_rows", "liger_compat FLCE rows per chunk (config -> rows x chunks)"),
+                       ("flce_mib", "liger_compat FLCE at every head: 256 vs 512 MiB chunks"),
                        ("flce_profile", "one chunk, step by step (Llama-3-8B head)"),
                        ("flce_gemm", "the chunk's matmuls: cuBLAS and the Triton logits GEMM (1024 rows, Llama-3-8B head)"),
                        ("flce_gemm_whole", "the whole loss: cuBLAS logits vs the Triton logits GEMM"),
@@ -739,7 +766,7 @@ def report() -> str:
                     lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x chunks: {r['ms_times_chunks']:.2f}) | | |")
                 elif sec == "flce_gemm":
                     lines.append(f"| {r['impl']} | {r['ms']:.3f} (x ideal matmul: {r['x_ideal_mm']:.2f}) | | |")
-                elif sec in ("flce_rows", "flce_gemm_whole"):
+                elif sec in ("flce_rows", "flce_gemm_whole", "flce_mib"):
                     lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
                 else:
                     lines.append(f"| {r['shape']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
@@ -809,6 +836,7 @@ SECTIONS = {
     "acc": lambda: flce(("llama3-8b",), acc_variants=(True,), section="flce_acc"),
     "variants": flce_variants,
     "lowmem": flce_lowmem,
+    "flce_mib": flce_mib,
     "elem_profile": elem_profile,
     "profile": flce_profile,
     "norm": lambda: elementwise(),
@@ -845,7 +873,7 @@ def main(argv=None):
     rerun = {"norm": "elementwise", "elementwise_sweep": "elementwise_sweep", "elem_profile": "elem_profile",
              "flce": "flce", "softcap": "flce_softcap", "acc": "flce_acc", "lowmem": "flce_lowmem",
              "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep",
-             "flce_rows": "flce_rows", "flce_gemm": "flce_gemm"}
+             "flce_rows": "flce_rows", "flce_gemm": "flce_gemm", "flce_mib": "flce_mib"}
     for m in args.merge or []:
         old = json.loads(Path(m).read_text())
         skip = {rerun[x] for x in sections if x in rerun}

@@ -93,10 +93,10 @@ def _e2e(rows: list[dict]) -> list[str]:
 
 
 #: e2e implementation names of liger_compat under other settings -> short labels for the table
-_VARIANT_LABELS = {"liger_compat_62mib": "62 MiB", "liger_compat_512mib": "512 MiB", "liger_compat_keep": "keep",
+_VARIANT_LABELS = {"liger_compat_62mib": "62 MiB", "liger_compat_256mib": "256 MiB", "liger_compat_512mib": "512 MiB", "liger_compat_keep": "keep",
                    "liger_compat_act": "act only", "liger_compat_input": "input only"}
 _VARIANT_KEYS = {label: [k for k, v in _VARIANT_LABELS.items() if v == label] for label in _VARIANT_LABELS.values()}
-_VARIANT_ENV = {"62 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=62", "512 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=512",
+_VARIANT_ENV = {"62 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=62", "256 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=256", "512 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=512",
                 "keep": "LIGER_COMPAT_MLP_RECOMPUTE=0", "act only": "LIGER_COMPAT_MLP_RECOMPUTE=activation",
                 "input only": "LIGER_COMPAT_MLP_RECOMPUTE=input"}
 

@@ -38,14 +38,15 @@ def _env_mib(name: str, default: int) -> int:
 
 
 #: Size of one chunk's logits on an accelerator (``rows * V * 2`` bytes in bf16), which sets the
-#: rows per chunk; a gathered copy of the chunk's hidden rows (``rows * H * 2``, 8 MiB at
-#: 1024 x 4096) comes on top when targets are ignored. Each chunk reads the weight twice and
+#: rows per chunk; a gathered copy of the chunk's hidden rows (``rows * H * 2``, 16 MiB at
+#: 2048 x 4096) comes on top when targets are ignored. Each chunk reads the weight twice and
 #: reads+writes the bf16 grad_weight once (~4*V*H*2 bytes) for 6*rows*H*V flop, so ~1000 rows
 #: are needed before the three matmuls, not that traffic, set the time (NOTES.md). The default
-#: 256 MiB gives 1024 rows at V=128256 (Llama 3: 8 chunks for 8192 rows). Settings measured at
+#: 512 MiB gives 2048 rows at V=128256 (Llama 3: 4 chunks for 8192 rows). Settings measured at
 #: the Llama-3-8B head (``LIGER_COMPAT_FLCE_CHUNK_MB``): 62 -> under 64 MiB extra (248 rows,
-#: ~1.6x slower); 512 -> 2048 rows, ~0.92x the time of the default.
-FLCE_CHUNK_BYTES = _env_mib("LIGER_COMPAT_FLCE_CHUNK_MB", 256)
+#: ~1.7x the time); 256 -> 1024 rows, ~1.07x the time of the default (NOTES.md row 18).
+FLCE_CHUNK_MB_DEFAULT = 512
+FLCE_CHUNK_BYTES = _env_mib("LIGER_COMPAT_FLCE_CHUNK_MB", FLCE_CHUNK_MB_DEFAULT)
 #: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
 FLCE_CHUNK_BYTES_CPU = 8 * 2**20
 
