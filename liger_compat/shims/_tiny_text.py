@@ -48,28 +48,12 @@ def build_tokenizer(model_max_length: int = 64):
     return fast
 
 
-def _common_config(tokenizer: Any) -> dict[str, Any]:
-    return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-
-
 FAMILIES = ("llama", "qwen2")
 
 
 def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.1, echo: bool = True):
-    """A fresh two-layer ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights.
+    """A fresh two-layer ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` with seeded random weights
+    (``tiny_models.build``'s configuration, sized to ``tokenizer``), in train mode.
 
     ``echo=True`` makes the head lean towards predicting the current token again (head = 3 x embedding,
     the layers' output projections scaled down), so on :func:`sft_rows`, which repeat words, the token
@@ -77,19 +61,13 @@ def build_model(family: str, tokenizer: Any, seed: int = 0, init_std: float = 0.
     """
     import torch
 
-    if family == "llama":
-        from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
-    elif family == "qwen2":
-        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
-    else:
-        raise ValueError(f"family {family!r}: pick one of {FAMILIES}")
-    cfg = Config(**_common_config(tokenizer))
-    cfg._attn_implementation = "eager"
-    from .tiny_models import randomize
+    from .tiny_models import build
 
-    torch.manual_seed(seed)
-    model = Model(cfg)
-    randomize(model, seed=seed, init_std=init_std, perturb_norms=False)
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: pick one of {FAMILIES}")
+    model = build(family, seed=seed, init_std=init_std, perturb_norms=False, vocab_size=len(tokenizer),
+                  intermediate_size=64, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, use_cache=False).train()
     with torch.no_grad():
         if echo:
             emb = model.get_input_embeddings().weight

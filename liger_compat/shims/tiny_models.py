@@ -93,8 +93,9 @@ def randomize(model: Any, *, seed: int, init_std: float, perturb_norms: bool = T
 
 
 def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any = "cpu",
-          init_std: float = 0.2, **overrides: Any):
-    """A fresh ``<Family>ForCausalLM`` with random weights of std ``init_std`` (logits far from 0)."""
+          init_std: float = 0.2, perturb_norms: bool = True, **overrides: Any):
+    """A fresh ``<Family>ForCausalLM`` with random weights of std ``init_std`` (logits far from 0),
+    in eval mode; ``overrides`` change the config (:data:`BASE`, :data:`EXTRA`)."""
     import torch
 
     fam = BY_NAME[family] if isinstance(family, str) else family
@@ -105,6 +106,6 @@ def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any
     cfg = config_for(fam, **overrides)
     torch.manual_seed(seed)
     model = cls(cfg)
-    randomize(model, seed=seed, init_std=init_std)
+    randomize(model, seed=seed, init_std=init_std, perturb_norms=perturb_norms)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()
