@@ -129,6 +129,9 @@ def format_text(r: Report) -> str:
     out.append(f"  kernels run on: {d.get('kernel_backend')}" + (f"  ({d['reason']})" if d.get("reason") else ""))
     s = r.settings
     out.append(f"  liger_compat: {'DISABLED' if s['disabled'] else 'active'}; kernels: {', '.join(s['kernels']) or 'none'}")
+    tuning = s.get("tuning") or {}
+    if tuning:
+        out.append("  tuning: " + ", ".join(f"{k} {v}" for k, v in tuning.items()))
     out += ["", "Shims"]
     if r.shims:
         out += _table(["shim", "state", "fixes", "reason"],
@@ -223,7 +226,8 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         python=sys.version.split()[0],
         versions={k: v.raw for k, v in installed.items()},
         device=_device.detect().to_dict(),
-        settings={"disabled": st.disabled, "kernels": sorted(st.kernels), "debug": st.debug, "source": dict(st.source)},
+        settings={"disabled": st.disabled, "kernels": sorted(st.kernels), "debug": st.debug, "source": dict(st.source),
+                  "tuning": _tuning()},
         shims=shim_list,
         issues=[_issue_status(i, shim_states, installed) for i in known_issues.KNOWN_ISSUES],
         families=_families(),
@@ -233,6 +237,25 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         scenarios=scen,
         distributed=_distributed_section(),
     )
+
+
+def _tuning() -> dict[str, str]:
+    """The kernels' speed / memory settings in effect (module values: the environment at import,
+    or what a script set since)."""
+    out: dict[str, str] = {}
+    try:
+        from ..kernels import gated_mlp, loss
+
+        out["LIGER_COMPAT_FLCE_CHUNK_MB"] = f"{loss.FLCE_CHUNK_BYTES / 2**20:g} MiB"
+        out["LIGER_COMPAT_FLCE_LOGITS"] = str(loss.LOGITS_IMPL)
+        try:
+            parts = gated_mlp.recompute_parts()
+            out["LIGER_COMPAT_MLP_RECOMPUTE"] = "+".join(sorted(parts)) or "off"
+        except ValueError as exc:
+            out["LIGER_COMPAT_MLP_RECOMPUTE"] = f"invalid ({exc})"
+    except Exception as exc:  # pragma: no cover - a build without the kernels
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def _distributed_section() -> dict[str, Any]:  # issue 8

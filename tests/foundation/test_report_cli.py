@@ -228,3 +228,18 @@ def test_kernels_env_and_configure():
 def test_report_lists_registered_shims():
     ids = {s["id"] for s in liger_compat.check().shims}
     assert ids == {s.id for s in REGISTRY.shims()}
+
+
+def test_report_shows_the_tuning_settings_in_effect():
+    code = ("import liger_compat, json; from liger_compat.compat.report import format_text; r = liger_compat.check(); "
+            "print(json.dumps(r.settings['tuning'])); print(format_text(r))")
+    r = _run(code=code, env={"LIGER_COMPAT_FLCE_CHUNK_MB": "62", "LIGER_COMPAT_MLP_RECOMPUTE": "activation"})
+    tuning = json.loads(r.stdout.splitlines()[0])
+    assert tuning["LIGER_COMPAT_FLCE_CHUNK_MB"] == "62 MiB"
+    assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"] == "activation"
+    assert tuning["LIGER_COMPAT_FLCE_LOGITS"] == "auto"
+    assert "tuning: LIGER_COMPAT_FLCE_CHUNK_MB 62 MiB, LIGER_COMPAT_FLCE_LOGITS auto" in r.stdout
+    r = _run(code=code, env={"LIGER_COMPAT_MLP_RECOMPUTE": "bogus"})
+    assert r.returncode == 0  # reported, not raised
+    tuning = json.loads(r.stdout.splitlines()[0])
+    assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"].startswith("invalid") and tuning["LIGER_COMPAT_FLCE_CHUNK_MB"] == "512 MiB"
