@@ -16,6 +16,7 @@ import math
 import os
 
 import torch
+import torch.nn.modules.module as _module
 
 from . import _checks, _dispatch, _recompute
 
@@ -210,7 +211,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fals
     return _gated("geglu", "gelu_tanh", gate, up, inplace_backward)[0]
 
 
-_KINDS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+#: activation kind -> the kernel (and ``LIGER_COMPAT_KERNELS`` name) that computes it
+KERNEL_OF_ACTIVATION = {"silu": "swiglu", "gelu_tanh": "geglu"}
 
 
 def _autocast_on(device: torch.device) -> bool:
@@ -223,14 +225,12 @@ def _autocast_on(device: torch.device) -> bool:
 def _plain_linear(m, x: torch.Tensor) -> bool:
     """``m`` is an ``nn.Linear`` whose call is exactly ``F.linear(x, weight, bias)``: no hooks, plain
     same-dtype parameters (no DTensor, no DeepSpeed ZeRO-3 partition), no autocast."""
-    import torch.nn.modules.module as mm
-
     if type(m) is not torch.nn.Linear or "forward" in vars(m):
         return False
     if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None) or getattr(
             m, "_backward_pre_hooks", None):
         return False
-    if any(getattr(mm, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+    if any(getattr(_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
                                                 "_global_backward_hooks", "_global_backward_pre_hooks")):
         return False
     params = [m.weight] + ([m.bias] if m.bias is not None else [])
@@ -259,9 +259,9 @@ def gated_project(gate: torch.Tensor, up: torch.Tensor, project, *, activation: 
     same kernel). Without grad, under ``torch.compile`` or with ``LIGER_COMPAT_MLP_RECOMPUTE`` not
     naming ``activation`` this is exactly that call. ``inplace_backward`` as for :func:`swiglu`.
     """
-    name = _KINDS.get(activation)
+    name = KERNEL_OF_ACTIVATION.get(activation)
     if name is None:
-        raise ValueError(f"activation must be one of {sorted(_KINDS)}, got {activation!r}")
+        raise ValueError(f"activation must be one of {sorted(KERNEL_OF_ACTIVATION)}, got {activation!r}")
     g, u, backend = _prepare(name, gate, up)
     inplace = bool(inplace_backward)
     rebuild = "activation" in recompute_parts()

@@ -179,7 +179,6 @@ def _rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
 # gated MLP
 # --------------------------------------------------------------------------------------------
 
-_MLP_KERNELS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 _SILU_NAMES = {"SiLU", "SiLUActivation"}
 _GELU_TANH_NAMES = {"GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"}
 
@@ -238,10 +237,11 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     fam = families.BY_MODULE.get(type(instance).__module__)
     if kind is None or (fam is not None and fam.mlp_act != kind):
         return wrapped(*args)
-    kernel_name = _MLP_KERNELS[kind]
+    from .. import kernels
+
+    kernel_name = kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind]
     if not _config.kernel_enabled(kernel_name):
         return wrapped(*args)
-    from .. import kernels
 
     x = args[0]
     down_proj = projs[-1]
