@@ -141,21 +141,50 @@ def measure(section, shape, impl, step, extra=None, preexisting=(), graph=False,
 # ---------------------------------------------------------------------------------------------
 
 
-def ceilings():
-    log("## ceilings")
+def _matmul_tflops(samples=3):
+    """bf16 8192^3 matmul rate: ``samples`` medians after ~2 s of the same matmul. It moves by up
+    to ~10 % within a run and between machines (685-797 TFLOP/s, NOTES.md), so the floor uses the
+    fastest sample the run saw."""
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(8192, 8192, device="cuda", generator=g, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", generator=g, dtype=torch.bfloat16)
-    ms = bench_ms(lambda: torch.mm(a, b))
-    tflops = 2 * 8192**3 / ms / 1e9
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 2.0:
+        torch.mm(a, b)
+        torch.cuda.synchronize()
+    rates = [2 * 8192**3 / bench_ms(lambda: torch.mm(a, b)) / 1e9 for _ in range(samples)]
+    del a, b
+    return rates
+
+
+def ceilings():
+    log("## ceilings")
+    rates = _matmul_tflops()
+    g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2**29, device="cuda", generator=g, dtype=torch.bfloat16)  # 1 GiB
     y = torch.empty_like(x)
     cms = bench_ms(lambda: y.copy_(x))
     tbps = 2 * x.numel() * 2 / cms / 1e9
-    RESULTS["meta"].update(matmul_tflops=tflops, copy_tbps=tbps)
-    log(f"bf16 matmul {tflops:.0f} TFLOP/s, copy {tbps:.2f} TB/s")
-    del a, b, x, y
+    RESULTS["meta"].update(matmul_tflops=max(rates), matmul_tflops_samples=rates, copy_tbps=tbps)
+    log(f"bf16 matmul {max(rates):.0f} TFLOP/s (samples {', '.join(f'{r:.0f}' for r in rates)}), copy {tbps:.2f} TB/s")
+    del x, y
     save()
+
+
+def ceilings_end():
+    """The matmul rate again after the other sections; where it is higher, this run's matmul
+    floors are rescaled to it (the floor is the fastest rate the run saw)."""
+    rates = _matmul_tflops()
+    meta = RESULTS["meta"]
+    meta["matmul_tflops_samples"] = meta.get("matmul_tflops_samples", []) + rates
+    old = meta.get("matmul_tflops")
+    new = max(meta["matmul_tflops_samples"])
+    log(f"bf16 matmul at the end: {', '.join(f'{r:.0f}' for r in rates)} TFLOP/s; ceiling {old} -> {new:.0f}")
+    if old and new > old:
+        for r in RESULTS["rows"]:
+            if "run" not in r and r.get("section", "").startswith("flce") and r.get("floor_ms"):
+                r["floor_ms"] *= old / new
+        meta["matmul_tflops"] = new
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,9 +308,8 @@ def _set_flce(rows=None, mib=None, variant="split", compact=True, logits="auto")
     from liger_compat.kernels import loss as loss_mod
 
     # ``rows``: that many rows per chunk exactly (the cap set from them; at V=128256);
-    # ``mib``: the LIGER_COMPAT_FLCE_CHUNK_MB setting (None: the default)
-    mib = loss_mod.FLCE_CHUNK_MB_DEFAULT if mib is None else mib
-    loss_mod.FLCE_CHUNK_BYTES = rows * 2 * 128256 if rows else mib * 2**20
+    # ``mib``: the LIGER_COMPAT_FLCE_CHUNK_MB setting (None: unset, the rows default)
+    loss_mod.FLCE_CHUNK_MB = str(rows * 2 * 128256 / 2**20) if rows else ("" if mib is None else str(mib))
     _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.LOGITS_IMPL = variant, compact, logits
 
 
@@ -345,25 +373,45 @@ def flce_variants():
     _set_flce()
 
 
+#: heads of the end-to-end models (tokens of a 4x2048 step), for ``flce_mib`` only (``--flce-mib-heads``)
+E2E_HEADS = {
+    "e2e-llama-3.2-1b": (8192, 2048, 128256, None),
+    "e2e-qwen2.5-1.5b": (8192, 1536, 151936, None),
+}
+#: the heads ``flce_mib`` runs (names of HEADS or E2E_HEADS)
+FLCE_MIB_HEADS = tuple(HEADS)
+#: chunk settings that ``flce_mib`` compares at every head: ``mib:N`` (LIGER_COMPAT_FLCE_CHUNK_MB=N)
+#: or ``rows:N`` (a cap of N rows' logits at that head's V); ``--flce-chunks`` sets them
+FLCE_CHUNK_SETTINGS = ("mib:512", "default", "rows:4096")
+
+
 def flce_mib():
-    """Every head at the 256 and 512 MiB chunk settings (the default before and since session 5)."""
+    """Every head at each chunk setting of FLCE_CHUNK_SETTINGS (same run, so the rows compare)."""
     from liger_compat.kernels import fused_linear_cross_entropy
     from liger_compat.kernels import loss as loss_mod
 
     mt = RESULTS["meta"].get("matmul_tflops", 797.0)
     try:
-        for name, (n, hd, v, softcap) in HEADS.items():
+        for name in FLCE_MIB_HEADS:
+            n, hd, v, softcap = {**HEADS, **E2E_HEADS}[name]
             h, w, t = _flce_inputs(n, hd, v)
             floor = 6 * n * hd * v / (mt * 1e12) * 1e3
-            for mib in (256, 512):
-                _set_flce(mib=mib)
+            for setting in FLCE_CHUNK_SETTINGS:
+                kind, _, num = setting.partition(":")
+                if kind == "rows":
+                    _set_flce(mib=int(num) * 2 * v / 2**20)
+                elif kind == "default":
+                    _set_flce()
+                else:
+                    _set_flce(mib=float(num))
 
                 def step():
                     return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
 
                 rows = loss_mod._chunk_rows(n, v, hd, 2, "triton", h.device)
+                label = {"rows": f"{num} rows", "default": "default"}.get(kind, f"{num} MiB")
                 measure("flce_mib", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
-                        f"liger_compat {mib} MiB ({rows} rows)", step, floor_ms=floor, chunk_rows=rows)
+                        f"liger_compat {label} ({rows} rows)", step, floor_ms=floor, chunk_rows=rows)
             del h, w, t
     finally:
         _set_flce()
@@ -749,7 +797,7 @@ def report() -> str:
                              f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} |")
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
                        ("flce_rows", "liger_compat FLCE rows per chunk (config -> rows x chunks)"),
-                       ("flce_mib", "liger_compat FLCE at every head: 256 vs 512 MiB chunks"),
+                       ("flce_mib", "liger_compat FLCE at every head: chunk settings"),
                        ("flce_profile", "one chunk, step by step (Llama-3-8B head)"),
                        ("flce_gemm", "the chunk's matmuls: cuBLAS and the Triton logits GEMM (1024 rows, Llama-3-8B head)"),
                        ("flce_gemm_whole", "the whole loss: cuBLAS logits vs the Triton logits GEMM"),
@@ -851,17 +899,26 @@ SECTIONS = {
 
 
 def main(argv=None):
-    global OUT
+    global OUT, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--sections", default="ceilings,elem_profile,norm,profile,variants,flce,softcap,acc,lowmem,flce_sweep,elementwise_sweep")
     p.add_argument("--plot", help="only draw plots from this kernels.json")
     p.add_argument("--merge", nargs="*", help="earlier kernels.json files whose rows to keep")
+    p.add_argument("--flce-chunks", help="chunk settings for the flce_mib section, e.g. mib:512,rows:2048")
+    p.add_argument("--flce-mib-heads", help=f"heads for the flce_mib section (of {', '.join({**HEADS, **E2E_HEADS})})")
     args = p.parse_args(argv)
     if args.plot:
         plots(Path(args.plot))
         return 0
     OUT = Path(args.out)
+    if args.flce_chunks:
+        FLCE_CHUNK_SETTINGS = tuple(args.flce_chunks.split(","))
+    if args.flce_mib_heads:
+        FLCE_MIB_HEADS = tuple(args.flce_mib_heads.split(","))
+        unknown = set(FLCE_MIB_HEADS) - set(HEADS) - set(E2E_HEADS)
+        if unknown:
+            p.error(f"unknown heads: {', '.join(sorted(unknown))}")
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
         return 1
@@ -891,6 +948,9 @@ def main(argv=None):
         log(f"[section {name} took {time.time() - t0:.0f} s]")
         save()
         (OUT / "kernels.md").write_text(report())
+    if "ceilings" in sections:
+        ceilings_end()
+        save()
     md = report()
     (OUT / "kernels.md").write_text(md)
     plots(OUT / "kernels.json")
