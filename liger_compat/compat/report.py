@@ -246,7 +246,13 @@ def _tuning() -> dict[str, str]:
     try:
         from ..kernels import gated_mlp, loss
 
-        out["LIGER_COMPAT_FLCE_CHUNK_MB"] = f"{loss.FLCE_CHUNK_BYTES / 2**20:g} MiB"
+        try:
+            mib = loss.chunk_mib_setting()
+            out["LIGER_COMPAT_FLCE_CHUNK_MB"] = (
+                f"{mib:g} MiB" if mib is not None
+                else f"unset ({loss.FLCE_CHUNK_ROWS_DEFAULT} rows, at most {loss.FLCE_CHUNK_MB_MAX_DEFAULT} MiB)")
+        except ValueError as exc:
+            out["LIGER_COMPAT_FLCE_CHUNK_MB"] = f"invalid ({exc})"
         out["LIGER_COMPAT_FLCE_LOGITS"] = str(loss.LOGITS_IMPL)
         try:
             parts = gated_mlp.recompute_parts()

@@ -30,23 +30,38 @@ from . import _checks, _dispatch
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
-def _env_mib(name: str, default: int) -> int:
+#: Rows per chunk on an accelerator. Each chunk reads the weight twice and reads+writes the bf16
+#: grad_weight once (~4*V*H*2 bytes) for 6*rows*H*V flop, so that fixed traffic is the same
+#: share of the time at every head for a given number of rows; ~1000 rows are needed before the
+#: three matmuls set the time. 2048 rows (rather than a fixed 512 MiB, which gave 1664 rows at
+#: Qwen2's vocabulary and 1024 at Gemma-2's) made those heads 4-8 % faster and faster than
+#: torch.compile at all four heads measured (NOTES.md row 19). The chunk's logits (``rows * V * 2`` bytes in
+#: bf16) are capped at FLCE_CHUNK_MB_MAX_DEFAULT MiB; a gathered copy of the chunk's hidden rows
+#: (``rows * H * 2``, 16 MiB at 2048 x 4096) comes on top when targets are ignored.
+FLCE_CHUNK_ROWS_DEFAULT = 2048
+FLCE_CHUNK_MB_MAX_DEFAULT = 1024
+#: ``LIGER_COMPAT_FLCE_CHUNK_MB`` as set ("" = unset: the rows default above): the size of one
+#: chunk's logits in MiB instead, i.e. speed against memory. Measured at the Llama-3-8B head:
+#: 62 -> under 64 MiB extra (248 rows, ~1.75x the time); 256 -> 1024 rows, ~1.1x the time
+#: (NOTES.md rows 8, 18).
+FLCE_CHUNK_MB = os.environ.get("LIGER_COMPAT_FLCE_CHUNK_MB", "")
+
+
+def chunk_mib_setting() -> float | None:
+    """:data:`FLCE_CHUNK_MB` as a number of MiB (``None`` when unset); ``ValueError`` naming the
+    setting for anything but a positive number."""
+    value = str(FLCE_CHUNK_MB).strip()
+    if not value:
+        return None
     try:
-        return int(float(os.environ.get(name, default)) * 2**20)
+        mib = float(value)
     except ValueError:
-        return default * 2**20
+        mib = float("nan")
+    if not mib > 0 or mib == float("inf"):
+        raise ValueError(f"LIGER_COMPAT_FLCE_CHUNK_MB must be a positive number of MiB, got {FLCE_CHUNK_MB!r}")
+    return mib
 
 
-#: Size of one chunk's logits on an accelerator (``rows * V * 2`` bytes in bf16), which sets the
-#: rows per chunk; a gathered copy of the chunk's hidden rows (``rows * H * 2``, 16 MiB at
-#: 2048 x 4096) comes on top when targets are ignored. Each chunk reads the weight twice and
-#: reads+writes the bf16 grad_weight once (~4*V*H*2 bytes) for 6*rows*H*V flop, so ~1000 rows
-#: are needed before the three matmuls, not that traffic, set the time (NOTES.md). The default
-#: 512 MiB gives 2048 rows at V=128256 (Llama 3: 4 chunks for 8192 rows). Settings measured at
-#: the Llama-3-8B head (``LIGER_COMPAT_FLCE_CHUNK_MB``): 62 -> under 64 MiB extra (248 rows,
-#: ~1.7x the time); 256 -> 1024 rows, ~1.07x the time of the default (NOTES.md row 18).
-FLCE_CHUNK_MB_DEFAULT = 512
-FLCE_CHUNK_BYTES = _env_mib("LIGER_COMPAT_FLCE_CHUNK_MB", FLCE_CHUNK_MB_DEFAULT)
 #: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
 FLCE_CHUNK_BYTES_CPU = 8 * 2**20
 
@@ -207,7 +222,11 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
     if device.type == "cpu":
         rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
-        cap = FLCE_CHUNK_BYTES // (elem * v)
+        mib = chunk_mib_setting()
+        if mib is None:
+            cap = min(FLCE_CHUNK_ROWS_DEFAULT, FLCE_CHUNK_MB_MAX_DEFAULT * 2**20 // (elem * v))
+        else:
+            cap = int(mib * 2**20) // (elem * v)
         # whole 128-row matmul tiles where that costs no extra chunk (1040 rows = 8 tiles + 16
         # rows was 3-8 % slower than 1024, NOTES.md row 17), else a multiple of 8
         tiles = cap // 128 * 128

@@ -242,4 +242,10 @@ def test_report_shows_the_tuning_settings_in_effect():
     r = _run(code=code, env={"LIGER_COMPAT_MLP_RECOMPUTE": "bogus"})
     assert r.returncode == 0  # reported, not raised
     tuning = json.loads(r.stdout.splitlines()[0])
-    assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"].startswith("invalid") and tuning["LIGER_COMPAT_FLCE_CHUNK_MB"] == "512 MiB"
+    assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"].startswith("invalid")
+    assert tuning["LIGER_COMPAT_FLCE_CHUNK_MB"] == "unset (2048 rows, at most 1024 MiB)"
+    r = _run(code=code, env={"LIGER_COMPAT_FLCE_CHUNK_MB": "lots"})
+    assert r.returncode == 0
+    tuning = json.loads(r.stdout.splitlines()[0])
+    assert tuning["LIGER_COMPAT_FLCE_CHUNK_MB"].startswith("invalid") and "'lots'" in tuning["LIGER_COMPAT_FLCE_CHUNK_MB"]
+    assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"] == "activation+input"

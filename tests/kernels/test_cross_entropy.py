@@ -278,28 +278,43 @@ def test_flce_logits_setting_is_checked(monkeypatch):
 
 
 def test_flce_chunk_rows_on_an_accelerator(monkeypatch):
-    """The GPU chunk size follows the cap on the chunk's logits, in whole 128-row tiles unless
-    that adds a chunk: 2048 rows at a Llama-3 head under the default 512 MiB (4 chunks for 8192
-    rows), 1664 at Qwen2's V=152064; with ``LIGER_COMPAT_FLCE_CHUNK_MB=256`` 1024 rows (8 chunks,
-    not 9) and 880 at Qwen2's V (768 would take 10 chunks, not 9); under 64 MiB extra (logits
-    plus the gathered hidden rows) with 62; at a small vocabulary the cap holds many more rows."""
+    """The GPU chunk size: unset, 2048 rows (the whole input when shorter) with the chunk's logits
+    capped at 1 GiB, so the same at Llama-3's V=128256, Qwen2's 152064 and Gemma-2's 256000 and
+    fewer at a larger vocabulary; fp32 logits hit the cap sooner. With
+    ``LIGER_COMPAT_FLCE_CHUNK_MB`` the size in MiB sets the rows instead, in whole 128-row tiles
+    unless that adds a chunk: 1024 rows at V=128256 under 256 (8 chunks, not 9) and 880 at Qwen2's
+    V (768 would take 10 chunks, not 9); under 64 MiB extra (logits plus the gathered hidden rows)
+    with 62; at a small vocabulary the cap holds many more rows. Anything but a positive number
+    of MiB raises, naming the setting."""
     import liger_compat.kernels.loss as ce_mod
 
     cuda = torch.device("cuda")  # only the device type is read; nothing is allocated
     v, h = 128256, 4096
-    assert ce_mod.FLCE_CHUNK_BYTES == ce_mod.FLCE_CHUNK_MB_DEFAULT * 2**20 == 512 * 2**20
+    assert ce_mod.FLCE_CHUNK_MB == "" and ce_mod.chunk_mib_setting() is None
     assert ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda) == 2048
     assert ce_mod._chunk_rows(300, v, h, 2, "triton", cuda) == 300
-    assert ce_mod._chunk_rows(7373, 152064, 3584, 2, "triton", cuda) == 1664
-    assert ce_mod._chunk_rows(8192, 32000, h, 2, "triton", cuda) == 8192
-    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES", 256 * 2**20)
+    assert ce_mod._chunk_rows(7373, 152064, 3584, 2, "triton", cuda) == 2048
+    assert ce_mod._chunk_rows(8192, 256000, 3584, 2, "triton", cuda) == 2048
+    big = ce_mod._chunk_rows(8192, 400000, 4096, 2, "triton", cuda)
+    assert big * 400000 * 2 <= 2**30 < (big + 128) * 400000 * 2 and big % 128 == 0
+    fp32 = ce_mod._chunk_rows(8192, 256000, 3584, 4, "triton", cuda)
+    assert fp32 * 256000 * 4 <= 2**30 and fp32 < 2048
+    assert ce_mod._chunk_rows(8192, 32000, h, 2, "triton", cuda) == 2048
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", "256")
     rows = ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
     assert rows == 1024 and -(-8192 // rows) == 8
     assert ce_mod._chunk_rows(7373, 152064, 3584, 2, "triton", cuda) == 880
     assert ce_mod._chunk_rows(8192, 32000, h, 2, "triton", cuda) == 4096
-    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES", 62 * 2**20)
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", " 62 ")
     rows = ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
     assert rows % 8 == 0 and rows * (v + h) * 2 < 64 * 2**20 and (rows + 8) * v * 2 > 62 * 2**20
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", "1024")
+    assert ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda) == 4096
+    for bad in ("lots", "0", "-5", "nan", "inf"):
+        monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", bad)
+        with pytest.raises(ValueError, match="LIGER_COMPAT_FLCE_CHUNK_MB must be a positive number"):
+            ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
+        assert ce_mod._chunk_rows(8192, v, h, 4, "torch", torch.device("cpu")) >= 1  # unused on CPU
 
 
 def test_logits_gemm_only_where_it_applies(monkeypatch):
