@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.e2e import combine  # noqa: E402  (stdlib only at import)
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 PEERS = ("torch eager", "torch.compile", "liger-kernel", "cut-cross-entropy")
@@ -49,7 +51,9 @@ def _kernels(k: dict) -> list[str]:
     out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
            f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s, copy {meta['copy_tbps']:.2f} TB/s "
            "(`benchmarks/results/kernels.md` has every row).", ""]
-    out += _ratio_table(k["rows"], "flce", PEERS, "fused linear cross-entropy",
+    # the three heads, then Gemma-2's softcap head and token accuracy on, in one table
+    flce_rows = [r for r in k["rows"] if r["section"] in ("flce", "flce_softcap", "flce_acc")]
+    out += _ratio_table([dict(r, section="flce") for r in flce_rows], "flce", PEERS, "fused linear cross-entropy",
                         "liger_compat ms (x floor) | extra MiB",
                         lambda me: f"{me['ms']:.1f} ({me['ms'] / me['floor_ms']:.2f}) | {me['extra_mib']:.0f}")
     out += ["", "(x peer = our time / the peer's time in the same run: below 1 is faster.)", ""]
@@ -59,43 +63,66 @@ def _kernels(k: dict) -> list[str]:
     return out
 
 
-def _e2e(rows: list[dict]) -> list[str]:
-    r0 = next((r for r in rows if "gpu" in r), {})
-    out = ["", f"Training step (forward + backward + AdamW), bf16, random weights, {r0.get('gpu')}, "
-           f"transformers {r0.get('transformers')} (`benchmarks/results/e2e.md`, plots `e2e_<model>.png`):", "",
-           "| model | batch x seq | native tokens/s | liger-kernel tokens/s | liger_compat tokens/s (x native, x liger-kernel) "
-           "| peak GiB native / liger-kernel / liger_compat (x liger-kernel) | other settings: x liger-kernel tokens/s, peak |",
-           "|---|---|---|---|---|---|---|"]
-    by = {}
-    for r in rows:
+#: where the other settings' end-to-end rows come from when e2e.json has none
+E2E_SETTINGS_RUN = "e2e_run9.json"
+
+
+def _ok(r) -> bool:
+    return r is not None and r.get("status") == "ok"
+
+
+def _x(a, b, key, digits=2) -> str:
+    return f"{a[key] / b[key]:.{digits}f}" if _ok(a) and _ok(b) else "-"
+
+
+def _by_shape(rows: list[dict]) -> dict:
+    by: dict = {}
+    for r in combine(rows):
         by.setdefault((r["model"], r["shape"]), {})[r["impl"]] = r
-    ok = lambda r: r is not None and r.get("status") == "ok"  # noqa: E731
+    return by
+
+
+def _e2e(rows: list[dict], settings_rows: list[dict] | None = None, settings_file: str = "e2e.md") -> list[str]:
+    by = _by_shape(rows)
+    r0 = next((r for d in by.values() for r in d.values() if "gpu" in r), {})
+    reps = max((r.get("repeats", 1) for d in by.values() for r in d.values()), default=1)
+    how = f"; {reps} processes per row, the order reversed between them, median" if reps > 1 else ""
+    out = ["", f"Training step (forward + backward + AdamW), bf16, random weights, {r0.get('gpu')}, "
+           f"transformers {r0.get('transformers')} (`benchmarks/results/e2e.md`, plots `e2e_<model>.png`{how}):", "",
+           "| model | batch x seq | native tokens/s | liger-kernel tokens/s | liger_compat tokens/s (x native, x liger-kernel) "
+           "| peak GiB native / liger-kernel / liger_compat (x liger-kernel) |",
+           "|---|---|---|---|---|---|"]
 
     def tps(r):
-        return f"{r['tokens_per_s']:.0f}" if ok(r) else (r or {}).get("status", "-")
+        return f"{r['tokens_per_s']:.0f}" if _ok(r) else (r or {}).get("status", "-")
 
     def peak(r):
-        return f"{r['peak_gib']:.1f}" if ok(r) else (r or {}).get("status", "-")
-
-    def x(a, b, key, digits=2):
-        return f"{a[key] / b[key]:.{digits}f}" if ok(a) and ok(b) else "-"
+        return f"{r['peak_gib']:.1f}" if _ok(r) else (r or {}).get("status", "-")
 
     for (m, s), d in by.items():
         n, lk, me = d.get("native"), d.get("liger_kernel"), d.get("liger_compat")
-        others = "; ".join(f"{_VARIANT_LABELS.get(v, v)} {x(r, lk, 'tokens_per_s')}, {x(r, lk, 'peak_gib', 3)}"
-                           for v, r in d.items() if v.startswith("liger_compat_"))
-        out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} ({x(me, n, 'tokens_per_s')}, "
-                   f"{x(me, lk, 'tokens_per_s')}) | {peak(n)} / {peak(lk)} / {peak(me)} ({x(me, lk, 'peak_gib', 3)}) | "
-                   f"{others or '-'} |")
-    out += ["", "Other settings: " + "; ".join(f"{label} = `{env}`" for label, env in _VARIANT_ENV.items()
-                                             if any(v in d for d in by.values() for v in _VARIANT_KEYS[label])) + "."]
+        out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} ({_x(me, n, 'tokens_per_s')}, "
+                   f"{_x(me, lk, 'tokens_per_s')}) | {peak(n)} / {peak(lk)} / {peak(me)} ({_x(me, lk, 'peak_gib', 3)}) |")
+    # other settings: from this run when it has them, else from the named earlier run (same code)
+    sby = by if any(v.startswith("liger_compat_") for d in by.values() for v in d) else _by_shape(settings_rows or [])
+    labels = [v for v in _VARIANT_LABELS if any(v in d for d in sby.values())]
+    if labels:
+        src = "the same run" if sby is by else f"`benchmarks/results/{settings_file}`, one process each"
+        out += ["", f"liger_compat under other settings, x liger-kernel's tokens/s and peak memory ({src}):", "",
+                "| model | batch x seq | " + " | ".join(_VARIANT_LABELS[v] for v in labels) + " |",
+                "|---|---|" + "---|" * len(labels)]
+        for (m, s), d in sby.items():
+            lk = d.get("liger_kernel")
+            out.append(f"| {m} | {s} | " + " | ".join(
+                f"{_x(d.get(v), lk, 'tokens_per_s')}, {_x(d.get(v), lk, 'peak_gib', 3)}" for v in labels) + " |")
+        out += ["", "Settings: " + "; ".join(f"{_VARIANT_LABELS[v]} = `{_VARIANT_ENV[_VARIANT_LABELS[v]]}`"
+                                             for v in labels) + "."]
     return out
 
 
 #: e2e implementation names of liger_compat under other settings -> short labels for the table
 _VARIANT_LABELS = {"liger_compat_62mib": "62 MiB", "liger_compat_256mib": "256 MiB", "liger_compat_512mib": "512 MiB", "liger_compat_keep": "keep",
                    "liger_compat_act": "act only", "liger_compat_input": "input only"}
-_VARIANT_KEYS = {label: [k for k, v in _VARIANT_LABELS.items() if v == label] for label in _VARIANT_LABELS.values()}
 _VARIANT_ENV = {"62 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=62", "256 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=256", "512 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=512",
                 "keep": "LIGER_COMPAT_MLP_RECOMPUTE=0", "act only": "LIGER_COMPAT_MLP_RECOMPUTE=activation",
                 "input only": "LIGER_COMPAT_MLP_RECOMPUTE=input"}
@@ -122,7 +149,7 @@ def render() -> str:
         parts += _kernels(k)
     e = _load("e2e.json")
     if e:
-        parts += _e2e(e)
+        parts += _e2e(e, _load(E2E_SETTINGS_RUN), E2E_SETTINGS_RUN.replace(".json", ".md"))
     o = _load("overhead.json")
     if o:
         parts += _overhead(o)
