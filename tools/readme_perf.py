@@ -48,8 +48,11 @@ def _ratio_table(rows: list[dict], section: str, peers: tuple[str, ...], first: 
 
 def _kernels(k: dict) -> list[str]:
     meta = k["meta"]
+    samples = meta.get("matmul_tflops_samples") or []
+    spread = (f", the fastest of {len(samples)} samples ({min(samples):.0f}-{max(samples):.0f}; "
+              "the x-floor figures use it, see `benchmarks/NOTES.md` on its spread)" if len(samples) > 1 else "")
     out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
-           f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s, copy {meta['copy_tbps']:.2f} TB/s "
+           f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s{spread}, copy {meta['copy_tbps']:.2f} TB/s "
            "(`benchmarks/results/kernels.md` has every row).", ""]
     # the three heads, then Gemma-2's softcap head and token accuracy on, in one table
     flce_rows = [r for r in k["rows"] if r["section"] in ("flce", "flce_softcap", "flce_acc")]
