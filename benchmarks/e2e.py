@@ -164,8 +164,8 @@ def combine(rows: list[dict]) -> list[dict]:
 
 
 def _markdown(rows: list[dict]) -> str:
-    repeats = max((r.get("repeat", 0) for r in rows), default=0) + 1
     rows = combine(rows)
+    repeats = max((r.get("repeats", 1) for r in rows), default=1)
     lines = ["# End-to-end training step (forward + backward + AdamW), bf16, random weights", ""]
     if rows:
         r0 = next((r for r in rows if "gpu" in r), rows[0])

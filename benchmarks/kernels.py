@@ -378,7 +378,8 @@ E2E_HEADS = {
     "e2e-llama-3.2-1b": (8192, 2048, 128256, None),
     "e2e-qwen2.5-1.5b": (8192, 1536, 151936, None),
 }
-#: the heads ``flce_mib`` runs (names of HEADS or E2E_HEADS)
+#: every head ``flce_mib`` can run, and the ones it runs
+ALL_HEADS = {**HEADS, **E2E_HEADS}
 FLCE_MIB_HEADS = tuple(HEADS)
 #: chunk settings that ``flce_mib`` compares at every head: ``mib:N`` (LIGER_COMPAT_FLCE_CHUNK_MB=N)
 #: or ``rows:N`` (a cap of N rows' logits at that head's V); ``--flce-chunks`` sets them
@@ -393,7 +394,7 @@ def flce_mib():
     mt = RESULTS["meta"].get("matmul_tflops", 797.0)
     try:
         for name in FLCE_MIB_HEADS:
-            n, hd, v, softcap = {**HEADS, **E2E_HEADS}[name]
+            n, hd, v, softcap = ALL_HEADS[name]
             h, w, t = _flce_inputs(n, hd, v)
             floor = 6 * n * hd * v / (mt * 1e12) * 1e3
             for setting in FLCE_CHUNK_SETTINGS:
@@ -906,7 +907,7 @@ def main(argv=None):
     p.add_argument("--plot", help="only draw plots from this kernels.json")
     p.add_argument("--merge", nargs="*", help="earlier kernels.json files whose rows to keep")
     p.add_argument("--flce-chunks", help="chunk settings for the flce_mib section, e.g. mib:512,rows:2048")
-    p.add_argument("--flce-mib-heads", help=f"heads for the flce_mib section (of {', '.join({**HEADS, **E2E_HEADS})})")
+    p.add_argument("--flce-mib-heads", help=f"heads for the flce_mib section (of {', '.join(ALL_HEADS)})")
     args = p.parse_args(argv)
     if args.plot:
         plots(Path(args.plot))
@@ -916,7 +917,7 @@ def main(argv=None):
         FLCE_CHUNK_SETTINGS = tuple(args.flce_chunks.split(","))
     if args.flce_mib_heads:
         FLCE_MIB_HEADS = tuple(args.flce_mib_heads.split(","))
-        unknown = set(FLCE_MIB_HEADS) - set(HEADS) - set(E2E_HEADS)
+        unknown = set(FLCE_MIB_HEADS) - set(ALL_HEADS)
         if unknown:
             p.error(f"unknown heads: {', '.join(sorted(unknown))}")
     if not torch.cuda.is_available():

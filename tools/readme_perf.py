@@ -18,7 +18,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.e2e import combine  # noqa: E402  (stdlib only at import)
+from benchmarks.e2e import VARIANTS, combine  # noqa: E402  (stdlib only at import)
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 PEERS = ("torch eager", "torch.compile", "liger-kernel", "cut-cross-entropy")
@@ -118,17 +118,14 @@ def _e2e(rows: list[dict], settings_rows: list[dict] | None = None, settings_fil
             lk = d.get("liger_kernel")
             out.append(f"| {m} | {s} | " + " | ".join(
                 f"{_x(d.get(v), lk, 'tokens_per_s')}, {_x(d.get(v), lk, 'peak_gib', 3)}" for v in labels) + " |")
-        out += ["", "Settings: " + "; ".join(f"{_VARIANT_LABELS[v]} = `{_VARIANT_ENV[_VARIANT_LABELS[v]]}`"
-                                             for v in labels) + "."]
+        env = {v: " ".join(f"{k}={val}" for k, val in VARIANTS[v].items()) for v in labels}
+        out += ["", "Settings: " + "; ".join(f"{_VARIANT_LABELS[v]} = `{env[v]}`" for v in labels) + "."]
     return out
 
 
 #: e2e implementation names of liger_compat under other settings -> short labels for the table
 _VARIANT_LABELS = {"liger_compat_62mib": "62 MiB", "liger_compat_256mib": "256 MiB", "liger_compat_512mib": "512 MiB", "liger_compat_keep": "keep",
                    "liger_compat_act": "act only", "liger_compat_input": "input only"}
-_VARIANT_ENV = {"62 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=62", "256 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=256", "512 MiB": "LIGER_COMPAT_FLCE_CHUNK_MB=512",
-                "keep": "LIGER_COMPAT_MLP_RECOMPUTE=0", "act only": "LIGER_COMPAT_MLP_RECOMPUTE=activation",
-                "input only": "LIGER_COMPAT_MLP_RECOMPUTE=input"}
 
 
 def _overhead(o: dict) -> list[str]:
