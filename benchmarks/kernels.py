@@ -136,6 +136,70 @@ def measure(section, shape, impl, step, extra=None, preexisting=(), graph=False,
         torch.cuda.empty_cache()
 
 
+#: timing rounds of ``measure_rounds`` (``--rounds``): every implementation of a shape is timed
+#: once per round, the order rotated between rounds, and the row keeps the median
+ROUNDS = 3
+
+
+def measure_rounds(section, shape, steps, extras=None, preexisting=(), graph=False, last=(), **fields):
+    """Time the implementations of one shape against each other: ROUNDS rounds, each timing
+    every implementation once, in an order rotated by one place per round (``last`` stays at
+    the end: liger-kernel's RMSNorm writes over dY); one row per implementation with the median
+    (``ms``) and every round (``ms_rounds``), then its extra memory. Within one run the same
+    code timed at different moments moved by up to 7 % (NOTES.md), more than some of the gaps
+    being compared."""
+    extras = extras or {}
+    names = [n for n in steps if n not in last]
+    times: dict = {n: [] for n in steps}
+    eager: dict = {}
+    failed: dict = {}
+    for r in range(ROUNDS):
+        k = r % max(len(names), 1)
+        order = names[k:] + names[:k] + [n for n in steps if n in last]
+        for impl in order:
+            if impl in failed:
+                continue
+            try:
+                if graph:
+                    if impl not in eager:
+                        eager[impl] = bench_ms(steps[impl])
+                    try:
+                        times[impl].append(bench_graph_ms(steps[impl]))
+                    except Exception as exc:  # capture failed: eager launches only
+                        eager.setdefault("_fallback", {})[impl] = type(exc).__name__
+                        times[impl].append(bench_ms(steps[impl]))
+                else:
+                    times[impl].append(bench_ms(steps[impl]))
+            except Exception as exc:  # keep going: one broken baseline must not lose the run
+                failed[impl] = f"{type(exc).__name__}: {exc}"[:400]
+                traceback.print_exc()
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+    out = {}
+    for impl in steps:
+        if impl in failed:
+            add(section=section, shape=shape, impl=impl, error=failed[impl], **(extras.get(impl) or {}))
+            continue
+        ts = sorted(times[impl])
+        row = dict(fields, ms=ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2,
+                   ms_rounds=times[impl])
+        if graph:
+            fb = eager.get("_fallback", {}).get(impl)
+            row.update(ms_eager_launch=eager[impl],
+                       timing=f"eager (graph capture failed: {fb})" if fb else "cuda graph")
+        try:
+            row["extra_mib"] = extra_peak_mib(steps[impl], preexisting)
+        except Exception as exc:
+            row["memory_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        add(section=section, shape=shape, impl=impl, **row, **(extras.get(impl) or {}))
+        out[impl] = row["ms"]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # ceilings
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +344,7 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
             h, w, t = _flce_inputs(n, hd, v)
             floor = 6 * n * hd * v / (mt * 1e12) * 1e3
             refs = {k: _ref_grads(h, w, t, softcap, fp32=(k == "fp32")) for k in ("eager", "fp32")}
+            steps, extras = {}, {}
             for impl, fn in flce_impls(softcap, acc).items():
                 def step(fn=fn):
                     loss = fn(h, w, t)
@@ -297,8 +362,12 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
                     del loss, gh, gw
                 except Exception as exc:
                     errs["check_error"] = str(exc)[:300]
-                measure(section, shape, impl, step, extra=errs, floor_ms=floor)
-            del h, w, t, refs
+                steps[impl], extras[impl] = step, errs
+            del refs
+            gc.collect()
+            torch.cuda.empty_cache()
+            measure_rounds(section, shape, steps, extras, floor_ms=floor)
+            del h, w, t, steps
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -476,8 +545,12 @@ def flce_profile():
             add(section="flce_profile", shape="llama3-8b", impl=name, error=str(exc)[:300])
 
 
+#: (head, rows) of the chunk whose matmuls ``flce_gemm`` times (``--gemm-chunk head:rows``)
+FLCE_GEMM_CHUNK = ("llama3-8b", 1024)
+
+
 def flce_gemm():
-    """The chunk's matmuls at the Llama-3-8B head (1024 rows) against the 8192^3 ceiling: cuBLAS,
+    """One chunk's matmuls (FLCE_GEMM_CHUNK) against the 8192^3 ceiling: cuBLAS,
     the Triton logits GEMM with the CE statistics in its epilogue (configs), the
     CE passes it replaces, and the whole loss with each choice at every head. (Run 8a also tried
     cuBLASLt and two streams for the gradient matmuls, run 8b a Triton grad_weight kernel:
@@ -486,16 +559,16 @@ def flce_gemm():
     from liger_compat.kernels import loss as loss_mod
     from liger_compat.kernels.loss import CEOptions
 
-    n, hd, v, _ = HEADS["llama3-8b"]
+    name, rows = FLCE_GEMM_CHUNK
+    n, hd, v, _ = ALL_HEADS[name]
     h, w, t = _flce_inputs(n, hd, v)
     h, w = h.detach(), w.detach()
-    rows = 1024
     hc, tc = h[:rows].contiguous(), t[:rows]
     buf = torch.empty(rows, v, device="cuda", dtype=torch.bfloat16)
     gh = torch.empty(rows, hd, device="cuda", dtype=torch.bfloat16)
     gw = torch.randn_like(w)
     opt = CEOptions()
-    shape = f"llama3-8b chunk {rows} rows"
+    shape = f"{name} chunk {rows} rows"
     mt = RESULTS["meta"].get("matmul_tflops", 797.0)
     ideal = 2 * rows * hd * v / (mt * 1e12) * 1e3
 
@@ -536,9 +609,10 @@ def flce_gemm():
     log("triton logits check", RESULTS["meta"]["triton_logits_check"])
     del ref, mine
     best = None
-    for cfg in [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (128, 128, 64, 4, 4, False),
-                (256, 128, 64, 8, 3, False), (128, 128, 128, 8, 3, False), (64, 256, 64, 4, 4, False),
-                (128, 256, 64, 8, 3, True), (128, 128, 64, 4, 4, True)]:
+    for cfg in [(128, 256, 64, 8, 3, False), (128, 256, 64, 8, 4, False), (128, 256, 64, 8, 2, False),
+                (128, 128, 64, 8, 4, False), (128, 128, 64, 4, 4, False), (256, 128, 64, 8, 3, False),
+                (128, 128, 128, 8, 3, False), (64, 256, 64, 4, 4, False), (128, 256, 64, 8, 3, True),
+                (128, 128, 64, 4, 4, True)]:
         ms = rec(f"triton logits+partials {cfg}", lambda cfg=cfg: _logits_triton.logits_with_partials(hc, w, buf, opt, cfg))
         if ms is not None and (best is None or ms < best[0]):
             best = (ms, cfg)
@@ -622,8 +696,9 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
         dys = [torch.randn(o.shape, device="cuda", generator=g, dtype=o.dtype) for o in first]
         del first
         ref = None
-        # liger-kernel's rms_norm writes dX over dY (in_place=True, its default): run it last
+        # liger-kernel's rms_norm writes dX over dY (in_place=True, its default): check and time it last
         order = sorted(impls, key=lambda k: k == "liger-kernel")
+        steps, extras = {}, {}
         for impl in order:
             fn = impls[impl]
             if fn is None:
@@ -644,10 +719,12 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
                 del res
             except Exception as exc:
                 errs["check_error"] = str(exc)[:300]
-            measure(section, f"{kind} {shape_label}", impl, step, extra=errs, floor_ms=floor, kernel=kind,
-                    preexisting=list(inputs) + dys, graph=True, **fields)
+            steps[impl], extras[impl] = step, errs
+        ref = None
+        measure_rounds(section, f"{kind} {shape_label}", steps, extras, preexisting=list(inputs) + dys, graph=True,
+                       last=("liger-kernel",), floor_ms=floor, kernel=kind, **fields)
 
-    sizes = sizes or {"rms_norm": [16384], "swiglu": [16384], "geglu": [16384], "rope": [2048]}
+    sizes = sizes or {"rms_norm": [16384], "swiglu": [16384], "geglu": [16384], "rope": [2048, (2048, "transformers")]}
     for kind in [k for k in which if k in sizes]:
         for size in sizes[kind]:
             log(f"## {section}: {kind} {size}")
@@ -673,9 +750,13 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
                 impls = {"torch eager": eager, "torch.compile": torch.compile(eager, dynamic=False),
                          "liger-kernel": lig, "liger_compat": ours}
                 run(kind, f"{size}x14336", (a, b), impls, (a, b), 8 * a.numel() * 2, rows=size)
-            else:
+            else:  # size: a sequence length, or (length, "transformers") for that layout
+                size, layout = (size, "contiguous") if isinstance(size, int) else size
                 q = torch.randn(8, 32, size, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
                 k = torch.randn(8, 8, size, 128, device="cuda", generator=g, dtype=bf).requires_grad_(True)
+                if layout == "transformers":  # [B, heads, T, D] views of [B, T, heads, D], as models pass them
+                    q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+                    k = k.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
                 inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
                 ang = torch.arange(size, device="cuda").float()[:, None] * inv[None]
                 ang = torch.cat([ang, ang], -1)[None].expand(8, size, 128)
@@ -687,7 +768,10 @@ def elementwise(which=("rms_norm", "swiglu", "geglu", "rope"), sizes=None, secti
                     "liger_compat": lambda q, k: K.apply_rotary_pos_emb(q, k, cos, sin),
                 }
                 nbytes = 4 * (q.numel() + k.numel()) * 2 + 2 * 2 * cos.numel() * 2
-                run(kind, f"q[8,32,{size},128] k[8,8,{size},128]", (q, k), impls, (q, k), nbytes, seq=size)
+                label = f"q[8,32,{size},128] k[8,8,{size},128]"
+                if layout == "transformers":
+                    label += ", transformers layout"
+                run(kind, label, (q, k), impls, (q, k), nbytes, seq=size)
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -738,18 +822,30 @@ def elem_profile():
     cos, sin = ang.cos().to(bf), ang.sin().to(bf)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     best = None
-    knobs = [("rows", 16, 4)] + [("heads", bt, nw) for bt in (4, 8, 16, 32) for nw in (1, 2, 4, 8)]
-    for variant, bt, nw in knobs:
-        P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T, P.HEADS_WARPS = variant, bt, nw
+
+    def set_rope(variant, block=P.FLAT_BLOCK_R, warps=P.FLAT_WARPS, order="memory"):
+        P.ROPE_KERNEL_VARIANT = variant
+        P.FLAT_BLOCK_R, P.FLAT_WARPS, P.FLAT_ORDER = block, warps, order
+
+    # session 7 (run 14) swept the flat kernel's order x 4/8/16 rows x 1/2/4/8 warps: "cos" order
+    # was never faster, 16 rows or 8 warps never the fastest (NOTES.md, RoPE)
+    knobs = [("rows",)] + [("flat", br, nw, "memory") for br in (4, 8) for nw in (1, 2, 4)]
+    compiled = torch.compile(lambda q, k: _hf_rope(q, k, cos, sin), dynamic=False)
+    for knob in knobs:
+        set_rope(*knob)
         ms = bench_graph_ms(lambda: torch.autograd.grad(K.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)))
-        add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=f"{variant} block_t={bt} warps={nw}", ms=ms)
-        best = min(best or (ms, (variant, bt, nw)), (ms, (variant, bt, nw)))
+        label = knob[0] if len(knob) == 1 else f"{knob[0]} block={knob[1]} warps={knob[2]} order={knob[3]}"
+        add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=label, ms=ms)
+        best = min(best or (ms, knob), (ms, knob))
+    add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl="torch.compile",
+        ms=bench_graph_ms(lambda: torch.autograd.grad(compiled(q, k), (q, k), (gq, gk))))
     # the transformers layout: q/k as [B, heads, T, D] views of [B, T, heads, D]
     qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
     kt = k.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
-    P.ROPE_KERNEL_VARIANT, P.HEADS_BLOCK_T, P.HEADS_WARPS = best[1]
+    set_rope(*best[1])
     for label, fn in (("liger_compat (best knobs)", lambda: K.apply_rotary_pos_emb(qt, kt, cos, sin)),
-                      ("torch eager", lambda: _hf_rope(qt, kt, cos, sin))):
+                      ("torch eager", lambda: _hf_rope(qt, kt, cos, sin)),
+                      ("torch.compile", lambda: compiled(qt, kt))):
         ms = bench_graph_ms(lambda: torch.autograd.grad(fn(), (qt, kt), (gq, gk)))
         add(section="elem_profile", shape="rope fwd+bwd, transformers layout", impl=label, ms=ms)
     RESULTS["meta"]["rope_knobs"] = best[1]
@@ -758,6 +854,15 @@ def elem_profile():
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
+
+
+def _spread(r, digits):
+    ts = r.get("ms_rounds") or []
+    return f"{min(ts):.{digits}f}-{max(ts):.{digits}f}" if len(ts) > 1 else ""
+
+
+def _mib(r):
+    return f"{r['extra_mib']:.0f}" if r.get("extra_mib") is not None else "-"
 
 
 def _rows(section):
@@ -786,21 +891,23 @@ def report() -> str:
                 lines.append(f"| {r['shape']} | {r['impl']} | {r['loss_absdiff_vs_eager']:.2e} | {r['gh_err_vs_eager']:.2e} | "
                              f"{r['gh_err_vs_fp32']:.2e} | {r['gw_err_vs_fp32']:.2e} |")
         lines += ["", "## Fused linear cross-entropy: forward+backward time and extra memory", "",
-                  "| head | impl | ms | x floor | x liger_compat | extra MiB |", "|---|---|---|---|---|---|"]
+                  "ms: median of the rounds (each round times every implementation once, order rotated); "
+                  "rounds: the fastest and slowest round.", "",
+                  "| head | impl | ms | rounds | x floor | x liger_compat | extra MiB |", "|---|---|---|---|---|---|---|"]
         for shape in dict.fromkeys(r["shape"] for r in fl):
             rs = [r for r in fl if r["shape"] == shape]
             ours = next((r.get("ms") for r in rs if r["impl"] == "liger_compat"), None)
             for r in rs:
                 if r.get("ms") is None:
-                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | |")
+                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | |")
                     continue
-                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
-                             f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} |")
+                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {_spread(r, 2)} | {r['ms'] / r['floor_ms']:.2f} | "
+                             f"{r['ms'] / ours if ours else float('nan'):.2f} | {_mib(r)} |")
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
                        ("flce_rows", "liger_compat FLCE rows per chunk (config -> rows x chunks)"),
                        ("flce_mib", "liger_compat FLCE at every head: chunk settings"),
                        ("flce_profile", "one chunk, step by step (Llama-3-8B head)"),
-                       ("flce_gemm", "the chunk's matmuls: cuBLAS and the Triton logits GEMM (1024 rows, Llama-3-8B head)"),
+                       ("flce_gemm", "one chunk's matmuls: cuBLAS and the Triton logits GEMM"),
                        ("flce_gemm_whole", "the whole loss: cuBLAS logits vs the Triton logits GEMM"),
                        ("elem_profile", "RMSNorm / RoPE launch variants (kernels alone)")):
         rs = _rows(sec)
@@ -814,7 +921,7 @@ def report() -> str:
                 elif sec == "flce_profile":
                     lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x chunks: {r['ms_times_chunks']:.2f}) | | |")
                 elif sec == "flce_gemm":
-                    lines.append(f"| {r['impl']} | {r['ms']:.3f} (x ideal matmul: {r['x_ideal_mm']:.2f}) | | |")
+                    lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x ideal matmul: {r['x_ideal_mm']:.2f}) | | |")
                 elif sec in ("flce_rows", "flce_gemm_whole", "flce_mib"):
                     lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
                 else:
@@ -822,20 +929,21 @@ def report() -> str:
     el = _rows("elementwise")
     if el:
         lines += ["", "## RMSNorm, SwiGLU, GeGLU, RoPE (bf16, forward+backward)", "",
-                  "GPU ms: CUDA-graph replay (kernel time alone); eager ms: ordinary launches from Python.", "",
-                  "| kernel | impl | GPU ms | eager ms | x bandwidth floor | x liger_compat | extra MiB | grad err vs eager |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "GPU ms: CUDA-graph replay (kernel time alone), median of the rounds; rounds: the fastest and "
+                  "slowest; eager ms: ordinary launches from Python (first round).", "",
+                  "| kernel | impl | GPU ms | rounds | eager ms | x bandwidth floor | x liger_compat | extra MiB | grad err vs eager |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for shape in dict.fromkeys(r["shape"] for r in el):
             rs = [r for r in el if r["shape"] == shape]
             ours = next((r.get("ms") for r in rs if r["impl"] == "liger_compat"), None)
             for r in rs:
                 if r.get("ms") is None:
-                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | |")
+                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | | |")
                     continue
                 ge = r.get("grad_err_vs_eager")
                 le = r.get("ms_eager_launch")
-                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {'' if le is None else f'{le:.3f}'} | {r['ms'] / r['floor_ms']:.2f} | "
-                             f"{r['ms'] / ours if ours else float('nan'):.2f} | {r['extra_mib']:.0f} | "
+                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {_spread(r, 3)} | {'' if le is None else f'{le:.3f}'} | "
+                             f"{r['ms'] / r['floor_ms']:.2f} | {r['ms'] / ours if ours else float('nan'):.2f} | {_mib(r)} | "
                              f"{'' if ge is None else f'{ge:.1e}'} |")
     return "\n".join(lines) + "\n"
 
@@ -900,7 +1008,7 @@ SECTIONS = {
 
 
 def main(argv=None):
-    global OUT, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS
+    global OUT, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, FLCE_GEMM_CHUNK, ROUNDS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--sections", default="ceilings,elem_profile,norm,profile,variants,flce,softcap,acc,lowmem,flce_sweep,elementwise_sweep")
@@ -908,6 +1016,9 @@ def main(argv=None):
     p.add_argument("--merge", nargs="*", help="earlier kernels.json files whose rows to keep")
     p.add_argument("--flce-chunks", help="chunk settings for the flce_mib section, e.g. mib:512,rows:2048")
     p.add_argument("--flce-mib-heads", help=f"heads for the flce_mib section (of {', '.join(ALL_HEADS)})")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"timing rounds of the flce/softcap/acc and elementwise sections (default {ROUNDS})")
+    p.add_argument("--gemm-chunk", help="head:rows of the chunk the flce_gemm section times (default llama3-8b:1024)")
     args = p.parse_args(argv)
     if args.plot:
         plots(Path(args.plot))
@@ -920,6 +1031,14 @@ def main(argv=None):
         unknown = set(FLCE_MIB_HEADS) - set(ALL_HEADS)
         if unknown:
             p.error(f"unknown heads: {', '.join(sorted(unknown))}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    ROUNDS = args.rounds
+    if args.gemm_chunk:
+        head, _, rows = args.gemm_chunk.partition(":")
+        if head not in ALL_HEADS or not rows.isdigit() or int(rows) < 1:
+            p.error(f"--gemm-chunk must be head:rows with a head of {', '.join(ALL_HEADS)}, got {args.gemm_chunk!r}")
+        FLCE_GEMM_CHUNK = (head, int(rows))
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
         return 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import triton, tl
+from ._dispatch import triton, tl, cdiv, next_pow2
 
 __all__ = ["ce_rows_triton"]
 
@@ -230,8 +230,8 @@ SPLIT_BLOCK_V = 4096
 
 def _block_v(v: int, device: torch.device) -> tuple[int, int]:
     if device.type == "cpu":  # interpreter: small blocks keep numpy temporaries small
-        return min(triton.next_power_of_2(v), 1024), 1
-    return min(triton.next_power_of_2(v), 8192), 16
+        return min(next_pow2(v), 1024), 1
+    return min(next_pow2(v), 8192), 16
 
 
 def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None, partials=None):
@@ -280,8 +280,8 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         )
     else:
         block = SPLIT_BLOCK_V if dev.type == "cuda" else 256
-        block = min(block, triton.next_power_of_2(v))
-        nb = triton.cdiv(v, block)
+        block = min(block, next_pow2(v))
+        nb = cdiv(v, block)
         warps = 8 if dev.type == "cuda" else 1
         if stats:
             if partials is None:
@@ -299,7 +299,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
             _ce_combine_kernel[(c,)](
                 logits, logits.stride(0), target, loss, zl, lse, correct, pm, ps, pz, pi, npart,
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
-                BLOCK_NB=min(triton.next_power_of_2(npart), 1024), num_warps=4 if dev.type == "cuda" else 1,
+                BLOCK_NB=min(next_pow2(npart), 1024), num_warps=4 if dev.type == "cuda" else 1,
                 **common,
             )
         if grad is not None:

@@ -36,6 +36,17 @@ last_backend: dict[str, str] = {}
 _forced: list[str] = []
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host side of the kernels (``triton.cdiv`` is a constexpr
+    function in newer Triton: ~5 us a call from Python)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (and 1 for ``n <= 1``), host side like :func:`cdiv`."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def interpret_mode() -> bool:
     """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE

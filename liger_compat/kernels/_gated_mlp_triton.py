@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import triton, tl
+from ._dispatch import triton, tl, cdiv
 
 __all__ = ["gated_forward_triton", "gated_backward_triton"]
 
@@ -61,7 +61,7 @@ def gated_forward_triton(gate, up, kind):
     n = gate.numel()
     if n:
         blk = _block(gate.device)
-        _gated_fwd[(triton.cdiv(n, blk),)](gate, up, y, n, GELU=kind != "silu", BLOCK=blk, num_warps=8)
+        _gated_fwd[(cdiv(n, blk),)](gate, up, y, n, GELU=kind != "silu", BLOCK=blk, num_warps=8)
     return y
 
 
@@ -75,6 +75,6 @@ def gated_backward_triton(dy, gate, up, kind, inplace=False, output_over_dy=Fals
     n = gate.numel()
     if n:
         blk = _block(gate.device)
-        _gated_bwd[(triton.cdiv(n, blk),)](dy, gate, up, da, db, dy, n, GELU=kind != "silu",
+        _gated_bwd[(cdiv(n, blk),)](dy, gate, up, da, db, dy, n, GELU=kind != "silu",
                                            STORE_Y=bool(output_over_dy), BLOCK=blk, num_warps=8)
     return (da, db, dy) if output_over_dy else (da, db)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._ce_triton import _tanh
-from ._dispatch import triton, tl
+from ._dispatch import triton, tl, cdiv
 
 __all__ = ["logits_with_partials", "supported"]
 
@@ -114,7 +114,7 @@ def logits_with_partials(hc, w, out, opt, config=None):
     else:  # interpreter
         bm, bn, bk, warps, stages, ws = 16, 32, 16, 1, 1, False
         programs = 4
-    nb = triton.cdiv(n, bn)
+    nb = cdiv(n, bn)
     f32 = torch.float32
     pm = torch.empty((m, nb), dtype=f32, device=dev)
     ps = torch.empty_like(pm)
@@ -123,7 +123,7 @@ def logits_with_partials(hc, w, out, opt, config=None):
     a_desc = TensorDescriptor.from_tensor(hc, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(w, [bn, bk])
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-    tiles = triton.cdiv(m, bm) * nb
+    tiles = cdiv(m, bm) * nb
     grid = (min(programs, tiles),)
     _logits_kernel[grid](
         a_desc, b_desc, c_desc, pm, ps, pi, pz, m, n, k, nb,

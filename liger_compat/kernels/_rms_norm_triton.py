@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import triton, tl
+from ._dispatch import triton, tl, next_pow2
 
 __all__ = ["rms_norm_forward_triton", "rms_norm_backward_triton"]
 
@@ -82,7 +82,7 @@ def rms_norm_forward_triton(x2, w, eps, offset, casting):
     rstd = torch.empty(n, dtype=torch.float32, device=x2.device)
     if n == 0:
         return y, rstd
-    block = triton.next_power_of_2(h)
+    block = next_pow2(h)
     rows = 1
     if x2.device.type == "cuda":  # small rows: several per program to amortise the weight load
         while rows < 8 and block * rows < 4096 and n % (rows * 2) == 0:
@@ -98,7 +98,7 @@ def rms_norm_backward_triton(dy, x2, w, rstd, offset, casting, need_dw=True):
     progs = _programs(n, x2.device)
     part = torch.empty((progs, h), dtype=torch.float32, device=x2.device) if need_dw else rstd
     if n > 0:
-        block = triton.next_power_of_2(h)
+        block = next_pow2(h)
         _rms_bwd[(progs,)](dy, x2, w, rstd, dx, part, n, h, offset, LLAMA=casting == "llama",
                            NEED_DW=need_dw, BLOCK_H=block, num_warps=_warps(block, BWD_WARPS))
     dw = None

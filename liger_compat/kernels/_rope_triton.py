@@ -1,16 +1,19 @@
 """Triton rotary embedding, forward and backward (the transposed rotation), any strides.
 
-``x`` is viewed as ``[B, X, Y, D]`` (leading dims merged or padded to three) and ``cos``/``sin``
-are expanded to ``[B, X, Y, rot]`` with stride 0 on broadcast dims, so one kernel serves the
-``[B, heads, T, D]`` and ``[B, T, heads, D]`` layouts, per-batch or shared ``cos``, and partial
-rotary (channels ``rot..D`` copied through). Each program handles ``BLOCK_R`` rows.
+``x`` is viewed as ``[B, X, Y, D]`` and ``cos``/``sin`` are expanded to ``[B, X, Y, rot]`` with
+stride 0 on broadcast dims, so one kernel serves the ``[B, heads, T, D]`` and ``[B, T, heads,
+D]`` layouts, per-batch or shared ``cos``, and partial rotary (channels ``rot..D`` copied
+through). Two kernels: "flat" (whole rows, q and k in one launch; 4-D q/k whose outputs share
+their strides, i.e. every layout transformers passes except slices of a fused qkv projection)
+and "rows" (half-row tiles, one launch per tensor; any dims and strides). ``outputs`` keep the
+inputs' memory layout, as the native ops do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._dispatch import triton, tl
+from ._dispatch import triton, tl, cdiv, next_pow2
 
 __all__ = ["rope_triton"]
 
@@ -61,86 +64,95 @@ def _rope_kernel(
 
 
 @triton.jit
-def _rope_heads_kernel(
-    q_ptr, k_ptr, oq_ptr, ok_ptr, c_ptr, s_ptr, T, HQ, HK,
-    sqb, sqh, sqt, skb, skh, skt, soqb, soqh, soqt, sokb, sokh, sokt, scb, sct, ssb, sst,
-    HALF: tl.constexpr, PASS: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+def _flat_rows(x_ptr, o_ptr, c_ptr, s_ptr, r0, n_rows, X, Y, sb, sx, sy, cb, cx, cy,
+               D: tl.constexpr, HALF: tl.constexpr, BACKWARD: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``BLOCK_R`` whole rows from row ``r0`` of one tensor viewed as ``[B, X, Y, D]`` (the
+    output has the input's strides, sin has cos's): each element is rotated with its partner
+    ``(j + rot/2) % rot``, loaded a second time (an L1 hit) rather than split into halves, so
+    loads and stores cover whole rows."""
+    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    rmask = rows < n_rows
+    b = rows // (X * Y)
+    xx = (rows // Y) % X
+    yy = rows % Y
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    first = cols < HALF
+    in_rot = cols < 2 * HALF
+    partner = tl.where(first, cols + HALF, tl.where(in_rot, cols - HALF, cols))
+    m = rmask[:, None] & (cols < D)
+    mr = rmask[:, None] & in_rot
+    xo = (b * sb + xx * sx + yy * sy)[:, None]
+    co = (b * cb + xx * cx + yy * cy)[:, None]
+    x = tl.load(x_ptr + xo + cols, mask=m, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + xo + partner, mask=mr, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + co + cols, mask=mr, other=1.0).to(tl.float32)  # pass-through channels: x * 1
+    if BACKWARD:  # transpose: y_j = x_j c_j + sign x_p s_p, sign + on the first half
+        s = tl.load(s_ptr + co + partner, mask=mr, other=0.0).to(tl.float32)
+        y = x * c + tl.where(first, xp * s, -xp * s)
+    else:  # y_j = x_j c_j + sign x_p s_j, sign - on the first half
+        s = tl.load(s_ptr + co + cols, mask=mr, other=0.0).to(tl.float32)
+        y = x * c + tl.where(first, -xp * s, xp * s)
+    tl.store(o_ptr + xo + cols, y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_flat_kernel(
+    q_ptr, oq_ptr, k_ptr, ok_ptr, c_ptr, s_ptr,
+    nq, XQ, YQ, qb, qx, qy, cqb, cqx, cqy, nk, XK, YK, kb, kx, ky, ckb, ckx, cky,
+    D: tl.constexpr, HALF: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (block of positions, batch): cos/sin loaded once, every q and k head
-    of those positions rotated with them (one launch for q and k)."""
-    b = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < T
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    m = tmask[:, None] & (cols < HALF)
-    co = (b * scb + t * sct)[:, None]
-    so = (b * ssb + t * sst)[:, None]
-    c1 = tl.load(c_ptr + co + cols, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(c_ptr + co + HALF + cols, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(s_ptr + so + cols, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(s_ptr + so + HALF + cols, mask=m, other=0.0).to(tl.float32)
-    for h in range(HQ):
-        _rotate_tile(q_ptr, oq_ptr, (b * sqb + h * sqh + t * sqt)[:, None], (b * soqb + h * soqh + t * soqt)[:, None],
-                     cols, m, c1, c2, s1, s2, HALF, PASS, BACKWARD, BLOCK_PASS, tmask)
-    for h in range(HK):
-        _rotate_tile(k_ptr, ok_ptr, (b * skb + h * skh + t * skt)[:, None], (b * sokb + h * sokh + t * sokt)[:, None],
-                     cols, m, c1, c2, s1, s2, HALF, PASS, BACKWARD, BLOCK_PASS, tmask)
+    """q's row blocks, then k's, in one launch."""
+    pid = tl.program_id(0)
+    q_programs = tl.cdiv(nq, BLOCK_R)
+    if pid < q_programs:
+        _flat_rows(q_ptr, oq_ptr, c_ptr, s_ptr, pid.to(tl.int64) * BLOCK_R, nq, XQ, YQ, qb, qx, qy,
+                   cqb, cqx, cqy, D, HALF, BACKWARD, BLOCK_R, BLOCK_D)
+    else:
+        _flat_rows(k_ptr, ok_ptr, c_ptr, s_ptr, (pid - q_programs).to(tl.int64) * BLOCK_R, nk, XK, YK,
+                   kb, kx, ky, ckb, ckx, cky, D, HALF, BACKWARD, BLOCK_R, BLOCK_D)
 
 
-#: positions per program of the heads kernel on CUDA, and its warps (benchmarks.kernels sweeps both)
-HEADS_BLOCK_T = 16
-HEADS_WARPS = 4
+#: rows per program of the flat kernel on CUDA, its warps, and the order of its rows: "memory"
+#: (the dimension of q/k with the smaller stride fastest) or "cos" (the heads, which share a
+#: cos/sin row, fastest); benchmarks.kernels sweeps all three
+FLAT_BLOCK_R = 4
+FLAT_WARPS = 1
+FLAT_ORDER = "memory"
 
 
-def _heads_view(x, head_dim_index):
-    """[B, H, T, D] view of a 4-D q/k whose head dimension is ``head_dim_index`` (1 or 2)."""
-    return x if head_dim_index == 1 else x.permute(0, 2, 1, 3)
+def _flat_ok(q, k, oq, ok, cos_u, sin_u) -> bool:
+    """The flat kernel's assumptions: 4-D q/k with unit column stride, outputs with the inputs'
+    strides (``empty_like`` of a dense tensor), sin laid out like cos."""
+    return (q.dim() == k.dim() == 4 and q.stride(-1) == k.stride(-1) == 1
+            and oq.stride() == q.stride() and ok.stride() == k.stride() and cos_u.stride() == sin_u.stride())
 
 
-def _rope_heads(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index):
-    # outputs in the inputs' memory layout: transformers hands q/k as [B, heads, T, D] views of
-    # [B, T, heads, D] projections, and attention kernels and the projections' backward then
-    # see the layout they would have seen without us
-    oq = torch.empty_like(q, dtype=out_q)
-    ok = torch.empty_like(k, dtype=out_k)
-    q4, k4 = _heads_view(q, head_dim_index), _heads_view(k, head_dim_index)
-    oq4, ok4 = _heads_view(oq, head_dim_index), _heads_view(ok, head_dim_index)
-    bsz, hq, t, d = q4.shape
-    hk = k4.shape[1]
-    rot = cos_u.shape[-1]
-    c = _heads_view(cos_u.expand(*q.shape[:-1], rot), head_dim_index)[:, 0]  # [B, T, rot]
-    s = _heads_view(sin_u.expand(*q.shape[:-1], rot), head_dim_index)[:, 0]
-    if c.stride(-1) != 1:
-        c = c.contiguous()
-    if s.stride(-1) != 1:
-        s = s.contiguous()
-    half = rot // 2
-    block_t = HEADS_BLOCK_T if q.device.type == "cuda" else 4
-    grid = (triton.cdiv(t, block_t), bsz)
-    _rope_heads_kernel[grid](
-        q4, k4, oq4, ok4, c, s, t, hq, hk,
-        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
-        oq4.stride(0), oq4.stride(1), oq4.stride(2), ok4.stride(0), ok4.stride(1), ok4.stride(2),
-        c.stride(0), c.stride(1), s.stride(0), s.stride(1),
-        HALF=half, PASS=d - rot, BACKWARD=backward, BLOCK_T=block_t,
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(d - rot, 1)),
-        num_warps=HEADS_WARPS,
-    )
+def _flat_operands(x, c):
+    """(rows, X, Y, x strides, cos strides) of 4-D x as ``[B, X, Y, D]`` with cos expanded to
+    it (stride 0 where it broadcasts); X and Y swapped per FLAT_ORDER."""
+    c = c.expand(*x.shape[:-1], c.shape[-1])
+    xs, cs = list(x.stride()[:3]), list(c.stride()[:3])
+    shape = list(x.shape[:3])
+    swap = xs[1] < xs[2] if FLAT_ORDER == "memory" else (cs[1] == 0 and cs[2] != 0)
+    if swap:
+        for lst in (xs, cs, shape):
+            lst[1], lst[2] = lst[2], lst[1]
+    return [shape[0] * shape[1] * shape[2], shape[1], shape[2], *xs, *cs]
+
+
+def _rope_flat(q, k, oq, ok, cos_u, sin_u, backward):
+    d = q.shape[-1]
+    block_d = next_pow2(d)
+    block_r = FLAT_BLOCK_R if q.device.type == "cuda" else 4
+    block_r = max(1, min(block_r, 8192 // block_d))
+    qa, ka = _flat_operands(q, cos_u), _flat_operands(k, cos_u)
+    grid = (cdiv(qa[0], block_r) + cdiv(ka[0], block_r),)
+    if grid[0]:
+        _rope_flat_kernel[grid](q, oq, k, ok, cos_u, sin_u, *qa, *ka, D=d, HALF=cos_u.shape[-1] // 2,
+                                BACKWARD=backward, BLOCK_R=block_r, BLOCK_D=block_d,
+                                num_warps=FLAT_WARPS if q.device.type == "cuda" else 1)
     return oq, ok
-
-
-def _heads_layout(q, k, cos_u, head_dim_index):
-    """True when the heads kernel applies: 4-D q/k sharing B and T, last dim contiguous, cos
-    broadcast over the head dimension."""
-    if head_dim_index not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos_u.dim() != 4:
-        return False
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        return False
-    q4, k4 = _heads_view(q, head_dim_index), _heads_view(k, head_dim_index)
-    if q4.shape[0] != k4.shape[0] or q4.shape[2] != k4.shape[2]:
-        return False
-    return cos_u.shape[head_dim_index] == 1
 
 
 def _as4(x: torch.Tensor, cos_u: torch.Tensor, sin_u: torch.Tensor):
@@ -175,10 +187,10 @@ def _rope_one(x, cos_u, sin_u, backward, out_dtype):
     half = rot // 2
     bsz, xdim, ydim = x4.shape[:3]
     n_rows = bsz * xdim * ydim
-    block_half = triton.next_power_of_2(half)
-    block_pass = triton.next_power_of_2(max(d - rot, 1))
+    block_half = next_pow2(half)
+    block_pass = next_pow2(max(d - rot, 1))
     block_r = max(1, min(64 if x.device.type == "cuda" else 16, 4096 // max(block_half * 2, 1)))
-    grid = (triton.cdiv(n_rows, block_r),)
+    grid = (cdiv(n_rows, block_r),)
     _rope_kernel[grid](
         x4, o4, c4, s4, n_rows, xdim, ydim,
         *x4.stride()[:3], *o4.stride()[:3], *c4.stride()[:3], *s4.stride()[:3],
@@ -188,11 +200,17 @@ def _rope_one(x, cos_u, sin_u, backward, out_dtype):
     return out
 
 
-#: "heads" (one program per positions block, all heads) where the layout allows, else "rows"
-ROPE_KERNEL_VARIANT = "heads"
+#: "flat" (whole rows of q and k in one launch) where its assumptions hold, else "rows" (half-row
+#: tiles, q and k in two launches: any number of dims, outputs laid out apart from the inputs)
+ROPE_KERNEL_VARIANT = "flat"
 
 
-def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index=None):
-    if ROPE_KERNEL_VARIANT == "heads" and head_dim_index is not None and _heads_layout(q, k, cos_u, head_dim_index):
-        return _rope_heads(q, k, cos_u, sin_u, backward, out_q, out_k, head_dim_index)
+def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k):
+    if ROPE_KERNEL_VARIANT == "flat":
+        if cos_u.stride(-1) != 1 or sin_u.stride(-1) != 1 or cos_u.stride() != sin_u.stride():
+            cos_u, sin_u = cos_u.contiguous(), sin_u.contiguous()
+        oq = torch.empty_like(q, dtype=out_q)
+        ok = torch.empty_like(k, dtype=out_k)
+        if _flat_ok(q, k, oq, ok, cos_u, sin_u):
+            return _rope_flat(q, k, oq, ok, cos_u, sin_u, backward)
     return _rope_one(q, cos_u, sin_u, backward, out_q), _rope_one(k, cos_u, sin_u, backward, out_k)

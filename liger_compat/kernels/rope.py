@@ -48,18 +48,18 @@ def rope_torch(q, k, cos_u, sin_u, backward=False, out_dtype=None):
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos_u, sin_u, backend, head_dim_index):
+    def forward(ctx, q, k, cos_u, sin_u, backend):
         out_q = torch.promote_types(q.dtype, cos_u.dtype)
         out_k = torch.promote_types(k.dtype, cos_u.dtype)
         if backend == "triton":
             from ._rope_triton import rope_triton
 
-            qe, ke = rope_triton(q, k, cos_u, sin_u, False, out_q, out_k, head_dim_index)
+            qe, ke = rope_triton(q, k, cos_u, sin_u, False, out_q, out_k)
         else:
             qe = _rotate(q, cos_u, sin_u, out_q)
             ke = _rotate(k, cos_u, sin_u, out_k)
         ctx.save_for_backward(cos_u, sin_u)
-        ctx.backend, ctx.head_dim_index = backend, head_dim_index
+        ctx.backend = backend
         ctx.dtypes = (q.dtype, k.dtype)
         return qe, ke
 
@@ -72,11 +72,11 @@ class _Rope(torch.autograd.Function):
         if ctx.backend == "triton":
             from ._rope_triton import rope_triton
 
-            dq, dk = rope_triton(gq, gk, cos_u, sin_u, True, *ctx.dtypes, ctx.head_dim_index)
+            dq, dk = rope_triton(gq, gk, cos_u, sin_u, True, *ctx.dtypes)
         else:
             dq = _rotate(gq, cos_u, sin_u, ctx.dtypes[0], backward=True)
             dk = _rotate(gk, cos_u, sin_u, ctx.dtypes[1], backward=True)
-        return dq, dk, None, None, None, None
+        return dq, dk, None, None, None
 
 
 def _broadcasts_into(small, big) -> bool:
@@ -116,5 +116,4 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
                 f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
             )
     backend = _dispatch.choose("rope", device)
-    head_dim_index = unsqueeze_dim % q.dim() if q.dim() == 4 else None
-    return _Rope.apply(q, k, cos_u, sin_u, backend, head_dim_index)
+    return _Rope.apply(q, k, cos_u, sin_u, backend)

@@ -142,22 +142,26 @@ def test_rope_position_ids_with_table():
     assert rel_err(qe, ref) < 1e-6
 
 
-@pytest.mark.parametrize("variant", ["heads", "rows"])
+@pytest.mark.parametrize("variant,order", [("flat", "memory"), ("flat", "cos"), ("rows", None)])
 @pytest.mark.parametrize("layout", [1, 2])
-def test_rope_triton_kernel_variants(monkeypatch, variant, layout):
-    """Both Triton RoPE kernels (all heads of a position block per program / flat rows)."""
+@pytest.mark.parametrize("dims", [(12, 8), (16, 16)])
+def test_rope_triton_kernel_variants(monkeypatch, variant, order, layout, dims):
+    """Each Triton RoPE kernel (whole rows of q and k in one launch, in either row order /
+    half-row tiles), with and without pass-through channels."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     from liger_compat.kernels import _rope_triton
 
-    calls = []
-    real = _rope_triton._rope_heads
+    calls = {"flat": [], "rows": []}
+    for name, attr in (("flat", "_rope_flat"), ("rows", "_rope_one")):
+        real = getattr(_rope_triton, attr)
+        monkeypatch.setattr(_rope_triton, attr, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
     monkeypatch.setattr(_rope_triton, "ROPE_KERNEL_VARIANT", variant)
-    monkeypatch.setattr(_rope_triton, "_rope_heads", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_rope_triton, "FLAT_ORDER", order or "memory")
     g = torch.Generator().manual_seed(5)
-    q, k, cos, sin = _rope_inputs(g, 2, 3, 1, 5, 12, 8, torch.float32, layout, True)
+    q, k, cos, sin = _rope_inputs(g, 2, 3, 1, 5, dims[0], dims[1], torch.float32, layout, True)
     qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
-    assert bool(calls) == (variant == "heads")
+    assert [n for n, c in calls.items() if c] == [variant]
     assert rel_err(qe, rope64(q, cos, sin, layout)) < 1e-6 and rel_err(ke, rope64(k, cos, sin, layout)) < 1e-6
     gq, gk = torch.randn(qe.shape, generator=g), torch.randn(ke.shape, generator=g)
     dq, dk = torch.autograd.grad((qe * gq).sum() + (ke * gk).sum(), (q, k))
@@ -165,6 +169,36 @@ def test_rope_triton_kernel_variants(monkeypatch, variant, layout):
     rq, rk = torch.autograd.grad((rope64(q64, cos, sin, layout) * gq).sum() + (rope64(k64, cos, sin, layout) * gk).sum(), (q64, k64))
     assert rel_err(dq, rq) < 1e-6 and rel_err(dk, rk) < 1e-6
 
+
+
+def test_rope_on_slices_of_a_fused_qkv_projection(monkeypatch):
+    """q/k cut from one qkv projection (Phi-3, GPT-NeoX) are not dense: the flat kernel's outputs
+    could not share their strides, so the half-row kernel runs, with the same results."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    from liger_compat.kernels import _rope_triton
+
+    calls = []
+    real = _rope_triton._rope_one
+    monkeypatch.setattr(_rope_triton, "_rope_one", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(13)
+    b, t, h, d = 2, 5, 3, 16
+    qkv = torch.randn(b, t, 3 * h * d, generator=g, requires_grad=True)
+    q = qkv[..., : h * d].view(b, t, h, d).transpose(1, 2)
+    k = qkv[..., h * d: 2 * h * d].view(b, t, h, d).transpose(1, 2)
+    ang = torch.rand(b, t, d // 2, generator=g) * 6.3
+    ang = torch.cat([ang, ang + 0.3], -1)
+    cos, sin = ang.cos(), ang.sin()
+    qe, ke = apply_rotary_pos_emb(q, k, cos, sin)
+    assert len(calls) == 2
+    assert rel_err(qe, rope64(q, cos, sin, 1)) < 1e-6 and rel_err(ke, rope64(k, cos, sin, 1)) < 1e-6
+    gq, gk = torch.randn(qe.shape, generator=g), torch.randn(ke.shape, generator=g)
+    (dqkv,) = torch.autograd.grad((qe * gq).sum() + (ke * gk).sum(), (qkv,))
+    x64 = qkv.detach().double().requires_grad_(True)
+    q64 = x64[..., : h * d].view(b, t, h, d).transpose(1, 2)
+    k64 = x64[..., h * d: 2 * h * d].view(b, t, h, d).transpose(1, 2)
+    (ref,) = torch.autograd.grad((rope64(q64, cos, sin, 1) * gq).sum() + (rope64(k64, cos, sin, 1) * gk).sum(), (x64,))
+    assert rel_err(dqkv, ref) < 1e-6
 
 
 def test_rope_keeps_the_transformers_layout_of_q_and_k():
