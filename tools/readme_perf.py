@@ -51,9 +51,16 @@ def _kernels(k: dict) -> list[str]:
     samples = meta.get("matmul_tflops_samples") or []
     spread = (f", the fastest of {len(samples)} samples ({min(samples):.0f}-{max(samples):.0f}; "
               "the x-floor figures use it, see `benchmarks/NOTES.md` on its spread)" if len(samples) > 1 else "")
+    rounds = max((len(r.get("ms_rounds") or []) for r in k["rows"]), default=0)
+    how = (f" Times are medians of {rounds} rounds, each round timing every implementation once in an order "
+           "rotated between rounds." if rounds > 1 else "")
+    parts = sorted({r["run"] for r in k["rows"] if r.get("run") and r["section"] == "elementwise"})
+    if parts:
+        how += (f" The elementwise rows come from a separate part of the run (`benchmarks/results/"
+                f"{parts[0].replace('.json', '.md')}`), with its own copy-rate measurement.")
     out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
            f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s{spread}, copy {meta['copy_tbps']:.2f} TB/s "
-           "(`benchmarks/results/kernels.md` has every row).", ""]
+           f"(`benchmarks/results/kernels.md` has every row).{how}", ""]
     # the three heads, then Gemma-2's softcap head and token accuracy on, in one table
     flce_rows = [r for r in k["rows"] if r["section"] in ("flce", "flce_softcap", "flce_acc")]
     out += _ratio_table([dict(r, section="flce") for r in flce_rows], "flce", PEERS, "fused linear cross-entropy",

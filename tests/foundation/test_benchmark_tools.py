@@ -1,4 +1,5 @@
-"""The end-to-end benchmark's run order and its merging of repeats (no GPU needed)."""
+"""The benchmarks' own logic: the end-to-end run order and merging of repeats, the kernel timing
+rounds (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,36 @@ def test_markdown_reports_repeats_once_per_implementation():
     md = e2e._markdown(rows)
     assert "2 repeats" in md
     assert md.count("| m | 4x2048 | liger_compat |") == 1 and "| 105.0 |" in md
+
+
+def test_kernel_timing_rounds_rotate_the_order_and_keep_the_median(monkeypatch, tmp_path):
+    """benchmarks.kernels.measure_rounds (timers replaced: no GPU): every implementation once
+    per round, the order rotated by one place per round with ``last`` kept at the end; the row
+    holds the median and every round; a failing implementation gives an error row and is not
+    timed again."""
+    from benchmarks import kernels as K
+
+    calls = []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 7.0, 6.0]), "liger": iter([9.0, 8.0, 10.0])}
+
+    def timer(fn):
+        name = fn()
+        calls.append(name)
+        if name == "bad":
+            raise RuntimeError("no kernel")
+        return next(times[name])
+
+    monkeypatch.setattr(K, "bench_ms", timer)
+    monkeypatch.setattr(K, "extra_peak_mib", lambda fn, pre=(): 12.5)
+    monkeypatch.setattr(K, "RESULTS", {"meta": {}, "rows": []})
+    monkeypatch.setattr(K, "OUT", tmp_path)
+    monkeypatch.setattr(K, "ROUNDS", 3)
+    steps = {n: (lambda n=n: n) for n in ("a", "liger", "bad", "b")}
+    out = K.measure_rounds("s", "shape", steps, {"a": {"err": 0.1}}, last=("liger",), floor_ms=1.0)
+    assert calls == ["a", "bad", "b", "liger", "b", "a", "liger", "b", "a", "liger"]  # [a bad b], [bad b a], [b a bad]
+    assert out == {"a": 2.0, "liger": 9.0, "b": 6.0}
+    rows = {r["impl"]: r for r in K.RESULTS["rows"]}
+    assert rows["a"]["ms_rounds"] == [3.0, 1.0, 2.0] and rows["a"]["err"] == 0.1 and rows["a"]["extra_mib"] == 12.5
+    assert rows["b"]["ms_rounds"] == [5.0, 7.0, 6.0] and rows["b"]["floor_ms"] == 1.0
+    assert "ms" not in rows["bad"] and "no kernel" in rows["bad"]["error"]
+    assert K._spread(rows["b"], 2) == "5.00-7.00"
