@@ -455,6 +455,18 @@ FLCE_MIB_HEADS = tuple(HEADS)
 FLCE_CHUNK_SETTINGS = ("mib:512", "default", "rows:4096")
 
 
+def _chunk_setting_ok(setting: str) -> bool:
+    """One ``--flce-chunks`` entry: ``default``, ``mib:N`` (N > 0) or ``rows:N`` (whole N > 0)."""
+    kind, _, num = setting.partition(":")
+    if kind == "default":
+        return not num
+    try:
+        value = float(num) if kind == "mib" else int(num) if kind == "rows" else 0
+    except ValueError:
+        return False
+    return value > 0
+
+
 def flce_mib():
     """Every head at each chunk setting of FLCE_CHUNK_SETTINGS (same run, so the rows compare)."""
     from liger_compat.kernels import fused_linear_cross_entropy
@@ -871,7 +883,7 @@ def _rows(section):
 
 def report() -> str:
     m = RESULTS["meta"]
-    lines = [f"# liger_compat kernel benchmark", "",
+    lines = ["# liger_compat kernel benchmark", "",
              f"device: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; "
              f"bf16 matmul {m.get('matmul_tflops', 0):.0f} TFLOP/s, copy {m.get('copy_tbps', 0):.2f} TB/s", ""]
     runs = {}
@@ -1023,22 +1035,29 @@ def main(argv=None):
     if args.plot:
         plots(Path(args.plot))
         return 0
-    OUT = Path(args.out)
-    if args.flce_chunks:
-        FLCE_CHUNK_SETTINGS = tuple(args.flce_chunks.split(","))
-    if args.flce_mib_heads:
-        FLCE_MIB_HEADS = tuple(args.flce_mib_heads.split(","))
-        unknown = set(FLCE_MIB_HEADS) - set(ALL_HEADS)
-        if unknown:
-            p.error(f"unknown heads: {', '.join(sorted(unknown))}")
+    # every argument checked before any module setting changes
+    chunks = tuple(args.flce_chunks.split(",")) if args.flce_chunks else FLCE_CHUNK_SETTINGS
+    bad = [x for x in chunks if not _chunk_setting_ok(x)]
+    if bad:
+        p.error(f"--flce-chunks: {', '.join(map(repr, bad))} not understood; use default, mib:N or rows:N "
+                "with N a positive number (rows: a whole number)")
+    heads = tuple(args.flce_mib_heads.split(",")) if args.flce_mib_heads else FLCE_MIB_HEADS
+    unknown = sorted(set(heads) - set(ALL_HEADS))
+    if unknown:
+        p.error(f"--flce-mib-heads: unknown {', '.join(unknown)}; choose from {', '.join(ALL_HEADS)}")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
-    ROUNDS = args.rounds
+    gemm_chunk = FLCE_GEMM_CHUNK
     if args.gemm_chunk:
         head, _, rows = args.gemm_chunk.partition(":")
         if head not in ALL_HEADS or not rows.isdigit() or int(rows) < 1:
             p.error(f"--gemm-chunk must be head:rows with a head of {', '.join(ALL_HEADS)}, got {args.gemm_chunk!r}")
-        FLCE_GEMM_CHUNK = (head, int(rows))
+        gemm_chunk = (head, int(rows))
+    unknown = [x for x in args.sections.split(",") if x not in SECTIONS]
+    if unknown:
+        p.error(f"--sections: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SECTIONS)}")
+    OUT, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, ROUNDS, FLCE_GEMM_CHUNK = (
+        Path(args.out), chunks, heads, args.rounds, gemm_chunk)
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
         return 1

@@ -85,3 +85,21 @@ def test_kernel_timing_rounds_rotate_the_order_and_keep_the_median(monkeypatch, 
     assert rows["b"]["ms_rounds"] == [5.0, 7.0, 6.0] and rows["b"]["floor_ms"] == 1.0
     assert "ms" not in rows["bad"] and "no kernel" in rows["bad"]["error"]
     assert K._spread(rows["b"], 2) == "5.00-7.00"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--flce-chunks", "mib:512,mib:0"], "'mib:0' not understood"),
+    (["--flce-chunks", "rows:1.5"], "'rows:1.5' not understood"),
+    (["--sections", "ceilings,flcee"], "unknown 'flcee'"),
+    (["--gemm-chunk", "llama3-8b:x"], "--gemm-chunk must be head:rows"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--flce-mib-heads", "llama3-8b,gpt2"], "unknown gpt2"),
+])
+def test_kernel_benchmark_refuses_bad_arguments_before_touching_a_gpu(capsys, argv, message):
+    from benchmarks import kernels as K
+
+    before = (K.OUT, K.FLCE_CHUNK_SETTINGS, K.FLCE_MIB_HEADS, K.ROUNDS, K.FLCE_GEMM_CHUNK)
+    with pytest.raises(SystemExit) as exc:
+        K.main(argv + ["--out", "/nonexistent/never-written"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert (K.OUT, K.FLCE_CHUNK_SETTINGS, K.FLCE_MIB_HEADS, K.ROUNDS, K.FLCE_GEMM_CHUNK) == before
