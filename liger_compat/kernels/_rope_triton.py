@@ -113,12 +113,11 @@ def _rope_flat_kernel(
                    kb, kx, ky, ckb, ckx, cky, D, HALF, BACKWARD, BLOCK_R, BLOCK_D)
 
 
-#: rows per program of the flat kernel on CUDA, its warps, and the order of its rows: "memory"
-#: (the dimension of q/k with the smaller stride fastest) or "cos" (the heads, which share a
-#: cos/sin row, fastest); benchmarks.kernels sweeps all three
+#: rows per program of the flat kernel on CUDA, and its warps (benchmarks.kernels sweeps both;
+#: ordering the rows with the heads fastest, so one cos/sin row serves a program, was never
+#: faster than memory order: NOTES.md, RoPE)
 FLAT_BLOCK_R = 4
 FLAT_WARPS = 1
-FLAT_ORDER = "memory"
 
 
 def _flat_ok(q, k, oq, ok, cos_u, sin_u) -> bool:
@@ -130,12 +129,12 @@ def _flat_ok(q, k, oq, ok, cos_u, sin_u) -> bool:
 
 def _flat_operands(x, c):
     """(rows, X, Y, x strides, cos strides) of 4-D x as ``[B, X, Y, D]`` with cos expanded to
-    it (stride 0 where it broadcasts); X and Y swapped per FLAT_ORDER."""
+    it (stride 0 where it broadcasts); X and Y swapped where that gives Y the smaller stride in
+    x, so the rows of one program lie next to each other in memory."""
     c = c.expand(*x.shape[:-1], c.shape[-1])
     xs, cs = list(x.stride()[:3]), list(c.stride()[:3])
     shape = list(x.shape[:3])
-    swap = xs[1] < xs[2] if FLAT_ORDER == "memory" else (cs[1] == 0 and cs[2] != 0)
-    if swap:
+    if xs[1] < xs[2]:
         for lst in (xs, cs, shape):
             lst[1], lst[2] = lst[2], lst[1]
     return [shape[0] * shape[1] * shape[2], shape[1], shape[2], *xs, *cs]

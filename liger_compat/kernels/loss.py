@@ -230,7 +230,7 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
         # whole 128-row matmul tiles where that costs no extra chunk (1040 rows = 8 tiles + 16
         # rows was 3-8 % slower than 1024, NOTES.md row 17), else a multiple of 8
         tiles = cap // 128 * 128
-        if tiles and -(-n // tiles) == -(-n // cap):
+        if tiles and _dispatch.cdiv(n, tiles) == _dispatch.cdiv(n, cap):
             rows = tiles
         else:
             rows = cap // 8 * 8 if cap >= 16 else cap

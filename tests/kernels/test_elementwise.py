@@ -142,12 +142,12 @@ def test_rope_position_ids_with_table():
     assert rel_err(qe, ref) < 1e-6
 
 
-@pytest.mark.parametrize("variant,order", [("flat", "memory"), ("flat", "cos"), ("rows", None)])
+@pytest.mark.parametrize("variant", ["flat", "rows"])
 @pytest.mark.parametrize("layout", [1, 2])
 @pytest.mark.parametrize("dims", [(12, 8), (16, 16)])
-def test_rope_triton_kernel_variants(monkeypatch, variant, order, layout, dims):
-    """Each Triton RoPE kernel (whole rows of q and k in one launch, in either row order /
-    half-row tiles), with and without pass-through channels."""
+def test_rope_triton_kernel_variants(monkeypatch, variant, layout, dims):
+    """Each Triton RoPE kernel (whole rows of q and k in one launch / half-row tiles), with and
+    without pass-through channels."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     from liger_compat.kernels import _rope_triton
@@ -157,7 +157,6 @@ def test_rope_triton_kernel_variants(monkeypatch, variant, order, layout, dims):
         real = getattr(_rope_triton, attr)
         monkeypatch.setattr(_rope_triton, attr, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
     monkeypatch.setattr(_rope_triton, "ROPE_KERNEL_VARIANT", variant)
-    monkeypatch.setattr(_rope_triton, "FLAT_ORDER", order or "memory")
     g = torch.Generator().manual_seed(5)
     q, k, cos, sin = _rope_inputs(g, 2, 3, 1, 5, dims[0], dims[1], torch.float32, layout, True)
     qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
