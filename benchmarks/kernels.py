@@ -20,6 +20,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -113,27 +114,9 @@ def rel(a, b):
 
 
 def measure(section, shape, impl, step, extra=None, preexisting=(), graph=False, **fields):
-    try:
-        if graph:  # elementwise kernels: GPU time from a CUDA graph, eager-launch time beside it
-            ms_eager = bench_ms(step)
-            try:
-                ms = bench_graph_ms(step)
-                fields = dict(fields, ms_eager_launch=ms_eager, timing="cuda graph")
-            except Exception as exc:
-                ms = ms_eager
-                fields = dict(fields, timing=f"eager (graph capture failed: {type(exc).__name__})")
-        else:
-            ms = bench_ms(step)
-        mem = extra_peak_mib(step, preexisting)
-        add(section=section, shape=shape, impl=impl, ms=ms, extra_mib=mem, **fields, **(extra or {}))
-        return ms
-    except Exception as exc:  # keep going: one broken baseline must not lose the run
-        add(section=section, shape=shape, impl=impl, error=f"{type(exc).__name__}: {exc}"[:400])
-        traceback.print_exc()
-        return None
-    finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+    """One implementation timed once (one round of :func:`measure_rounds`): its ms, or None."""
+    return measure_rounds(section, shape, {impl: step}, {impl: extra}, preexisting, graph, rounds=1,
+                          **fields).get(impl)
 
 
 #: timing rounds of ``measure_rounds`` (``--rounds``): every implementation of a shape is timed
@@ -141,8 +124,8 @@ def measure(section, shape, impl, step, extra=None, preexisting=(), graph=False,
 ROUNDS = 3
 
 
-def measure_rounds(section, shape, steps, extras=None, preexisting=(), graph=False, last=(), **fields):
-    """Time the implementations of one shape against each other: ROUNDS rounds, each timing
+def measure_rounds(section, shape, steps, extras=None, preexisting=(), graph=False, last=(), rounds=None, **fields):
+    """Time the implementations of one shape against each other: ``rounds`` (ROUNDS) rounds, each timing
     every implementation once, in an order rotated by one place per round (``last`` stays at
     the end: liger-kernel's RMSNorm writes over dY); one row per implementation with the median
     (``ms``) and every round (``ms_rounds``), then its extra memory. Within one run the same
@@ -151,9 +134,10 @@ def measure_rounds(section, shape, steps, extras=None, preexisting=(), graph=Fal
     extras = extras or {}
     names = [n for n in steps if n not in last]
     times: dict = {n: [] for n in steps}
-    eager: dict = {}
+    eager: dict = {}  # graph mode: one eager-launch time per implementation
+    fallback: dict = {}  # graph capture failed: eager launches only, and why
     failed: dict = {}
-    for r in range(ROUNDS):
+    for r in range(ROUNDS if rounds is None else rounds):
         k = r % max(len(names), 1)
         order = names[k:] + names[:k] + [n for n in steps if n in last]
         for impl in order:
@@ -165,8 +149,8 @@ def measure_rounds(section, shape, steps, extras=None, preexisting=(), graph=Fal
                         eager[impl] = bench_ms(steps[impl])
                     try:
                         times[impl].append(bench_graph_ms(steps[impl]))
-                    except Exception as exc:  # capture failed: eager launches only
-                        eager.setdefault("_fallback", {})[impl] = type(exc).__name__
+                    except Exception as exc:
+                        fallback[impl] = type(exc).__name__
                         times[impl].append(bench_ms(steps[impl]))
                 else:
                     times[impl].append(bench_ms(steps[impl]))
@@ -181,11 +165,9 @@ def measure_rounds(section, shape, steps, extras=None, preexisting=(), graph=Fal
         if impl in failed:
             add(section=section, shape=shape, impl=impl, error=failed[impl], **(extras.get(impl) or {}))
             continue
-        ts = sorted(times[impl])
-        row = dict(fields, ms=ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2,
-                   ms_rounds=times[impl])
+        row = dict(fields, ms=statistics.median(times[impl]), ms_rounds=times[impl])
         if graph:
-            fb = eager.get("_fallback", {}).get(impl)
+            fb = fallback.get(impl)
             row.update(ms_eager_launch=eager[impl],
                        timing=f"eager (graph capture failed: {fb})" if fb else "cuda graph")
         try:
@@ -455,16 +437,19 @@ FLCE_MIB_HEADS = tuple(HEADS)
 FLCE_CHUNK_SETTINGS = ("mib:512", "default", "rows:4096")
 
 
-def _chunk_setting_ok(setting: str) -> bool:
-    """One ``--flce-chunks`` entry: ``default``, ``mib:N`` (N > 0) or ``rows:N`` (whole N > 0)."""
+def _chunk_setting(setting: str) -> tuple[str, float | None]:
+    """One ``--flce-chunks`` entry as (kind, number): ``default``, ``mib:N`` (N > 0) or ``rows:N``
+    (whole N > 0); ``ValueError`` otherwise."""
     kind, _, num = setting.partition(":")
-    if kind == "default":
-        return not num
+    if kind == "default" and not num:
+        return kind, None
     try:
         value = float(num) if kind == "mib" else int(num) if kind == "rows" else 0
     except ValueError:
-        return False
-    return value > 0
+        value = 0
+    if value <= 0:
+        raise ValueError(setting)
+    return kind, value
 
 
 def flce_mib():
@@ -479,19 +464,19 @@ def flce_mib():
             h, w, t = _flce_inputs(n, hd, v)
             floor = 6 * n * hd * v / (mt * 1e12) * 1e3
             for setting in FLCE_CHUNK_SETTINGS:
-                kind, _, num = setting.partition(":")
+                kind, num = _chunk_setting(setting)
                 if kind == "rows":
-                    _set_flce(mib=int(num) * 2 * v / 2**20)
+                    _set_flce(mib=num * 2 * v / 2**20)
                 elif kind == "default":
                     _set_flce()
                 else:
-                    _set_flce(mib=float(num))
+                    _set_flce(mib=num)
 
                 def step():
                     return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
 
                 rows = loss_mod._chunk_rows(n, v, hd, 2, "triton", h.device)
-                label = {"rows": f"{num} rows", "default": "default"}.get(kind, f"{num} MiB")
+                label = {"rows": f"{num} rows", "default": "default"}.get(kind, f"{num:g} MiB")
                 measure("flce_mib", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
                         f"liger_compat {label} ({rows} rows)", step, floor_ms=floor, chunk_rows=rows)
             del h, w, t
@@ -835,18 +820,18 @@ def elem_profile():
     gq, gk = torch.randn_like(q), torch.randn_like(k)
     best = None
 
-    def set_rope(variant, block=P.FLAT_BLOCK_R, warps=P.FLAT_WARPS, order="memory"):
+    def set_rope(variant, block=P.FLAT_BLOCK_R, warps=P.FLAT_WARPS):
         P.ROPE_KERNEL_VARIANT = variant
-        P.FLAT_BLOCK_R, P.FLAT_WARPS, P.FLAT_ORDER = block, warps, order
+        P.FLAT_BLOCK_R, P.FLAT_WARPS = block, warps
 
-    # session 7 (run 14) swept the flat kernel's order x 4/8/16 rows x 1/2/4/8 warps: "cos" order
-    # was never faster, 16 rows or 8 warps never the fastest (NOTES.md, RoPE)
-    knobs = [("rows",)] + [("flat", br, nw, "memory") for br in (4, 8) for nw in (1, 2, 4)]
+    # session 7 (run 15) swept the flat kernel's row order x 4/8/16 rows x 1/2/4/8 warps: heads-first
+    # order was never faster, 16 rows or 8 warps never the fastest (NOTES.md, RoPE)
+    knobs = [("rows",)] + [("flat", br, nw) for br in (4, 8) for nw in (1, 2, 4)]
     compiled = torch.compile(lambda q, k: _hf_rope(q, k, cos, sin), dynamic=False)
     for knob in knobs:
         set_rope(*knob)
         ms = bench_graph_ms(lambda: torch.autograd.grad(K.apply_rotary_pos_emb(q, k, cos, sin), (q, k), (gq, gk)))
-        label = knob[0] if len(knob) == 1 else f"{knob[0]} block={knob[1]} warps={knob[2]} order={knob[3]}"
+        label = knob[0] if len(knob) == 1 else f"{knob[0]} block={knob[1]} warps={knob[2]}"
         add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl=label, ms=ms)
         best = min(best or (ms, knob), (ms, knob))
     add(section="elem_profile", shape="rope fwd+bwd q[8,32,2048,128]", impl="torch.compile",
@@ -935,9 +920,9 @@ def report() -> str:
                 elif sec == "flce_gemm":
                     lines.append(f"| {r['impl']} ({r['shape']}) | {r['ms']:.3f} (x ideal matmul: {r['x_ideal_mm']:.2f}) | | |")
                 elif sec in ("flce_rows", "flce_gemm_whole", "flce_mib"):
-                    lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
+                    lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {_mib(r)} | {r['ms'] / r['floor_ms']:.2f} |")
                 else:
-                    lines.append(f"| {r['shape']} | {r['ms']:.2f} | {r['extra_mib']:.0f} | {r['ms'] / r['floor_ms']:.2f} |")
+                    lines.append(f"| {r['shape']} | {r['ms']:.2f} | {_mib(r)} | {r['ms'] / r['floor_ms']:.2f} |")
     el = _rows("elementwise")
     if el:
         lines += ["", "## RMSNorm, SwiGLU, GeGLU, RoPE (bf16, forward+backward)", "",
@@ -1037,7 +1022,12 @@ def main(argv=None):
         return 0
     # every argument checked before any module setting changes
     chunks = tuple(args.flce_chunks.split(",")) if args.flce_chunks else FLCE_CHUNK_SETTINGS
-    bad = [x for x in chunks if not _chunk_setting_ok(x)]
+    bad = []
+    for x in chunks:
+        try:
+            _chunk_setting(x)
+        except ValueError:
+            bad.append(x)
     if bad:
         p.error(f"--flce-chunks: {', '.join(map(repr, bad))} not understood; use default, mib:N or rows:N "
                 "with N a positive number (rows: a whole number)")
