@@ -3,14 +3,13 @@
 A patch remembers whether the attribute lived in the owner's own ``__dict__`` or was
 inherited: reverting puts the very same object back, or deletes the override so the
 inherited one shows through again. Function wrappers are ``wrapt.FunctionWrapper``
-objects, as in OpenTelemetry's instrumentations.
+objects, as in OpenTelemetry's instrumentations; wrapt is imported on the first patch, not when
+liger_compat is imported (see :mod:`liger_compat._import_hooks`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
-
-import wrapt
 
 from .._record import Record
 
@@ -71,7 +70,7 @@ class PatchSet:
         self._patches.append(Patch(owner, name, original, replacement))
         return replacement
 
-    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> wrapt.FunctionWrapper:
+    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
         """Wrap ``owner.name`` with a wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``."""
         current = getattr(owner, name)
         if isinstance(owner, type):
@@ -81,6 +80,8 @@ class PatchSet:
                 if name in klass.__dict__:
                     current = klass.__dict__[name]
                     break
+        import wrapt
+
         fw = wrapt.FunctionWrapper(current, wrapper)
         return self.set(owner, name, fw)
 

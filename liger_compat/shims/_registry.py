@@ -6,7 +6,7 @@ A shim is a small unit that adapts one upstream behaviour. It declares
 * ``library``: the distribution whose versions gate it (``"transformers"``, ``"trl"``),
 * ``trigger``: the import name whose import applies it (a module or submodule, for example
   ``"transformers.models.qwen2.modeling_qwen2"``); hooks are registered with
-  ``wrapt.register_post_import_hook`` so the order of imports does not matter,
+  :func:`liger_compat._import_hooks.when_imported` so the order of imports does not matter,
 * ``target``: what it patches, in words (``"Qwen2ForCausalLM.forward"``),
 * ``versions``: a ``packaging`` specifier on ``library`` where it applies (empty: all),
 * ``probe(module)``: a feature probe run on the imported trigger module; returns ``None``
@@ -29,10 +29,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterable
 
-import wrapt
-
+from .. import _config, _import_hooks
 from .._log import log
-from .. import _config
 from .._record import Record
 from ..compat import versions
 from ._patching import PatchSet
@@ -163,7 +161,7 @@ class Registry:
             return
         self._hooked.add(trigger)
         # fires at once if the module is already imported, else right after its import
-        wrapt.register_post_import_hook(self._on_import, trigger)
+        _import_hooks.when_imported(trigger, self._on_import)
 
     def _on_import(self, module: Any) -> None:
         if not self.active:

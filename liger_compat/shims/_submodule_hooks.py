@@ -12,73 +12,17 @@ alone and reported in the shim's reason while the other submodules stay patched.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Callable
 
-import wrapt
-
+from .. import _import_hooks
 from .._log import log
 from ._patching import PatchSet
 from ._registry import REGISTRY, Shim, State
 
-
-#: module name -> callbacks; one wrapt hook per module name for the whole process
-_callbacks: dict[str, list[Callable[[Any], None]]] = {}
+#: guards the middleware chains
 _lock = threading.RLock()
 
-
-#: modules that were still executing when a hook was registered for them (a trigger package imported
-#: from inside them): handled at the next dispatch once their import has finished
-_pending: set[str] = set()
-#: the module name whose hook is being registered (wrapt calls the hook at once if it is imported)
-_registering: str | None = None
-
-
-def _initializing(module: Any) -> bool:
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _dispatch(module: Any) -> None:
-    name = getattr(module, "__name__", "")
-    flush_pending()
-    # wrapt also calls hooks at the end of an import, when __spec__._initializing is still set: only a
-    # module found in sys.modules while its hook is registered can be half-executed
-    if name == _registering and _initializing(module):
-        _pending.add(name)
-        return
-    for cb in list(_callbacks.get(name, ())):
-        cb(module)
-
-
-def flush_pending() -> None:
-    """Patch the modules whose hooks were registered mid-import, if their import has finished since."""
-    for other in list(_pending):
-        mod = sys.modules.get(other)
-        if mod is not None and not _initializing(mod):
-            _pending.discard(other)
-            for cb in list(_callbacks.get(other, ())):
-                cb(mod)
-
-
-def _on_import(name: str, callback: Callable[[Any], None]) -> None:
-    global _registering
-    with _lock:
-        first = name not in _callbacks
-        cbs = _callbacks.setdefault(name, [])
-        if callback not in cbs:
-            cbs.append(callback)
-        if first:
-            _registering = name
-            try:
-                wrapt.register_post_import_hook(_dispatch, name)  # fires at once when already imported
-            finally:
-                _registering = None
-        elif name in sys.modules:
-            if _initializing(sys.modules[name]):
-                _pending.add(name)
-            else:
-                callback(sys.modules[name])
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +30,7 @@ def _on_import(name: str, callback: Callable[[Any], None]) -> None:
 # --------------------------------------------------------------------------------------------
 
 class _Chain:
-    """One wrapt wrapper on ``owner.attr`` running the middlewares of every shim that asked for one.
+    """One wrapper on ``owner.attr`` running the middlewares of every shim that asked for one.
 
     Middlewares run in shim registration order (the first registered is outermost); each is
     ``fn(call_next, wrapped, instance, args, kwargs)`` (``wrapped``: the original method) and calls
@@ -186,7 +130,7 @@ class SubmoduleShim(Shim):
         self._active = True
         try:
             for name in self.modules:
-                _on_import(name, self._on_submodule)
+                _import_hooks.when_imported(name, self._on_submodule)
         except Exception:
             self._uninstall()
             raise
@@ -221,7 +165,7 @@ class SubmoduleShim(Shim):
     def status(self) -> dict[str, Any]:
         """``patch_module`` results starting with ``"not needed"`` are notes, not patches: a shim whose
         every imported target was not needed reports that state."""
-        flush_pending()
+        _import_hooks.flush_pending()
         st = super().status()
         if self.state == State.APPLIED and not st["reason"]:
             done = [p for p in self.patched if not p.startswith("not needed")]

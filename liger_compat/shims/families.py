@@ -33,8 +33,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterable, NamedTuple
 
-import wrapt
 
+from .. import _import_hooks
 from .._log import log
 
 
@@ -146,7 +146,7 @@ def family_modules() -> list[str]:
 class ModelingWatcher:
     """Calls ``callback(module)`` for each watched module once it is imported, while started.
 
-    wrapt post-import hooks cannot be removed, so a stopped watcher keeps its hooks and they do
+    Post-import hooks are never removed, so a stopped watcher keeps its hooks and they do
     nothing; starting again re-runs the callback on modules imported in the meantime. The
     callback must be idempotent. Errors are kept per module (``failures``), never raised.
     """
@@ -171,7 +171,7 @@ class ModelingWatcher:
                 else:
                     self._hooked.add(mod_name)
                     # fires at once when the module is already imported
-                    wrapt.register_post_import_hook(self._fire, mod_name)
+                    _import_hooks.when_imported(mod_name, self._fire)
 
     def stop(self) -> None:
         with self._lock:

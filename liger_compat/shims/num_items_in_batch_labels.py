@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import wrapt
 
 from .._log import log
 from ._patching import PatchSet, unwrap
@@ -148,6 +147,8 @@ def _get_batch_samples_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs:
 
 
 def _is_ours(fn: Any) -> bool:
+    import wrapt
+
     while isinstance(fn, wrapt.FunctionWrapper):
         if getattr(fn, "_self_wrapper", None) is _get_batch_samples_wrapper:
             return True
@@ -166,6 +167,8 @@ def _train_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
     if current is None or _is_ours(current) or _takes_model_and_batch(current):
         return wrapped(*args, **kwargs)
     # someone (unsloth) replaced get_batch_samples after we wrapped it: wrap theirs for this run
+    import wrapt
+
     bound = wrapt.FunctionWrapper(current, _get_batch_samples_wrapper).__get__(instance, type(instance))
     instance.__dict__["get_batch_samples"] = bound
     try:
