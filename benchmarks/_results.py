@@ -1,15 +1,54 @@
-"""Where a benchmark's results go: ``<name>.json`` and ``<name>.md`` under the output folder."""
+"""Where a benchmark's results go: ``<name>.json`` and ``<name>.md`` under the output folder.
+
+Every result file names the command that regenerates it: the JSON has a top-level
+``"regenerate"`` string, the markdown starts with a ``regenerate: `...` `` line.
+"""
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
+#: the script that writes the multi-GPU results (distributed_2gpu*, distributed_scaling*)
+DISTRIBUTED = "OUT=benchmarks/results WITH_ZERO3=1 bash benchmarks/distributed_gpu_run.sh"
 
-def write(out: str | Path, name: str, data, markdown: str) -> None:
-    """Write ``data`` as JSON and ``markdown`` beside it, and print the markdown."""
+
+def command(module: str, argv: list[str]) -> str:
+    """``python -m <module> <argv>``, less ``--out DIR``: the command that writes this result
+    into ``benchmarks/results`` (the default output folder)."""
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            args.append(a)
+    return shlex.join(["python", "-m", module, *args])
+
+
+def md_line(cmd: str) -> str:
+    """The first line of a result's markdown."""
+    return f"regenerate: `{cmd}`\n\n"
+
+
+def with_command(data, cmd: str) -> dict:
+    """``data`` as a JSON object whose first key is ``regenerate`` (a list becomes ``rows``)."""
+    body = {"rows": data} if isinstance(data, list) else {k: v for k, v in data.items() if k != "regenerate"}
+    return {"regenerate": cmd, **body}
+
+
+def rows(data) -> list:
+    """The rows of a result written by :func:`write` (or of an older bare list)."""
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def write(out: str | Path, name: str, data, markdown: str, cmd: str) -> None:
+    """Write ``data`` as JSON and ``markdown`` beside it, each naming ``cmd``, and print the markdown."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{name}.json").write_text(json.dumps(with_command(data, cmd), indent=2))
+    markdown = md_line(cmd) + markdown
     (out / f"{name}.md").write_text(markdown)
     print(markdown)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8 on a 2-GPU machine (the device tool's nvidia-h200-x2): the 2-GPU correctness tests and
+# The multi-GPU results on a 2-GPU machine (the device tool's nvidia-h200-x2): the 2-GPU correctness tests and
 # the 1/2-GPU scaling benchmark, results into $OUT (then copied to benchmarks/results/).
 # Leaves the NCCL / NVLink-multicast environment as the machine sets it.
 set -u

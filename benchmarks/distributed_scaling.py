@@ -1,8 +1,10 @@
-"""Scaling of one training step of a small Llama on 1 and 2 GPUs, native vs liger_compat (issue 8).
+"""Scaling of one training step of a small Llama on 1 and 2 GPUs, native vs liger_compat.
 
     torchrun --nproc_per_node 1 benchmarks/distributed_scaling.py --out results/one.json
     torchrun --nproc_per_node 2 benchmarks/distributed_scaling.py --out results/two.json
     python benchmarks/distributed_scaling.py --table one.json two.json > distributed_scaling.md
+
+(``benchmarks/distributed_gpu_run.sh`` runs these three; its command heads every result file.)
 
 The model is the design's end-to-end anchor: Llama, 8 layers, hidden 2048 (GQA 32/8 heads,
 MLP 8192), vocab 128256, bf16 weights, 4 x 2048 tokens per GPU, AdamW. One process runs the
@@ -21,6 +23,10 @@ import os
 import sys
 import time
 import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ importable
+from benchmarks import _results  # noqa: E402
 
 SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
@@ -170,7 +176,7 @@ def run(args) -> None:
                 "config": CONFIG if device.type == "cuda" else SMOKE,
                 "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"regenerate": _results.DISTRIBUTED, "meta": meta, "results": results}, f, indent=1)
     if dist is not None:
         dist.destroy_process_group()
 
@@ -183,7 +189,7 @@ def table(paths: list[str]) -> str:
         meta = meta or d["meta"]
         rows += d["results"]
     base = {r["mode"]: r["tokens_per_s"] for r in rows if r["gpus"] == 1}
-    out = [f"Device: {meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}. "
+    out = [_results.md_line(_results.DISTRIBUTED) + f"Device: {meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}. "
            f"Llama {meta['config']['num_hidden_layers']} layers, hidden {meta['config']['hidden_size']}, vocab "
            f"{meta['config']['vocab_size']}, bf16, {meta['batch_per_gpu']} x {meta['seq']} tokens per GPU, AdamW; "
            f"median of {meta['steps']} steps after {meta['warmup']} warm-up.", "",

@@ -2,7 +2,7 @@
 
     python -m benchmarks.e2e [--models llama-3.2-1b,qwen2.5-1.5b] [--shapes 4x2048,8x4096]
                              [--impls native,liger_kernel,liger_compat,...] [--steps 6]
-                             [--repeats 2] [--out DIR]
+                             [--repeats 2] [--out DIR] [--name e2e]
 
 Models are built from config with random weights (no hub), bf16 on the GPU, SDPA attention,
 AdamW (fused). A step is forward with labels, backward and the optimizer step. Every
@@ -12,12 +12,14 @@ allocated memory, plus the first-step loss (same seed and weights across impleme
 the losses must agree to bf16 precision). Out-of-memory is recorded as such.
 
 Processes run one after another, and the order matters: in paired runs of two settings the
-second process measured ~3 % faster whichever it was (NOTES.md, end-to-end row 7). With
+second process measured ~3 % faster whichever it was (NOTES.md, end-to-end: "repeats in
+alternating order"). With
 ``--repeats R`` every (model, shape) runs its implementations R times, in the given order and
 then reversed, alternately, and the tables report the median over repeats of each process's
 median step.
 
-Writes ``e2e.json`` and ``e2e.md`` under ``--out``.
+Writes ``<name>.json`` and ``<name>.md`` (``--name``, default ``e2e``) and the plots
+``<name>_<model>.png`` under ``--out``; both files name the command that regenerates them.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ MODELS = {
                          rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6),
 }
 #: liger_compat under other settings: the fused loss's logits chunk capped at 62 MiB (its
-#: low-memory operating point), 256 MiB (the default before session 5) or 512 MiB (the default
-#: in session 5, before the 2048-row default); the MLP keeping its norm output and
+#: low-memory operating point), 256 MiB or 512 MiB (earlier defaults, before the 2048-row
+#: default); the MLP keeping its norm output and
 #: activation for the backward (no recompute), or rebuilding only one of them
 VARIANTS = {
     "liger_compat_62mib": {"LIGER_COMPAT_FLCE_CHUNK_MB": "62"},
@@ -200,8 +202,8 @@ def _markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(rows: list[dict], out: Path) -> list[Path]:
-    """``e2e_<model>.png``: tokens/s and peak memory against tokens per step, one line per
+def plots(rows: list[dict], out: Path, name: str = "e2e") -> list[Path]:
+    """``<name>_<model>.png``: tokens/s and peak memory against tokens per step, one line per
     implementation (out-of-memory points left out)."""
     try:
         import matplotlib
@@ -231,7 +233,7 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax_t.legend(fontsize=8)
         fig.suptitle(f"{model}: training step (forward, backward, AdamW), bf16; missing points = OOM")
         fig.tight_layout()
-        path = out / f"e2e_{model}.png"
+        path = out / f"{name}_{model}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each (model, shape) this many times, reversing the implementations' order every other time")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--name", default="e2e", help="result files <name>.json, <name>.md, <name>_<model>.png")
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
     ap.add_argument("--plot", metavar="E2E_JSON", help="only draw the plots from this e2e.json")
     a = ap.parse_args(argv)
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.plot:
         src = Path(a.plot)
-        for path in plots(json.loads(src.read_text()), src.parent):
+        for path in plots(_results.rows(json.loads(src.read_text())), src.parent, src.stem):
             print(path)
         return 0
     for m in a.models.split(","):
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.repeats < 1:
         ap.error("--repeats must be at least 1")
     rows = []
+    cmd = _results.command("benchmarks.e2e", sys.argv[1:] if argv is None else argv)
     impls = a.impls.split(",")
     combos = run_order(a.models.split(","), a.shapes.split(","), impls, a.repeats)
     for n, (m, s, i, rep) in enumerate(combos, 1):
@@ -286,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1]["repeat"] = rep
         print("   ", {k: rows[-1].get(k) for k in ("status", "step_ms", "tokens_per_s", "peak_gib", "first_loss")},
               file=sys.stderr, flush=True)
-        _results.write(a.out, "e2e", rows, _markdown(rows))  # after every run: a cut-off run keeps its rows
-    plots(rows, Path(a.out))
+        _results.write(a.out, a.name, rows, _markdown(rows), cmd)  # after every run: a cut-off run keeps its rows
+    plots(rows, Path(a.out), a.name)
     return 0
 
 

@@ -16,7 +16,8 @@ Those census hooks make liger_compat's rebuild of the norm output feeding the ML
 does under any outer saved-tensor hooks); the activation rebuild of a plain ``nn.Linear``
 down_proj needs no hooks and still applies. ``benchmarks.e2e`` measures peaks without hooks.
 
-Writes ``e2e_memory.json`` and ``e2e_memory.md`` under ``--out``.
+Writes ``e2e_memory.json`` and ``e2e_memory.md`` under ``--out``, each naming the command that
+regenerates it.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[-1]
             print(f"    peak fwd {r['peak_forward_gib']:.2f} bwd {r['peak_backward_gib']:.2f} "
                   f"saved {r['saved_gib']:.2f} GiB", file=sys.stderr, flush=True)
-    _results.write(a.out, "e2e_memory", rows, _markdown(rows))
+    _results.write(a.out, "e2e_memory", rows, _markdown(rows),
+                   _results.command("benchmarks.e2e_memory", sys.argv[1:] if argv is None else argv))
     return 0
 
 

@@ -1,11 +1,12 @@
 """GPU benchmark of the liger_compat kernels against torch eager, torch.compile, liger-kernel and
-cut-cross-entropy, in one run (issues 3 and 7).
+cut-cross-entropy, in one run.
 
-    python -m benchmarks.kernels [--out DIR] [--sections ceilings,flce,variants,profile,norm,...]
+    python -m benchmarks.kernels [--out DIR] [--name kernels] [--sections ceilings,flce,variants,profile,norm,...]
     python -m benchmarks.kernels --plot DIR/kernels.json      # plots only (no GPU needed)
 
-Prints a correctness table and a timing table (markdown, also written to ``kernels.md``),
-writes every number to ``kernels.json`` and, where matplotlib exists, ``kernels_*.png``.
+Prints a correctness table and a timing table (markdown, also written to ``<name>.md``),
+writes every number to ``<name>.json`` (``--name``, default ``kernels``; both name the command
+that regenerates them) and, where matplotlib exists, ``<name>_*.png``.
 Times are ``triton.testing.do_bench`` medians of forward+backward; "extra MiB" is peak
 allocated memory during forward+backward minus the inputs and the gradients returned.
 Floors: the fused loss's three matmuls (6*N*H*V flop at the measured bf16 matmul rate); the
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 RESULTS: dict = {"meta": {}, "rows": []}
 OUT = Path("benchmarks/results")
+NAME = "kernels"  # result files <NAME>.json / <NAME>.md
 
 
 def log(*a):
@@ -39,7 +41,8 @@ def log(*a):
 
 def save():
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "kernels.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    first = {k: RESULTS[k] for k in ("regenerate",) if k in RESULTS}  # the command heads the file
+    (OUT / f"{NAME}.json").write_text(json.dumps(first | RESULTS, indent=1, default=str))
 
 
 def add(**row):
@@ -367,8 +370,8 @@ def _set_flce(rows=None, mib=None, variant="split", compact=True, logits="auto")
 def flce_rows():
     """Rows per chunk at the two operating points (~1000 rows, ~250 rows): cuBLAS shapes that
     are multiples of 64 or not, and the number of chunks; with 10 % ignored targets (~7370 rows
-    left at the 8B head) and with none. (Run 6 also compared even chunks against full chunks
-    plus a remainder, a knob since removed.)"""
+    left at the 8B head) and with none. (Even chunks against full chunks plus a remainder
+    were compared here too, a knob since removed: NOTES.md, "even chunks".)"""
     from liger_compat.kernels import fused_linear_cross_entropy
     from liger_compat.kernels import loss as loss_mod
 
@@ -549,9 +552,8 @@ FLCE_GEMM_CHUNK = ("llama3-8b", 1024)
 def flce_gemm():
     """One chunk's matmuls (FLCE_GEMM_CHUNK) against the 8192^3 ceiling: cuBLAS,
     the Triton logits GEMM with the CE statistics in its epilogue (configs), the
-    CE passes it replaces, and the whole loss with each choice at every head. (Run 8a also tried
-    cuBLASLt and two streams for the gradient matmuls, run 8b a Triton grad_weight kernel:
-    NOTES.md.)"""
+    CE passes it replaces, and the whole loss with each choice at every head. (cuBLASLt, two streams
+    for the gradient matmuls and a Triton grad_weight kernel were tried here too: NOTES.md.)"""
     from liger_compat.kernels import _ce_triton, _logits_triton, fused_linear_cross_entropy
     from liger_compat.kernels import loss as loss_mod
     from liger_compat.kernels.loss import CEOptions
@@ -824,8 +826,8 @@ def elem_profile():
         P.ROPE_KERNEL_VARIANT = variant
         P.FLAT_BLOCK_R, P.FLAT_WARPS = block, warps
 
-    # session 7 (run 15) swept the flat kernel's row order x 4/8/16 rows x 1/2/4/8 warps: heads-first
-    # order was never faster, 16 rows or 8 warps never the fastest (NOTES.md, RoPE)
+    # a wider sweep (the flat kernel's row order x 4/8/16 rows x 1/2/4/8 warps) found heads-first
+    # order never faster, 16 rows or 8 warps never the fastest (NOTES.md, RoPE)
     knobs = [("rows",)] + [("flat", br, nw) for br in (4, 8) for nw in (1, 2, 4)]
     compiled = torch.compile(lambda q, k: _hf_rope(q, k, cos, sin), dynamic=False)
     for knob in knobs:
@@ -868,7 +870,8 @@ def _rows(section):
 
 def report() -> str:
     m = RESULTS["meta"]
-    lines = ["# liger_compat kernel benchmark", "",
+    lines = ([f"regenerate: `{RESULTS['regenerate']}`", ""] if RESULTS.get("regenerate") else []) + [
+             "# liger_compat kernel benchmark", "",
              f"device: {m.get('device')}; torch {m.get('torch')}, triton {m.get('triton')}; "
              f"bf16 matmul {m.get('matmul_tflops', 0):.0f} TFLOP/s, copy {m.get('copy_tbps', 0):.2f} TB/s", ""]
     runs = {}
@@ -876,8 +879,8 @@ def report() -> str:
         if r.get("run"):
             runs.setdefault(r["run"], set()).add(r["section"])
     for run, secs in sorted(runs.items()):
-        lines += [f"Sections {', '.join(sorted(secs))} come from the separate run {run} (its own ceilings set "
-                  f"their floors); every ratio compares rows of one run.", ""]
+        lines += [f"Sections {', '.join(sorted(secs))} come from {run}, measured separately (its own ceilings "
+                  f"set their floors); every ratio compares rows measured together.", ""]
     fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap", "flce_lowmem")]
     if fl:
         lines += ["## Fused linear cross-entropy: correctness (bf16 inputs)", "",
@@ -978,9 +981,9 @@ def plots(path: Path):
             axes[0].legend()
             fig.suptitle(f"{title}: {kind}" if kind != "flce" else title)
             fig.tight_layout()
-            fig.savefig(path.parent / f"kernels_{sec}_{kind}.png", dpi=110)
+            fig.savefig(path.parent / f"{path.stem}_{sec}_{kind}.png", dpi=110)
             plt.close(fig)
-            log("plot", path.parent / f"kernels_{sec}_{kind}.png")
+            log("plot", path.parent / f"{path.stem}_{sec}_{kind}.png")
 
 
 SECTIONS = {
@@ -1005,10 +1008,11 @@ SECTIONS = {
 
 
 def main(argv=None):
-    global OUT, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, FLCE_GEMM_CHUNK, ROUNDS
+    global OUT, NAME, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, FLCE_GEMM_CHUNK, ROUNDS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--sections", default="ceilings,elem_profile,norm,profile,variants,flce,softcap,acc,lowmem,flce_sweep,elementwise_sweep")
+    p.add_argument("--name", default=NAME, help="result files <name>.json, <name>.md, <name>_*.png")
     p.add_argument("--plot", help="only draw plots from this kernels.json")
     p.add_argument("--merge", nargs="*", help="earlier kernels.json files whose rows to keep")
     p.add_argument("--flce-chunks", help="chunk settings for the flce_mib section, e.g. mib:512,rows:2048")
@@ -1046,13 +1050,16 @@ def main(argv=None):
     unknown = [x for x in args.sections.split(",") if x not in SECTIONS]
     if unknown:
         p.error(f"--sections: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SECTIONS)}")
-    OUT, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, ROUNDS, FLCE_GEMM_CHUNK = (
-        Path(args.out), chunks, heads, args.rounds, gemm_chunk)
+    OUT, NAME, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, ROUNDS, FLCE_GEMM_CHUNK = (
+        Path(args.out), args.name, chunks, heads, args.rounds, gemm_chunk)
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
         return 1
     import triton
 
+    from . import _results
+
+    RESULTS["regenerate"] = _results.command("benchmarks.kernels", sys.argv[1:] if argv is None else argv)
     RESULTS["meta"].update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            date=time.strftime("%Y-%m-%d %H:%M"))
     sections = args.sections.split(",")
@@ -1076,13 +1083,13 @@ def main(argv=None):
             traceback.print_exc()
         log(f"[section {name} took {time.time() - t0:.0f} s]")
         save()
-        (OUT / "kernels.md").write_text(report())
+        (OUT / f"{NAME}.md").write_text(report())
     if "ceilings" in sections:
         ceilings_end()
         save()
     md = report()
-    (OUT / "kernels.md").write_text(md)
-    plots(OUT / "kernels.json")
+    (OUT / f"{NAME}.md").write_text(md)
+    plots(OUT / f"{NAME}.json")
     print(md)
     return 0
 

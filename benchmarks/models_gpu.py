@@ -1,8 +1,8 @@
-"""GPU check of the model shims (issue 4): per decoder family, at a realistic small size, a bf16
+"""GPU check of the model shims: per decoder family, at a realistic small size, a bf16
 training step patched vs native with the same weights.
 
     python -m benchmarks.models_gpu [--families llama,qwen2,...] [--batch 2] [--seq 2048]
-                                    [--hidden 1024] [--layers 2] [--vocab 128256] [--out DIR]
+                                    [--hidden 1024] [--layers 2] [--vocab 128256] [--out DIR] [--name models_gpu]
     python -m benchmarks.models_gpu --device cpu --seq 64 --hidden 128 --vocab 512 --iters 1   # smoke run
 
 For each family it reports
@@ -15,7 +15,8 @@ For each family it reports
 * median time of forward + backward over a few iterations (CUDA events),
 * token accuracy returned by the fused forward vs argmax of the native logits.
 
-Writes ``models_gpu.json`` and ``models_gpu.md`` under ``--out`` (default benchmarks/results).
+Writes ``<name>.json`` and ``<name>.md`` (``--name``, default ``models_gpu``) under ``--out`` (default
+benchmarks/results), each naming the command that regenerates it.
 Families the installed transformers lacks are listed as skipped. Needs CUDA; runs the Triton
 kernels through ``liger_compat.kernels``.
 """
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="models_gpu", help="result files <name>.json and <name>.md")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny sizes advised)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -229,9 +231,12 @@ def main(argv=None) -> int:
         log(json.dumps(row))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "models_gpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    md = markdown(rows, meta)
-    (out / "models_gpu.md").write_text(md + "\n")
+    from benchmarks import _results
+
+    cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
+    (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
+    md = _results.md_line(cmd) + markdown(rows, meta)
+    (out / f"{args.name}.md").write_text(md + "\n")
     log(md)
     bad = [r["family"] for r in rows if "error" in r or
            ("grad_err_patched" in r and r["grad_err_patched"] > 2 * r["grad_err_native"] + 1e-2)]

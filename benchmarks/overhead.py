@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         "import": measure_import(a.runs),
         "wrapper": measure_wrapper(a.calls),
     }
-    _results.write(a.out, "overhead", res, to_markdown(res))
+    _results.write(a.out, "overhead", res, to_markdown(res),
+                   _results.command("benchmarks.overhead", sys.argv[1:] if argv is None else argv))
     return 0
 
 

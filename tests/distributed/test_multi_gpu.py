@@ -1,7 +1,7 @@
 """Two GPUs (torchrun, NCCL): DDP, FSDP2 (lm_head its own unit; tied embeddings in the root unit),
 FSDP1 (lm_head its own unit, use_orig_params=False) and, where deepspeed is installed, ZeRO-3,
 each through liger_compat's fused head, against one plain-transformers process on one GPU over
-the same global batch (issue 8). fp32 with TF32 off, so the comparison is tight.
+the same global batch. fp32 with TF32 off, so the comparison is tight.
 
 Skipped where fewer than 2 GPUs are visible. With ``LIGER_COMPAT_DIST_RESULTS=<dir>`` the result
 tables are written there as JSON and markdown (benchmarks/results/distributed_2gpu*).
@@ -41,9 +41,10 @@ def _write(name: str, rows, seed: int, title: str, **meta) -> None:
         ds = None
     info = dict(device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(), torch=torch.__version__,
                 transformers=__import__("transformers").__version__, deepspeed=ds, seed=seed, **meta)
-    (d / f"{name}.json").write_text(h.to_json(rows, **info))
+    cmd = "OUT=benchmarks/results WITH_ZERO3=1 bash benchmarks/distributed_gpu_run.sh"  # what writes these files
+    (d / f"{name}.json").write_text(h.to_json(rows, regenerate=cmd, **info))
     head = ", ".join(f"{k} {v}" for k, v in info.items())
-    (d / f"{name}.md").write_text(h.markdown(rows, title) + f"\n{head}\n")
+    (d / f"{name}.md").write_text(f"regenerate: `{cmd}`\n\n" + h.markdown(rows, title) + f"\n{head}\n")
 
 
 def _run(tmp_path, configs, extra, title, name):

@@ -103,3 +103,36 @@ def test_kernel_benchmark_refuses_bad_arguments_before_touching_a_gpu(capsys, ar
         K.main(argv + ["--out", "/nonexistent/never-written"])
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert (K.OUT, K.FLCE_CHUNK_SETTINGS, K.FLCE_MIB_HEADS, K.ROUNDS, K.FLCE_GEMM_CHUNK) == before
+
+
+def test_results_name_the_command_that_regenerates_them(tmp_path, capsys):
+    """benchmarks._results: the command drops --out (the files' own folder), the JSON leads with it
+    (a list of rows becomes {"regenerate", "rows"}), the markdown's first line names it."""
+    import json
+
+    from benchmarks import _results
+
+    cmd = _results.command("benchmarks.e2e", ["--out", str(tmp_path), "--impls", "a;b", "--repeats", "2", "--out=x"])
+    assert cmd == "python -m benchmarks.e2e --impls 'a;b' --repeats 2"
+    rows = [{"impl": "a", "ms": 1.5}, {"impl": "b", "ms": 2.5}]
+    _results.write(tmp_path, "e2e_x", rows, "# table\n", cmd)
+    data = json.loads((tmp_path / "e2e_x.json").read_text())
+    assert list(data) == ["regenerate", "rows"] and data["regenerate"] == cmd and _results.rows(data) == rows
+    assert (tmp_path / "e2e_x.md").read_text() == f"regenerate: `{cmd}`\n\n# table\n"
+    assert _results.rows(rows) == rows  # a bare list still reads
+    _results.write(tmp_path, "o", {"regenerate": "old", "a": 1}, "", "python -m benchmarks.overhead")
+    assert json.loads((tmp_path / "o.json").read_text()) == {"regenerate": "python -m benchmarks.overhead", "a": 1}
+    capsys.readouterr()
+
+
+def test_kernel_report_starts_with_the_regenerate_line(monkeypatch):
+    from benchmarks import kernels as K
+
+    rows = [{"section": "elementwise", "shape": "s", "impl": "liger_compat", "ms": 1.0, "floor_ms": 0.5,
+             "extra_mib": 2.0, "run": "kernels_elementwise.json"}]
+    monkeypatch.setattr(K, "RESULTS", {"regenerate": "python -m benchmarks.kernels --sections flce", "meta": {}, "rows": rows})
+    md = K.report()
+    assert md.startswith("regenerate: `python -m benchmarks.kernels --sections flce`\n\n# liger_compat kernel benchmark")
+    assert "come from kernels_elementwise.json, measured separately" in md
+    monkeypatch.setattr(K, "RESULTS", {"meta": {}, "rows": []})
+    assert K.report().startswith("# liger_compat kernel benchmark")
