@@ -3,8 +3,8 @@
     python tools/readme_perf.py          # rewrite the block between the perf markers
     python tools/readme_perf.py --check  # exit 1 when the README block is stale
 
-Reads benchmarks/results/{kernels,e2e,overhead}.json (and models_gpu.json when present). Every
-ratio compares implementations measured in the same run.
+Reads benchmarks/results/{kernels,e2e,e2e_settings,overhead}.json. Every ratio compares
+implementations measured together.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import _results  # noqa: E402
 from benchmarks.e2e import VARIANTS, combine  # noqa: E402  (stdlib only at import)
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
@@ -56,8 +57,8 @@ def _kernels(k: dict) -> list[str]:
            "rotated between rounds." if rounds > 1 else "")
     parts = sorted({r["run"] for r in k["rows"] if r.get("run") and r["section"] == "elementwise"})
     if parts:
-        how += (f" The elementwise rows come from a separate part of the run (`benchmarks/results/"
-                f"{parts[0].replace('.json', '.md')}`), with its own copy-rate measurement.")
+        how += (f" The elementwise rows were measured separately (`benchmarks/results/"
+                f"{parts[0].replace('.json', '.md')}`), with their own copy-rate measurement.")
     out = [f"Kernels, forward + backward, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; "
            f"measured ceilings: bf16 matmul {meta['matmul_tflops']:.0f} TFLOP/s{spread}, copy {meta['copy_tbps']:.2f} TB/s "
            f"(`benchmarks/results/kernels.md` has every row).{how}", ""]
@@ -74,7 +75,7 @@ def _kernels(k: dict) -> list[str]:
 
 
 #: where the other settings' end-to-end rows come from when e2e.json has none
-E2E_SETTINGS_RUN = "e2e_run9.json"
+E2E_SETTINGS = "e2e_settings.json"
 
 
 def _ok(r) -> bool:
@@ -113,11 +114,11 @@ def _e2e(rows: list[dict], settings_rows: list[dict] | None = None, settings_fil
         n, lk, me = d.get("native"), d.get("liger_kernel"), d.get("liger_compat")
         out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} ({_x(me, n, 'tokens_per_s')}, "
                    f"{_x(me, lk, 'tokens_per_s')}) | {peak(n)} / {peak(lk)} / {peak(me)} ({_x(me, lk, 'peak_gib', 3)}) |")
-    # other settings: from this run when it has them, else from the named earlier run (same code)
+    # other settings: from e2e.json when it has them, else from the settings file
     sby = by if any(v.startswith("liger_compat_") for d in by.values() for v in d) else _by_shape(settings_rows or [])
     labels = [v for v in _VARIANT_LABELS if any(v in d for d in sby.values())]
     if labels:
-        src = "the same run" if sby is by else f"`benchmarks/results/{settings_file}`, one process each"
+        src = "the same calls" if sby is by else f"`benchmarks/results/{settings_file}`, one process each"
         out += ["", f"liger_compat under other settings, x liger-kernel's tokens/s and peak memory ({src}):", "",
                 "| model | batch x seq | " + " | ".join(_VARIANT_LABELS[v] for v in labels) + " |",
                 "|---|---|" + "---|" * len(labels)]
@@ -156,7 +157,8 @@ def render() -> str:
         parts += _kernels(k)
     e = _load("e2e.json")
     if e:
-        parts += _e2e(e, _load(E2E_SETTINGS_RUN), E2E_SETTINGS_RUN.replace(".json", ".md"))
+        settings = _load(E2E_SETTINGS)
+        parts += _e2e(_results.rows(e), settings and _results.rows(settings), E2E_SETTINGS.replace(".json", ".md"))
     o = _load("overhead.json")
     if o:
         parts += _overhead(o)
