@@ -1,5 +1,5 @@
 """The distributed context for ``check()``: launcher, world size, rank, backend, sharding engine,
-and the combinations known to break the fused kernels (issue 8).
+and the combinations known to break the fused kernels.
 
 Sources, in order of trust: a model passed to :func:`detect` (its parameters and wrappers say
 exactly which engine shards it), ``torch.distributed``'s state when it is already imported and

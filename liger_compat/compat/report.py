@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import _config
 from . import device as _device
-from . import distributed as _distributed  # issue 8
+from . import distributed as _distributed
 from . import known_issues, scenarios, versions
 
 
@@ -48,7 +48,7 @@ class Report:
     conflicts: list[dict[str, str]]
     load_errors: list[str] = field(default_factory=list)
     scenarios: list[scenarios.ScenarioResult] | None = None
-    distributed: dict[str, Any] | None = None  # issue 8: compat.distributed.detect()
+    distributed: dict[str, Any] | None = None  # compat.distributed.detect(): launcher, engine, warnings
 
     # -- verdict ----------------------------------------------------------------------------
     @property
@@ -151,7 +151,7 @@ def format_text(r: Report) -> str:
     if r.families:
         out += ["", "Model families"]
         out += _table(["family", "state"], [[k, v] for k, v in r.families.items()])
-    if r.distributed is not None:  # issue 8
+    if r.distributed is not None:
         out += ["", "Distributed", f"  {r.distributed.get('summary', '')}"]
         if r.distributed.get("distributed"):
             out.append(f"  fused LM head through the sharding engine: {r.distributed.get('head_gather')}")
@@ -264,7 +264,7 @@ def _tuning() -> dict[str, str]:
     return out
 
 
-def _distributed_section() -> dict[str, Any]:  # issue 8
+def _distributed_section() -> dict[str, Any]:
     try:
         info = _distributed.detect(device_count=_device.detect().device_count)
         return {**info.to_dict(), "summary": info.summary()}

@@ -1,4 +1,4 @@
-"""Fused kernels with a pure-torch reference each (issue 3). Imports no transformers or trl.
+"""Fused kernels with a pure-torch reference each. Imports no transformers or trl.
 
 Public functional API:
 

@@ -1,6 +1,6 @@
 """The one dispatch point of the kernels: Triton code or the pure-torch reference.
 
-Rules (issue 3): CUDA tensors run Triton; CPU tensors run the torch reference; with
+Rules: CUDA tensors run Triton; CPU tensors run the torch reference; with
 ``TRITON_INTERPRET=1`` in the environment the Triton code runs on CPU tensors through Triton's
 interpreter. The environment is read on every call, so a test can tell which path ran from
 :data:`last_backend`. :func:`use_backend` forces one path (benchmarks, tests).

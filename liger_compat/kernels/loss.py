@@ -35,7 +35,7 @@ __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 #: share of the time at every head for a given number of rows; ~1000 rows are needed before the
 #: three matmuls set the time. 2048 rows (rather than a fixed 512 MiB, which gave 1664 rows at
 #: Qwen2's vocabulary and 1024 at Gemma-2's) made those heads 4-8 % faster and faster than
-#: torch.compile at all four heads measured (NOTES.md row 19). The chunk's logits (``rows * V * 2`` bytes in
+#: torch.compile at all four heads measured (NOTES.md, "2048-row default"). The chunk's logits (``rows * V * 2`` bytes in
 #: bf16) are capped at FLCE_CHUNK_MB_MAX_DEFAULT MiB; a gathered copy of the chunk's hidden rows
 #: (``rows * H * 2``, 16 MiB at 2048 x 4096) comes on top when targets are ignored.
 FLCE_CHUNK_ROWS_DEFAULT = 2048
@@ -43,7 +43,7 @@ FLCE_CHUNK_MB_MAX_DEFAULT = 1024
 #: ``LIGER_COMPAT_FLCE_CHUNK_MB`` as set ("" = unset: the rows default above): the size of one
 #: chunk's logits in MiB instead, i.e. speed against memory. Measured at the Llama-3-8B head:
 #: 62 -> under 64 MiB extra (248 rows, ~1.75x the time); 256 -> 1024 rows, ~1.1x the time
-#: (NOTES.md rows 8, 18).
+#: (NOTES.md, "62 MiB setting" and "512 MiB default").
 FLCE_CHUNK_MB = os.environ.get("LIGER_COMPAT_FLCE_CHUNK_MB", "")
 
 
@@ -228,7 +228,7 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
         else:
             cap = int(mib * 2**20) // (elem * v)
         # whole 128-row matmul tiles where that costs no extra chunk (1040 rows = 8 tiles + 16
-        # rows was 3-8 % slower than 1024, NOTES.md row 17), else a multiple of 8
+        # rows was 3-8 % slower than 1024, NOTES.md, "128-row tiles"), else a multiple of 8
         tiles = cap // 128 * 128
         if tiles and _dispatch.cdiv(n, tiles) == _dispatch.cdiv(n, cap):
             rows = tiles
@@ -241,7 +241,7 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
 #: over the logits for the row statistics), ``"triton"`` (``_logits_triton``: a Triton GEMM whose
 #: epilogue writes those statistics, wherever its tensor descriptors apply and there is no bias)
 #: or ``"auto"``: the Triton GEMM except with softcap, whose tanh in the epilogue made it slower
-#: than cuBLAS plus the pass (NOTES.md, row 13). ``LIGER_COMPAT_FLCE_LOGITS`` sets it.
+#: than cuBLAS plus the pass (NOTES.md, "logits GEMM epilogue"). ``LIGER_COMPAT_FLCE_LOGITS`` sets it.
 LOGITS_IMPL = os.environ.get("LIGER_COMPAT_FLCE_LOGITS", "auto")
 #: Skip ignore_index rows on the Triton path (one host sync to count them); their rows of
 #: grad_hidden are zero and they cost no matmul work.

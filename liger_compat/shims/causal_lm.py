@@ -48,7 +48,7 @@ from ._registry import REGISTRY, register
 from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_ours, keep_positions, normalize_keep, pop_keep,
                              stable_key)
 
-try:  # issue 8: runs the fused loss inside lm_head's forward when FSDP / ZeRO-3 shard the head
+try:  # runs the fused loss inside lm_head's forward when FSDP / ZeRO-3 shard the head
     from . import distributed as _distributed
 except ImportError:  # pragma: no cover - a build without it: ordinary heads only
     _distributed = None

@@ -1,6 +1,6 @@
 """The LM head under a sharding engine: run the fused loss where the engine gathers the weight.
 
-Issue 8. The fused forward computes the loss from ``lm_head.weight`` without calling
+The fused forward computes the loss from ``lm_head.weight`` without calling
 ``lm_head``. That is only right while the weight is a whole, ordinary tensor:
 
 * FSDP2 (``fully_shard``): when ``lm_head`` is its own unit, ``lm_head.weight`` outside

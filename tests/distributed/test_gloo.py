@@ -1,6 +1,6 @@
 """Two CPU processes (torchrun, gloo) train a tiny Llama with DDP and FSDP2 through liger_compat's
 fused head; losses, step-1 gradients and final weights must match one plain-transformers process
-over the same global batch (issue 8). FSDP2 with ``lm_head`` as its own ``fully_shard`` unit is
+over the same global batch. FSDP2 with ``lm_head`` as its own ``fully_shard`` unit is
 the sharded-head path: outside its forward the weight is a ``[V/2, H]`` DTensor shard.
 
 The reference is a separate process that never imports liger_compat. Each run draws fresh random
