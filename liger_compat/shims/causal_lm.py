@@ -11,22 +11,32 @@ vocabulary). A fused forward that skips the logits has to survive what changed a
   loss raised ``unexpected keyword argument 'cu_seq_lens_q'`` (F4);
 * 4.49 renamed ``num_logits_to_keep`` to ``logits_to_keep`` and allowed index tensors (F3);
 * 4.46 added ``num_items_in_batch`` (gradient accumulation) and later ``shift_labels`` to the loss;
-* trl 0.15+ ``SFTTrainer`` logs token accuracy from ``outputs.logits`` (F1).
+* trl 0.15+ ``SFTTrainer`` logs token accuracy from ``outputs.logits`` (F1);
+* transformers ``Trainer.prediction_step`` (``evaluate`` / ``predict``) calls the model with labels
+  and hands every output field but the loss to ``compute_metrics`` as the predictions: with
+  ``logits=None`` they were the token-accuracy scalars and a metric indexing ``[N, T, V]`` logits
+  failed with ``IndexError``.
 
 The wrapper (installed with wrapt on the class; ``inspect.signature`` still shows the native one):
 
 * ``labels is None``: the native forward runs with ``logits_to_keep`` renamed to what it knows;
   when it cannot honour the request (an index tensor on 4.45 .. 4.48, Granite 4.45 knowing
   neither name) the decoder and head below run instead. Real logits come back.
-* labels given: ``self.model`` (the decoder) gets every kwarg except the loss's own
+* labels given outside training (``model.training`` False: ``Trainer.evaluate`` / ``predict``, any
+  ``model.eval()`` caller): the same as without labels, so the native forward returns the loss and
+  the real logits (``logits_to_keep`` honoured) and nothing extra; where it cannot honour the keep
+  request, the decoder and head below return the fused loss and the logits.
+* labels given in training: ``self.model`` (the decoder) gets every kwarg except the loss's own
   (``num_items_in_batch``, ``ignore_index``, ``shift_labels``); the loss is computed from the last
   hidden states and ``lm_head.weight`` by ``liger_compat.kernels.fused_linear_cross_entropy``
   with the family's quirks (Gemma 2/3 soft-cap, Granite's logit divisor, Mixtral's router loss).
   The result is the family's native output class with ``logits=None`` and an extra
   ``token_accuracy`` (``out.token_accuracy`` and ``out["token_accuracy"]``: 0-d fraction of
   non-ignored shifted label positions whose argmax is the label, computed inside the kernel).
-  With ``return_dict=False`` the native tuple comes back (loss first), without token_accuracy.
-* Logits together with a fused loss: pass ``return_logits=True`` to the forward, or set
+  With ``return_dict=False`` the set fields come back as a tuple (``ModelOutput.to_tuple`` drops
+  None ones): the loss first, no logits entry, no token_accuracy. In eval mode it is the native
+  tuple, the loss then the logits.
+* Logits together with a fused loss in training: pass ``return_logits=True`` to the forward, or set
   ``LIGER_COMPAT_RETURN_LOGITS=1``; the logits are then computed (honouring ``logits_to_keep``)
   in addition to the fused loss.
 
@@ -159,16 +169,25 @@ def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
     keep = normalize_keep(pop_keep(kw)) if has_keep else 0
     known = forward_params(wrapped)[0]
     fam = families.family_of(type(instance))
-    if kw.get("labels") is None:
+    if kw.get("labels") is None or _reads_logits(instance):
+        # no labels (DPO, GRPO, generate) or evaluation / prediction with labels (Trainer.evaluate hands
+        # the logits to compute_metrics): what the native forward returns, loss included
         if _native_takes(known, keep) or not _usable(instance, fam):
             return _call_native(wrapped, kw, known, has_keep, keep)
-        return _decoder_and_head(instance, fam, kw, keep, want_logits=True)
+        return _decoder_and_head(instance, fam, kw, keep, want_logits=True, accuracy=False)
     if not _usable(instance, fam):
         return _call_native(wrapped, kw, known, has_keep, keep)
     return _decoder_and_head(instance, fam, kw, keep, want_logits=_want_logits(flag))
 
 
-def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep: Any, *, want_logits: bool) -> Any:
+def _reads_logits(model: Any) -> bool:
+    """Whether a forward with labels must return the logits: outside training (``model.eval()``,
+    as ``Trainer.evaluate`` / ``predict`` set it) the caller reads them; training skips them."""
+    return not getattr(model, "training", True)
+
+
+def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep: Any, *, want_logits: bool,
+                      accuracy: bool = True) -> Any:
     config = model.config
     labels = kw.pop("labels", None)
     return_dict = _return_dict(config, kw.pop("return_dict", None))
@@ -225,7 +244,7 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
         out = mo.CausalLMOutputWithPast(**fields)
     if not return_dict:
         return out.to_tuple()
-    if token_accuracy is not None:
+    if token_accuracy is not None and accuracy:
         out["token_accuracy"] = token_accuracy
     return out
 
@@ -486,10 +505,16 @@ def _scenario_f2(ctx: Context) -> str:
             raise AssertionError(f"no labels: logits {None if out.logits is None else tuple(out.logits.shape)}")
         last = model(input_ids=ids, attention_mask=mask, logits_to_keep=3).logits
         torch.testing.assert_close(last, out.logits[:, -3:], rtol=1e-4, atol=1e-4)
+        evaluated = model(input_ids=ids, attention_mask=mask, labels=ids)  # eval mode: logits and the loss
+        if evaluated.loss is None or evaluated.logits is None or evaluated.logits.shape != out.logits.shape:
+            raise AssertionError("labels given in eval mode: expected the loss and the logits")
+        model.train()
         fused = model(input_ids=ids, attention_mask=mask, labels=ids)
         if fused.logits is not None or fused.loss is None or not hasattr(fused, "token_accuracy"):
-            raise AssertionError("labels given: expected a fused loss, logits=None and token_accuracy")
-    return f"no labels -> logits {tuple(out.logits.shape)}; labels -> fused loss {fused.loss.item():.4f}"
+            raise AssertionError("labels given in train mode: expected a fused loss, logits=None and token_accuracy")
+        tol = 1e-4 if fused.loss.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(fused.loss.float(), evaluated.loss.float(), rtol=tol, atol=tol)
+    return f"no labels -> logits {tuple(out.logits.shape)}; labels -> fused loss {fused.loss.item():.4f}, eval: + logits"
 
 
 @scenario("F4", "FlashAttention kwargs of packed batches reach the decoder, not the loss", issue="F4",

@@ -20,8 +20,11 @@ FAMILY_NAMES = [f.name for f in FAMILIES]
 
 
 def tiny(family: str, **kw):
+    """The family's tiny model in train mode, where a forward with labels takes the fused loss
+    (the configs have no dropout, so train and eval mode compute the same numbers); ``.eval()`` it
+    to test what evaluation and prediction get."""
     try:
-        return build(family, **kw)
+        return build(family, **kw).train()
     except FamilyUnavailable as exc:
         pytest.skip(str(exc))
 

@@ -298,9 +298,9 @@ def test_non_linear_head_gets_the_unfused_loss_with_the_same_contract(family):
     torch.testing.assert_close(out.token_accuracy, manual_accuracy(full, labels))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_generate_is_unchanged(family):
-    model = tiny(family)
+    model = tiny(family).eval()
     ids, _ = random_batch(model, b=2, t=6, seed=16)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -342,3 +342,82 @@ def test_hot_path_calls_below_the_translation_wrapper_and_caches_by_a_stable_key
         assert model(input_ids=ids, logits_to_keep=5).logits.shape[1] == 5
         assert not calls  # _translate looks the signature up first thing; it was not entered
         assert model(input_ids=ids, logits_to_keep=torch.tensor([1, 3])).logits.shape[1] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# labels outside training: the caller reads the logits (Trainer.evaluate / predict)
+# --------------------------------------------------------------------------------------------
+
+
+def _loss_and_logits(model, ids, labels, **kw):
+    kernels.last_backend.clear()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, **kw)
+    return out, "fused_linear_cross_entropy" in kernels.last_backend
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_labels_in_eval_mode_give_native_loss_and_logits_and_training_stays_fused(family):
+    """The same model and batch, switched train -> eval -> train: eval gets the native loss and
+    logits and nothing extra; training gets the fused loss, logits=None and a token accuracy."""
+    model = tiny(family)
+    ids, labels = random_batch(model, seed=18)
+    with native(), torch.no_grad():
+        ref = model.eval()(input_ids=ids, labels=labels)
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)()
+        out, fused = _loss_and_logits(model, ids, labels)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+        if mode == "train":
+            assert fused and out.logits is None, (mode, fused)
+            torch.testing.assert_close(out.token_accuracy, manual_accuracy(ref.logits, labels))
+        else:
+            assert not fused and out.logits is not None, (mode, fused)
+            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+            assert list(out.keys()) == list(ref.keys()), (list(out.keys()), list(ref.keys()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite", "mixtral"])
+def test_labels_in_eval_mode_honour_logits_to_keep_under_both_names(family):
+    model = tiny(family).eval()
+    ids, labels = random_batch(model, seed=19)
+    idx = torch.tensor([1, 5, 8, 11])
+    for keep, lab in ((4, labels[:, -4:]), (idx, labels[:, idx]), (0, labels)):
+        with native(), torch.no_grad():
+            ref = model(input_ids=ids, labels=lab, logits_to_keep=keep)
+        for name in ("logits_to_keep", "num_logits_to_keep"):
+            out, fused = _loss_and_logits(model, ids, lab, **{name: keep})
+            assert not fused and out.logits.shape == ref.logits.shape, (name, out.logits.shape, ref.logits.shape)
+            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_labels_in_eval_mode_where_the_native_forward_cannot_keep(family, monkeypatch):
+    """transformers 4.45 .. 4.48 take no index tensor: the decoder and head below the native forward
+    run instead, and in eval mode they also return the logits, without a token accuracy."""
+    model = tiny(family).eval()
+    ids, labels = random_batch(model, seed=20)
+    idx = torch.tensor([0, 3, 7])
+    with native(), torch.no_grad():
+        ref = model(input_ids=ids, labels=labels[:, idx], logits_to_keep=idx)
+    monkeypatch.setattr(causal_lm, "_native_takes", lambda known, keep: False)
+    out, fused = _loss_and_logits(model, ids, labels[:, idx], logits_to_keep=idx)
+    assert fused  # the loss came from our kernel on this path
+    assert "token_accuracy" not in out.keys() and list(out.keys()) == list(ref.keys()), list(out.keys())
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_return_dict_false_in_eval_mode_is_the_native_tuple(family):
+    model = tiny(family).eval()
+    ids, labels = random_batch(model, seed=21)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+        with native():
+            ref = model(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+    assert isinstance(out, tuple) and len(out) == len(ref) >= 2
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert out[1].shape == (*ids.shape, model.config.vocab_size)  # the loss first, then the logits
