@@ -514,7 +514,8 @@ def _scenario_f2(ctx: Context) -> str:
             raise AssertionError("labels given in train mode: expected a fused loss, logits=None and token_accuracy")
         tol = 1e-4 if fused.loss.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
         torch.testing.assert_close(fused.loss.float(), evaluated.loss.float(), rtol=tol, atol=tol)
-    return f"no labels -> logits {tuple(out.logits.shape)}; labels -> fused loss {fused.loss.item():.4f}, eval: + logits"
+    loss = fused.loss.item()
+    return f"no labels -> logits {tuple(out.logits.shape)}; labels -> fused loss {loss:.4f}, eval: + logits"
 
 
 @scenario("F4", "FlashAttention kwargs of packed batches reach the decoder, not the loss", issue="F4",
