@@ -32,7 +32,8 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
     back on. ``kernels`` is ``"all"``, ``"none"`` or names from ``rms_norm, rope, swiglu, geglu,
     fused_linear_cross_entropy``; shims whose kernels are deselected are reverted. ``debug=True``
-    turns on input checks that need a host sync (target range checks).
+    turns on input checks that need a host sync: targets outside the vocabulary then raise
+    before the loss runs on the GPU, instead of being reported by the kernel after it.
     """
     s = _config.settings
     if kernels is not None:

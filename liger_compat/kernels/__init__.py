@@ -6,6 +6,8 @@ Public functional API:
 - :func:`rms_norm`, :func:`project_norm_output` (projections of its output, which is rebuilt in the backward)
 - :func:`swiglu`, :func:`geglu`, :func:`gated_project` (``down(act(gate) * up)``, activation rebuilt in the backward)
 - :func:`apply_rotary_pos_emb`
+- :func:`raise_target_errors`: wait for the GPU's report of targets outside the vocabulary
+  (otherwise raised without a sync, see ``_target_errors.py``), :class:`TargetOutOfRangeError`
 
 Every function dispatches through :mod:`liger_compat.kernels._dispatch`: CUDA tensors run the
 Triton kernels, CPU tensors the torch reference, and with ``TRITON_INTERPRET=1`` the Triton
@@ -19,6 +21,7 @@ from .loss import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy
 from .gated_mlp import gated_project, geglu, swiglu
 from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
+from ._target_errors import TargetOutOfRangeError, raise_target_errors
 
 __all__ = [
     "fused_linear_cross_entropy",
@@ -30,6 +33,8 @@ __all__ = [
     "geglu",
     "gated_project",
     "apply_rotary_pos_emb",
+    "raise_target_errors",
+    "TargetOutOfRangeError",
     "use_backend",
     "last_backend",
     "HAS_TRITON",

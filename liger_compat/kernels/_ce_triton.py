@@ -15,8 +15,10 @@ programs: per-block partials (max, sum-exp, argmax, row sum), a per-row combine 
 statistics, and the gradient. The partials may instead come from the epilogue of the logits
 GEMM (``_logits_triton.py``), which saves the first launch's read of the logits.
 
-Targets outside ``[0, V)`` that are not ``ignore_index`` never address memory; the row's loss
-becomes NaN (the Python-side range check runs under ``settings.debug``).
+Targets outside ``[0, V)`` that are not ``ignore_index`` never address memory: the row's loss
+is NaN, its gradient zero, and the statistics pass (row kernel, or the split variant's combine)
+records it in the ``bad`` int64[3] tensor with atomics: count, largest target >= V, smallest
+negative target (``_target_errors.py`` turns that into a Python error without a host sync).
 """
 
 from __future__ import annotations
@@ -45,10 +47,15 @@ def _row_target(target_ptr, row, ignore_index, V):
 
 @triton.jit
 def _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
-                     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, V, label_smoothing, lse_square_scale,
+                     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing, lse_square_scale,
                      softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
     """From the row's lse (row sum ``zsum``, argmax ``best_idx``): loss (with z-loss; 0 when
-    ignored, NaN for an out-of-range target), z-loss, lse and the argmax hit."""
+    ignored, NaN for an out-of-range target), z-loss, lse and the argmax hit; an out-of-range
+    target is also recorded in ``bad_ptr[0:3]`` (count, max target >= V, min negative target)."""
+    bad = valid & (~in_range)
+    tl.atomic_add(bad_ptr, 1, mask=bad)
+    tl.atomic_max(bad_ptr + 1, tgt, mask=bad & (tgt >= V))
+    tl.atomic_min(bad_ptr + 2, tgt, mask=bad & (tgt < 0))
     zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
     if HAS_SOFTCAP:
         zt = softcap * _tanh(zt / softcap)
@@ -83,7 +90,7 @@ def _grad_block(x, cols, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTC
 @triton.jit
 def _ce_row_kernel(
     logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
-    loss_ptr, zloss_ptr, lse_ptr, correct_ptr, scale_ptr, stride_scale,
+    loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, scale_ptr, stride_scale,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
     STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -117,14 +124,14 @@ def _ce_row_kernel(
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         lse = m + tl.log(s)
         _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
-                         loss_ptr, zloss_ptr, lse_ptr, correct_ptr, V, label_smoothing, lse_square_scale,
-                         softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+                         loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing,
+                         lse_square_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
     else:
         lse = tl.load(lse_ptr + row)
 
     if GRAD:
         scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
-        scale = tl.where(valid, scale, 0.0)
+        scale = tl.where(valid & in_range, scale, 0.0)
         p_scale = (1.0 + 2.0 * lse_square_scale * lse) * scale
         smooth = label_smoothing / V * scale
         hit = (1.0 - label_smoothing) * scale
@@ -161,7 +168,7 @@ def _ce_partial_kernel(
 
 @triton.jit
 def _ce_combine_kernel(
-    logits_ptr, stride_l, target_ptr, loss_ptr, zloss_ptr, lse_ptr, correct_ptr,
+    logits_ptr, stride_l, target_ptr, loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr,
     part_m, part_s, part_z, part_i, NB,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_NB: tl.constexpr,
@@ -194,7 +201,7 @@ def _ce_combine_kernel(
     lse = m + tl.log(s)
     best_idx = tl.load(part_i + base + best_blk).to(tl.int64)
     _store_row_stats(row, logits_ptr + row * stride_l, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
-                     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, V, label_smoothing, lse_square_scale,
+                     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing, lse_square_scale,
                      softcap, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
@@ -207,10 +214,10 @@ def _ce_grad_kernel(
     """Split variant, step 3: each (row, block of V) program writes its block of the gradient."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    _, valid, _, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
+    _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
-    scale = tl.where(valid, scale, 0.0)
+    scale = tl.where(valid & in_range, scale, 0.0)
     p_scale = (1.0 + 2.0 * lse_square_scale * lse) * scale
     cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
@@ -234,8 +241,10 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
     return min(next_pow2(v), 8192), 16
 
 
-def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None, partials=None):
-    """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch`.
+def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None, partials=None, bad=None):
+    """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
+    tensor of :func:`liger_compat.kernels._target_errors.new_flag` that the statistics pass
+    adds out-of-range targets to; a scratch one when not given).
 
     ``partials`` = ``(max, sum-exp, argmax, row-sum)`` per (row, block of V), as written by
     :func:`liger_compat.kernels._logits_triton.logits_with_partials`: the statistics then come
@@ -252,8 +261,11 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         zl = torch.empty(c, dtype=f32, device=dev)
         lse = torch.empty(c, dtype=f32, device=dev)
         correct = torch.empty(c, dtype=torch.int8, device=dev)
+        if bad is None:
+            bad = torch.zeros(3, dtype=torch.int64, device=dev)
     else:
         loss = zl = correct = lse  # unused by the kernel in this mode
+        bad = target
     if grad is not None:
         assert grad.stride(-1) == 1
         if scale is None:
@@ -274,7 +286,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         block, warps = _block_v(v, dev)
         _ce_row_kernel[(c,)](
             logits, logits.stride(0), target, g, sg,
-            loss, zl, lse, correct, scale, stride_scale,
+            loss, zl, lse, correct, bad, scale, stride_scale,
             v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
             STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common,
         )
@@ -297,7 +309,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
                 pm, ps, pi, pz = partials
             npart = pm.shape[1]
             _ce_combine_kernel[(c,)](
-                logits, logits.stride(0), target, loss, zl, lse, correct, pm, ps, pz, pi, npart,
+                logits, logits.stride(0), target, loss, zl, lse, correct, bad, pm, ps, pz, pi, npart,
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
                 BLOCK_NB=min(next_pow2(npart), 1024), num_warps=4 if dev.type == "cuda" else 1,
                 **common,

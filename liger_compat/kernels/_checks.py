@@ -1,9 +1,9 @@
 """Input validation shared by the kernels: clear ``TypeError``/``ValueError`` naming the argument.
 
 The design rule is "a Python error, never a CUDA illegal memory access". Checks that need a
-host sync (target values in range) run always on CPU tensors, and on GPU tensors only when
-``liger_compat._config.settings.debug`` is on; without it the Triton kernels mask bad targets
-so nothing reads out of bounds, and the affected rows give a NaN loss.
+host sync (target values in range) run up front on CPU tensors taking the torch reference, and
+everywhere when ``liger_compat._config.settings.debug`` is on. Otherwise the kernels mask bad
+targets so nothing reads out of bounds, and report them themselves (``_target_errors.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._config import settings
+from ._target_errors import TargetOutOfRangeError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,21 +54,25 @@ def integer_target(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must hold integer class indices (int64/int32), got dtype {t.dtype}")
 
 
-def target_range(name: str, target: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    """Raise ``ValueError`` if any target is outside ``[0, num_classes)`` and not ``ignore_index``.
+def target_range(name: str, target: torch.Tensor, num_classes: int, ignore_index: int,
+                 *, kernel_reports: bool = False) -> None:
+    """Raise ``TargetOutOfRangeError`` (a ``ValueError``) if any target is outside
+    ``[0, num_classes)`` and not ``ignore_index``.
 
-    Runs on CPU tensors always (no sync to speak of) and on accelerator tensors under
-    ``settings.debug`` only, because it needs a host sync there.
+    Runs on CPU tensors (no sync to speak of) unless ``kernel_reports`` (the Triton kernels,
+    which report bad targets themselves: under ``TRITON_INTERPRET=1`` that path is tested on
+    CPU), and on accelerator tensors under ``settings.debug`` only, because it needs a host sync
+    there.
     """
     if target.numel() == 0:
         return
-    if target.device.type != "cpu" and not settings.debug:
+    if not settings.debug and (kernel_reports or target.device.type != "cpu"):
         return
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
     if bool(bad.any()):
         first = target[bad].flatten()[0].item()
-        raise ValueError(
-            f"{name} holds {first}, outside [0, {num_classes}) and not ignore_index={ignore_index}"
+        raise TargetOutOfRangeError(
+            f"{name} holds {first}, outside the vocabulary [0, {num_classes}) and not ignore_index={ignore_index}"
         )
 
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _target_errors
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
@@ -101,12 +101,15 @@ def ce_rows_torch(
     scale: torch.Tensor | None = None,
     grad: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    bad: torch.Tensor | None = None,
 ):
     """Reference for the row kernel on ``logits[C, V]``.
 
     Without ``lse``: returns ``(loss, z_loss, lse, correct)`` per row (fp32; ``loss`` includes the
-    z-loss; ignored rows give 0). With ``grad``: writes ``scale * d loss_row / d logits`` into
-    ``grad`` (which may be ``logits`` itself); ``scale`` is a 0-d or ``[C]`` fp32 tensor.
+    z-loss; ignored rows give 0, rows whose target is outside ``[0, V)`` and not ignored NaN) and
+    adds those targets to ``bad`` (``_target_errors.new_flag``) when given. With ``grad``: writes
+    ``scale * d loss_row / d logits`` into ``grad`` (which may be ``logits`` itself; zero for
+    ignored and out-of-range rows); ``scale`` is a 0-d or ``[C]`` fp32 tensor.
     """
     C, V = logits.shape
     z = logits.float()
@@ -134,6 +137,12 @@ def ce_rows_torch(
         zl = torch.where(valid, zl, zero)
         correct = (z.argmax(dim=-1) == tgt) & valid
         stats = (loss, zl, lse, correct)
+        if bad is not None and C:
+            oob = valid & ~in_range
+            t64 = target.long()
+            bad[0] += oob.sum()
+            bad[1] = torch.maximum(bad[1], torch.where(oob & (t64 >= V), t64, 0).max())
+            bad[2] = torch.minimum(bad[2], torch.where(oob & (t64 < 0), t64, 0).min())
     if grad is not None:
         d = torch.exp(z - lse[:, None])
         if s:
@@ -141,7 +150,7 @@ def ce_rows_torch(
         if eps:
             d = d - eps / V
         d.scatter_add_(1, tgt[:, None], torch.full((C, 1), -(1.0 - eps), device=z.device))
-        row = valid.float()
+        row = (valid & in_range).float()
         if scale is not None:
             row = row * scale.float()
         d = d * row[:, None]
@@ -248,8 +257,9 @@ LOGITS_IMPL = os.environ.get("LIGER_COMPAT_FLCE_LOGITS", "auto")
 COMPACT_IGNORED = True
 
 
-def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
-    """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32.
+def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None):
+    """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
+    ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``).
 
     Returns (stats per row or None, grad_hidden, grad_weight, grad_bias).
     """
@@ -262,6 +272,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
     idx = None
     if backend == "triton" and COMPACT_IGNORED and n > 0:
         idx = (target != opt.ignore_index).nonzero().squeeze(1)  # the one host sync
+        _target_errors.poll()  # every earlier call has finished here: report its bad targets
         if idx.numel() == n:
             idx = None
     m = n if idx is None else idx.numel()
@@ -307,6 +318,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats):
             torch.addmm(b, hc, wt, out=logits)
         else:
             torch.mm(hc, wt, out=logits)
+        if want_stats:
+            extra["bad"] = bad
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if idx is None:
@@ -348,17 +361,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.reduction = opt, backend, reduction
         ctx.mode = None
+        bad = _target_errors.new_flag(h.device)
         if reduction != "none" and any(needs):
             # scalar loss: all gradients now, scaled by grad_output in backward
-            stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True)
+            stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad)
             ctx.mode = "saved"
             ctx.grads = (gh, gw, gb)
         else:
-            stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True)
+            stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True, bad=bad)
             if any(needs):
                 ctx.mode = "recompute"
                 ctx.needs = needs
                 ctx.save_for_backward(h, w, b, target)
+        _target_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
         loss_rows, zl_rows, correct = stats
         loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
         outs = [loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(())]
@@ -367,6 +382,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
+        _target_errors.poll()
         if ctx.mode is None:
             return (None,) * 10
         if ctx.mode == "saved":
@@ -408,7 +424,14 @@ def fused_linear_cross_entropy(
     ``softcap`` applies ``softcap * tanh(logits / softcap)`` first; ``lse_square_scale`` adds the
     z-loss ``scale * lse**2`` per row. Returns the loss, or :class:`CrossEntropyOutput` when
     ``return_z_loss`` or ``return_token_accuracy`` is set. Differentiable in hidden, weight, bias.
+
+    A target outside ``[0, V)`` that is not ``ignore_index`` raises :class:`TargetOutOfRangeError`
+    (a ``ValueError``): on CPU tensors from this call; on the GPU, where checking at once would
+    need a host sync, once the GPU has got there: in this call's backward or the next fused-loss
+    call at the latest (``raise_target_errors()`` waits for it). Until then its row's loss is NaN
+    and its gradient zero.
     """
+    _target_errors.poll()
     _checks.tensor("hidden", hidden)
     _checks.tensor("weight", weight)
     _checks.float_dtype("hidden", hidden)
@@ -432,12 +455,12 @@ def fused_linear_cross_entropy(
     _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
     if v == 0:
         raise ValueError("weight has 0 rows (vocabulary size 0)")
-    _checks.target_range("target", target, v, ignore_index)
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
         raise ValueError("num_items_in_batch must be a number or a one-element tensor")
 
     opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
     backend = _dispatch.choose("fused_linear_cross_entropy", device)
+    _checks.target_range("target", target, v, ignore_index, kernel_reports=backend == "triton")
     h2 = hidden.reshape(-1, hdim)
     if not h2.is_contiguous():
         h2 = h2.contiguous()
@@ -446,6 +469,7 @@ def fused_linear_cross_entropy(
     loss, z, acc = _FusedLinearCrossEntropy.apply(
         h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc
     )
+    _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
     if reduction == "none":
         shape = tuple(hidden.shape[:-1])
         loss = loss.view(shape)
@@ -476,10 +500,12 @@ class _CrossEntropy(torch.autograd.Function):
         zl = torch.empty_like(loss)
         lse = torch.empty_like(loss)
         correct = torch.empty(n, dtype=torch.bool, device=logits.device)
+        bad = _target_errors.new_flag(logits.device)
         rows = _ce_row_chunks(n, v, backend, logits.device)
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            loss[s:e], zl[s:e], lse[s:e], correct[s:e] = _ce_rows(backend, logits[s:e], target[s:e], opt)
+            loss[s:e], zl[s:e], lse[s:e], correct[s:e] = _ce_rows(backend, logits[s:e], target[s:e], opt, bad=bad)
+        _target_errors.watch(bad, "cross_entropy", v, opt.ignore_index)
         ctx.save_for_backward(logits, target, lse, scale)
         ctx.opt, ctx.backend, ctx.reduction = opt, backend, reduction
         out, z, acc = _finish(loss, zl, correct, n_valid, scale, reduction, (n,), want_z, want_acc)
@@ -489,6 +515,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
+        _target_errors.poll()
         logits, target, lse, scale = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return (None,) * 8
@@ -521,7 +548,9 @@ def cross_entropy(
     return_token_accuracy: bool = False,
     return_z_loss: bool = False,
 ):
-    """Cross-entropy on ``logits[..., V]`` with the options of :func:`fused_linear_cross_entropy`."""
+    """Cross-entropy on ``logits[..., V]`` with the options of :func:`fused_linear_cross_entropy`
+    (and its handling of targets outside ``[0, V)``)."""
+    _target_errors.poll()
     _checks.tensor("logits", logits)
     _checks.float_dtype("logits", logits)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
@@ -530,16 +559,17 @@ def cross_entropy(
     v = logits.shape[-1]
     _check_target(target, logits.shape[:-1], "logits")
     device = _checks.same_device(logits=logits, target=target)
-    _checks.target_range("target", target, v, ignore_index)
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
         raise ValueError("num_items_in_batch must be a number or a one-element tensor")
     opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
     backend = _dispatch.choose("cross_entropy", device)
+    _checks.target_range("target", target, v, ignore_index, kernel_reports=backend == "triton")
     l2 = logits.reshape(-1, v)
     if l2.stride(-1) != 1:
         l2 = l2.contiguous()
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
     loss, z, acc = _CrossEntropy.apply(l2, target.reshape(-1), opt, reduction, num_items_in_batch, backend, want_z, want_acc)
+    _target_errors.poll()
     if reduction == "none":
         shape = tuple(logits.shape[:-1])
         loss = loss.view(shape)

@@ -176,19 +176,23 @@ def test_cross_entropy_matches_float64(seed, n, v, dt, opts, ignore_frac):
 
 
 def test_out_of_range_target_unchecked_gives_nan_not_a_crash():
-    """Without the (debug / CPU) range check the row kernel masks the bad target: NaN loss."""
+    """Without the (debug / CPU) range check the row kernel masks the bad target: NaN loss, zero
+    gradient, and the target recorded in the flag (count, largest >= V, smallest negative)."""
     from liger_compat.kernels.loss import CEOptions, _ce_rows
 
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(4, 19, generator=g)
     t = torch.tensor([3, 19, -100, -7])
-    loss, zl, lse, correct = _ce_rows(expected_backend(), logits, t, CEOptions())
+    bad = torch.zeros(3, dtype=torch.int64)
+    loss, zl, lse, correct = _ce_rows(expected_backend(), logits, t, CEOptions(), bad=bad)
     assert torch.isnan(loss[1]) and torch.isnan(loss[3])
     assert loss[2] == 0 and torch.isfinite(loss[0])
+    assert bad.tolist() == [2, 19, -7]
     assert torch.allclose(lse.double(), torch.logsumexp(logits.double(), -1), atol=1e-5)
     grad = torch.empty_like(logits)
     _ce_rows(expected_backend(), logits, t, CEOptions(), scale=torch.tensor(1.0), grad=grad, lse=lse)
-    assert torch.isfinite(grad).all() and grad[2].abs().max() == 0
+    assert torch.isfinite(grad).all() and grad[1:].abs().max() == 0
+    assert grad[0].abs().max() > 0
 
 
 @pytest.mark.parametrize("variant", ["row", "split"])

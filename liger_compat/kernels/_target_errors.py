@@ -1,0 +1,122 @@
+"""Targets outside the vocabulary: reported as a Python error without a host sync.
+
+A target outside ``[0, V)`` that is not ``ignore_index`` cannot be a class. The cross-entropy
+row kernels (Triton, and the torch reference) never address memory with it: the row's loss is
+NaN, its gradient zero, and the kernel records it in a three-element int64 tensor from
+:func:`new_flag` (``[number of bad rows, largest bad target >= V or 0, smallest negative bad
+target or 0]``), folded into the launch that already reads the target.
+
+Reading that tensor on the host as soon as the loss returns would wait for the GPU. Instead
+:func:`watch` copies it without blocking into pinned host memory and records a CUDA event;
+:func:`poll` reads the copies whose event has completed (``event.query()``, which never waits)
+and raises :class:`TargetOutOfRangeError`. The loss functions poll when they are entered,
+when they return, at the start of their backward, and right after the fused loss's own host
+sync (the count of non-ignored rows), where every earlier call has finished. So a bad target
+on the GPU raises in that call's backward when the GPU has caught up by then, and at the latest
+in the next call of a fused loss. On CPU tensors the flag is read at once (no sync to save):
+the call itself raises. :func:`raise_target_errors` waits for the pending copies (their events
+only) and raises; ``settings.debug`` still checks the targets up front, synchronously.
+
+Inside CUDA graph capture nothing is watched (a replay could not report it): bad rows there
+give NaN rows and zero gradients only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["TargetOutOfRangeError", "new_flag", "watch", "poll", "raise_target_errors"]
+
+
+class TargetOutOfRangeError(ValueError):
+    """A target that is neither a class id in ``[0, V)`` nor ``ignore_index``."""
+
+
+class _Pending(NamedTuple):
+    flag: torch.Tensor  # on the host: a pinned copy (CUDA) or the flag itself (CPU)
+    event: object  # torch.cuda.Event, or None when the flag is readable now
+    op: str
+    num_classes: int
+    ignore_index: int
+
+
+_pending: list[_Pending] = []
+_lock = threading.Lock()
+
+
+def new_flag(device: torch.device) -> torch.Tensor:
+    """The zeroed ``int64[3]`` tensor the kernels write bad targets into."""
+    return torch.zeros(3, dtype=torch.int64, device=device)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def watch(flag: torch.Tensor, op: str, num_classes: int, ignore_index: int) -> None:
+    """Queue ``flag`` (written by the kernels of one call of ``op``) for :func:`poll`."""
+    if flag.device.type == "cpu":
+        entry = _Pending(flag, None, op, num_classes, ignore_index)
+    elif flag.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return
+        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(flag.device))  # where the copy was queued
+        entry = _Pending(host, event, op, num_classes, ignore_index)
+    else:  # other accelerators run the torch reference; settings.debug checks up front there
+        return
+    with _lock:
+        _pending.append(entry)
+
+
+def _message(bad: list[_Pending]) -> str:
+    p = bad[0]
+    count, high, low = (int(x) for x in p.flag.tolist())
+    values = [x for x in (high, low) if x != 0]
+    msg = (
+        f"target holds {values[0]}, outside the vocabulary [0, {p.num_classes}) and not ignore_index={p.ignore_index} "
+        f"({p.op}: {count} such target{'s' if count != 1 else ''}"
+    )
+    if len(values) > 1:
+        msg += f", also {values[1]}"
+    msg += "; their loss rows are NaN and their gradient rows zero)"
+    if p.event is not None:
+        msg += "; found on the GPU and read back without a sync, so raised after that call returned"
+    if len(bad) > 1:
+        msg += f"; {len(bad) - 1} more call(s) had bad targets too"
+    return msg
+
+
+def poll() -> None:
+    """Raise :class:`TargetOutOfRangeError` for finished calls that met a bad target; never waits.
+
+    Every finished entry is taken off the queue, so one error reports (and clears) them all."""
+    if not _pending:
+        return
+    with _lock:
+        if any(p.event is not None for p in _pending) and _capturing():
+            return
+        done = [p for p in _pending if p.event is None or p.event.query()]
+        if not done:
+            return
+        _pending[:] = [p for p in _pending if not any(p is d for d in done)]
+    bad = [p for p in done if int(p.flag[0]) > 0]
+    if bad:
+        raise TargetOutOfRangeError(_message(bad))
+
+
+def raise_target_errors() -> None:
+    """Wait for the target checks of earlier loss calls still in flight and raise
+    :class:`TargetOutOfRangeError` if any met a target outside ``[0, V)`` that is not
+    ``ignore_index``. This waits for the GPU (up to those calls' events), so call it where a
+    sync is acceptable, e.g. before logging or at the end of an epoch."""
+    with _lock:
+        events = [p.event for p in _pending if p.event is not None]
+    for event in events:
+        event.synchronize()
+    poll()
