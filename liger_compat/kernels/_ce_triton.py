@@ -52,10 +52,10 @@ def _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tg
     """From the row's lse (row sum ``zsum``, argmax ``best_idx``): loss (with z-loss; 0 when
     ignored, NaN for an out-of-range target), z-loss, lse and the argmax hit; an out-of-range
     target is also recorded in ``bad_ptr[0:3]`` (count, max target >= V, min negative target)."""
-    bad = valid & (~in_range)
-    tl.atomic_add(bad_ptr, 1, mask=bad)
-    tl.atomic_max(bad_ptr + 1, tgt, mask=bad & (tgt >= V))
-    tl.atomic_min(bad_ptr + 2, tgt, mask=bad & (tgt < 0))
+    if valid & (~in_range):  # a branch, so good rows skip the atomics' barriers entirely
+        tl.atomic_add(bad_ptr, 1, sem="relaxed")
+        tl.atomic_max(bad_ptr + 1, tgt, mask=tgt >= V, sem="relaxed")
+        tl.atomic_min(bad_ptr + 2, tgt, mask=tgt < 0, sem="relaxed")
     zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
     if HAS_SOFTCAP:
         zt = softcap * _tanh(zt / softcap)
