@@ -33,8 +33,8 @@ def test_every_boundary_has_a_cell_on_each_side():
     assert GRID.boundaries, "grid.toml lists no boundaries"
     assert GRID.uncovered() == []
     for b in GRID.boundaries:
-        before = [c.name for c in GRID.cells if b.before(c)]
-        after = [c.name for c in GRID.cells if not b.before(c)]
+        before = [c.name for c in GRID.pinned if b.before(c)]
+        after = [c.name for c in GRID.pinned if not b.before(c)]
         assert before and after, b.id
 
 
@@ -59,7 +59,8 @@ def test_boundaries_the_shims_handle_are_all_listed():
 def test_uncovered_detects_a_missing_side():
     data = _raw_grid()
     # drop every cell older than transformers 4.46: the loss-kwargs boundary loses its "before" side
-    data["cell"] = [c for c in data["cell"] if Version(c["transformers"]) >= Version("4.46.0")]
+    # (the newest cell stays: it covers no boundary by number)
+    data["cell"] = [c for c in data["cell"] if c.get("newest") or Version(c["transformers"]) >= Version("4.46.0")]
     data["cell"][0].setdefault("labels", [])
     g = grid_mod.parse(data)
     assert any(u.startswith("loss-kwargs") for u in g.uncovered())
@@ -69,10 +70,12 @@ def test_cells_are_ordered_distinct_and_explained():
     assert 10 <= len(GRID.cells) <= 14
     names = [c.name for c in GRID.cells]
     assert len(set(names)) == len(names)
-    keys = [(Version(c.transformers), Version(c.trl)) for c in GRID.cells]
+    keys = [(Version(c.transformers), Version(c.trl)) for c in GRID.pinned]
     assert keys == sorted(keys), "cells must be listed oldest first"
+    assert [c.newest for c in GRID.cells] == [False] * (len(GRID.cells) - 1) + [True], "one newest cell, listed last"
     for c in GRID.cells:
         assert len(c.why) > 30, f"{c.name}: say why the cell is there"
+    for c in GRID.pinned:
         assert c.name == f"tf{Version(c.transformers).major}.{Version(c.transformers).minor}-trl{Version(c.trl).major}.{Version(c.trl).minor}"
 
 
@@ -83,7 +86,7 @@ def test_cells_respect_trl_requirements_known_from_metadata():
               ("0.21.0", "0.23.0", ">=4.55.0"), ("0.23.0", "0.27.0", ">=4.56.1"), ("0.27.0", "99", ">=4.56.2")]
     from packaging.specifiers import SpecifierSet
 
-    for c in GRID.cells:
+    for c in GRID.pinned:
         for lo, hi, spec in bounds:
             if Version(lo) <= Version(c.trl) < Version(hi):
                 assert Version(c.transformers) in SpecifierSet(spec), (c.name, spec)
@@ -95,11 +98,12 @@ def test_cells_respect_trl_requirements_known_from_metadata():
 
 def test_ci_subset_covers_oldest_newest_and_the_4_48_to_4_50_window():
     ci = GRID.labelled("ci")
-    assert GRID.cells[0] in ci and GRID.cells[-1] in ci
-    window = [c for c in GRID.cells if Version("4.48") <= Version(c.transformers) < Version("4.51")]
+    assert GRID.cells[0] in ci and GRID.pinned[-1] in ci
+    assert [c.name for c in ci if c.newest] == ["newest"], "the unpinned newest cell runs in CI"
+    window = [c for c in GRID.pinned if Version("4.48") <= Version(c.transformers) < Version("4.51")]
     assert window and all(c in ci for c in window)
-    assert any(Version(c.trl).release[:2] == (0, 15) for c in ci)
-    assert any(Version(c.trl).release[:2] == (0, 14) for c in ci), "the before-side of trl 0.15"
+    assert any(Version(c.trl).release[:2] == (0, 15) for c in ci if not c.newest)
+    assert any(Version(c.trl).release[:2] == (0, 14) for c in ci if not c.newest), "the before-side of trl 0.15"
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -143,7 +147,8 @@ def test_tox_ini_envs_pin_each_cell():
     envs = {s.split(":", 1)[1] for s in cp.sections() if s.startswith("testenv:")}
     assert envs == {c.name for c in GRID.cells}
     assert cp["testenv"]["system_site_packages"] == "true"
-    for c in GRID.cells:
+    for c in GRID.pinned:
+        assert "install_command" not in cp[f"testenv:{c.name}"], "pinned cells use tox's default install"
         deps = cp[f"testenv:{c.name}"]["deps"].split()
         assert sorted(deps) == sorted(f"{k}=={v}" for k, v in c.pins().items())
         labels = cp[f"testenv:{c.name}"].get("labels", "")
@@ -239,7 +244,7 @@ def _fake_env(d: Path, grid_cell, **over) -> None:
 def test_record_merges_results_into_verified_json(tmp_path, junit_run):
     out = tmp_path / "verified.json"
     runs = tmp_path / "matrix-results"
-    old, new = GRID.cells[0], GRID.cells[-1]
+    old, new = GRID.cells[0], GRID.pinned[-1]
     _fake_env(runs / new.name, new)
     (runs / new.name / "junit.xml").write_bytes(junit_run.read_bytes())
     _fake_env(runs / "not-a-result", old)  # env.json without junit: pytest never finished
@@ -294,7 +299,7 @@ def test_full_suite_detection(args, full):
 
 
 def test_record_cli(tmp_path, junit_run):
-    c = GRID.cells[-1]
+    c = GRID.pinned[-1]
     _fake_env(tmp_path / "runs" / c.name, c)
     (tmp_path / "runs" / c.name / "junit.xml").write_bytes(junit_run.read_bytes())
     out = tmp_path / "v.json"
@@ -331,8 +336,21 @@ def test_env_check_passes_on_the_installed_pair_if_it_is_a_cell(tmp_path):
 
 # -- verification_status -------------------------------------------------------------------------
 
-def _result(passed=10, failed=0, skipped=1, errors=0):
-    return {"passed": passed, "failed": failed, "skipped": skipped, "errors": errors, "date": "2026-11-20T10:00:00"}
+#: the fingerprint of "the code as it is now" in these tests (status/readme take it as an argument)
+NOW = {"package": "a" * 64}
+OTHER = {"package": "b" * 64, "tests": "c" * 64}
+
+
+def _result(passed=10, failed=0, skipped=1, errors=0, prints=NOW, commit="abc1234def" + "0" * 30, **extra):
+    source = {"commit": commit, "dirty": False}
+    if prints is not None:
+        source["fingerprint"] = dict(prints)
+    return {"passed": passed, "failed": failed, "skipped": skipped, "errors": errors, "date": "2026-11-20T10:00:00",
+            "source": source, **extra}
+
+
+def _status(t, r, v, now=NOW):
+    return verification_status(t, r, GRID, v, current=now)
 
 
 def _verified(**cells):
@@ -341,16 +359,16 @@ def _verified(**cells):
 
 def test_status_verified_cell():
     c = GRID.cells[4]
-    st = verification_status(c.transformers, c.trl, GRID, _verified(**{c.name: _result()}))
-    assert st["verified"] is True and st["cell"] == c.name and st["nearest"] is None
+    st = _status(c.transformers, c.trl, _verified(**{c.name: _result()}))
+    assert st["verified"] is True and st["state"] == "verified" and st["stale"] is False and st["cell"] == c.name and st["nearest"] is None
     assert st["results"]["passed"] == 10
     assert st["summary"].startswith("verified:") and c.name in st["summary"] and "\n" not in st["summary"]
 
 
 def test_status_failing_cell_points_to_nearest_passing_one():
-    a, b, far = GRID.cells[4], GRID.cells[5], GRID.cells[-1]
+    a, b, far = GRID.cells[4], GRID.cells[5], GRID.pinned[-1]
     v = _verified(**{a.name: _result(failed=2), b.name: _result(), far.name: _result()})
-    st = verification_status(a.transformers, a.trl, GRID, v)
+    st = _status(a.transformers, a.trl, v)
     assert st["verified"] is False and st["cell"] == a.name and st["results"]["failed"] == 2
     assert st["nearest"]["cell"] == b.name
     assert "NOT verified" in st["summary"] and b.name in st["summary"]
@@ -358,25 +376,25 @@ def test_status_failing_cell_points_to_nearest_passing_one():
 
 def test_status_pair_outside_the_grid_gets_nearest():
     names = {c.name: c for c in GRID.cells}
-    v = _verified(**{n: _result() for n in names})
-    st = verification_status("4.48.1", "0.15.0", GRID, v)
+    v = _verified(**{n: _result() for n, c in names.items() if not c.newest})
+    st = _status("4.48.1", "0.15.0", v)
     assert st["verified"] is False and st["cell"] is None
     assert st["nearest"]["cell"] == "tf4.48-trl0.15"
-    st = verification_status("5.22.1", "1.15.0", GRID, v)
-    assert st["nearest"]["cell"] == GRID.cells[-1].name
-    st = verification_status("4.57.1", None, GRID, v)
+    st = _status("5.22.1", "1.15.0", v)
+    assert st["nearest"]["cell"] == GRID.pinned[-1].name
+    st = _status("4.57.1", None, v)
     assert st["nearest"]["transformers"].startswith("4.57")
     assert "not a grid cell" in st["summary"]
 
 
 def test_status_unknown_and_unrecorded():
-    st = verification_status(None, None, GRID, _verified())
+    st = _status(None, None, _verified())
     assert st["verified"] is False and st["cell"] is None and st["nearest"] is None
     assert "not installed" in st["summary"]
     c = GRID.cells[0]
-    st = verification_status(c.transformers, c.trl, GRID, _verified())
+    st = _status(c.transformers, c.trl, _verified())
     assert st["cell"] == c.name and "not run yet" in st["summary"] and st["nearest"] is None
-    st = verification_status("not-a-version", "0.15.2", GRID, _verified(**{c.name: _result()}))
+    st = _status("not-a-version", "0.15.2", _verified(**{c.name: _result()}))
     assert st["cell"] is None and st["verified"] is False
 
 
@@ -404,7 +422,10 @@ def test_status_with_shipped_files_is_cheap_and_consistent():
     assert set(shipped["cells"]) <= {c.name for c in GRID.cells}
     for name, r in shipped["cells"].items():
         cell = GRID.cell(name)
-        assert (r["transformers"], r["trl"]) == (cell.transformers, cell.trl)
+        if cell.newest:  # its releases are those its run installed
+            assert (r["transformers"], r["trl"]) == (r["versions"]["transformers"], r["versions"]["trl"])
+        else:
+            assert (r["transformers"], r["trl"]) == (cell.transformers, cell.trl)
         assert r["tests"] == r["passed"] + r["failed"] + r["skipped"] + r["errors"]
 
 
@@ -420,18 +441,18 @@ def test_check_report_shows_the_matrix():
 
 def test_readme_block_rewrite_only_touches_the_block(tmp_path):
     text = f"# Title\n\nintro\n\n{readme.START}\nold table\n{readme.END}\n\n## After\nkeep me\n"
-    v = _verified(**{GRID.cells[0].name: _result(failed=3), GRID.cells[-1].name: _result(passed=99)})
-    new = readme.render(text, GRID, v)
+    v = _verified(**{GRID.cells[0].name: _result(failed=3), GRID.pinned[-1].name: _result(passed=99)})
+    new = readme.render(text, GRID, v, NOW)
     assert new.startswith("# Title\n\nintro\n\n") and new.endswith(f"{readme.END}\n\n## After\nkeep me\n")
     assert "old table" not in new
     assert "| 5.23.0 | 1.16.0 |" in new and "| verified | 99 |" in new
     assert "FAILING (3 tests)" in new and "not run yet" in new
-    assert readme.is_current(new, GRID, v) and not readme.is_current(text, GRID, v)
+    assert readme.is_current(new, GRID, v, NOW) and not readme.is_current(text, GRID, v, NOW)
     p = tmp_path / "README.md"
     p.write_text(text)
-    assert readme.update(p, GRID, v) is True and readme.update(p, GRID, v) is False
+    assert readme.update(p, GRID, v, NOW) is True and readme.update(p, GRID, v, NOW) is False
     with pytest.raises(readme.ReadmeError):
-        readme.render("no markers here", GRID, v)
+        readme.render("no markers here", GRID, v, NOW)
 
 
 def test_readme_support_table_is_current():
@@ -440,3 +461,255 @@ def test_readme_support_table_is_current():
         pytest.skip("README.md has no support-table markers yet")
     assert readme.is_current(path.read_text(encoding="utf-8"), GRID, matrix.load_verified()), \
         "README support table is stale: run `python -m liger_compat.matrix readme`"
+
+
+# -- the newest cell: no pins, eager upgrade, versions recorded --------------------------------------
+
+def test_newest_cell_parses_without_release_numbers():
+    c = GRID.cell("newest")
+    assert c.newest and c.pins() == {} and "ci" in c.labels
+    assert (c.transformers, c.trl, c.accelerate, c.datasets) == (None, None, None, None)
+    assert c not in GRID.pinned and len(GRID.pinned) == len(GRID.cells) - 1
+    with pytest.raises(ValueError, match="pins no transformers"):
+        c.release("transformers")
+    assert c.to_dict()["newest"] is True
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["cell"].append({"name": "n2", "newest": True, "why": "x" * 40}), "already has a newest cell"),
+    (lambda d: d["cell"][-1].update(transformers="5.23.0"), "pins nothing; remove transformers"),
+    (lambda d: d["cell"][-1].update(newest="yes"), "'newest' must be true or false"),
+    (lambda d: d.update(cell=[c for c in d["cell"] if c.get("newest")]), "no \\[\\[cell\\]\\] with pinned releases"),
+])
+def test_newest_cell_validation(mutate, message):
+    data = copy.deepcopy(_raw_grid())
+    assert data["cell"][-1].get("newest") is True
+    mutate(data)
+    with pytest.raises(GridError, match=message):
+        grid_mod.parse(data)
+
+
+def test_newest_cell_covers_no_boundary_and_matches_no_release():
+    data = copy.deepcopy(_raw_grid())
+    # only the newest cell and the newest pinned one: every boundary lacks a "before" side, and
+    # the newest cell (whatever it installs) does not count as one
+    data["cell"] = data["cell"][-2:]
+    g = grid_mod.parse(data)
+    assert {u.split()[0] for u in g.uncovered()} == {b.id for b in g.boundaries}
+    # find() only knows pinned cells: a pair past every pin is no cell, even if the newest cell ran on it
+    assert GRID.find("99.0.0", "99.0.0") is None
+    assert all(GRID.find(c.transformers, c.trl) is c for c in GRID.pinned)
+
+
+def test_tox_newest_env_upgrades_eagerly_under_the_torch_constraint():
+    import configparser
+
+    cp = configparser.ConfigParser(interpolation=None)
+    cp.read_string(toxgen.render(GRID))
+    env = cp["testenv:newest"]
+    cmd = env["install_command"].split()
+    assert cmd[:5] == ["python", "-I", "-m", "pip", "install"]
+    assert "--upgrade" in cmd and cmd[cmd.index("--upgrade-strategy") + 1] == "eager"
+    assert cmd[-2:] == ["{opts}", "{packages}"]
+    assert sorted(env["deps"].split()) == ["accelerate", "datasets", "transformers", "trl"]  # no pins
+    assert "ci" in env["labels"] and env["recreate"] == "true"  # never reuse last month's "newest"
+    # inherited from [testenv]: system torch reused, held by the constraint file; the package
+    # itself (and its test extra) is installed through the same upgrading install_command
+    assert "PIP_CONSTRAINT" in cp["testenv"]["set_env"] and cp["testenv"]["extras"] == "test"
+    assert "install_command" not in cp["testenv"]
+
+
+def test_env_check_newest_records_what_it_imported(tmp_path):
+    import importlib.metadata as md
+
+    from liger_compat.matrix import fingerprint
+
+    newest = GRID.cell("newest")
+    env = results.env_check(newest, tmp_path, None, ["-q", "tests"])
+    written = json.loads((tmp_path / results.ENV_FILE).read_text())
+    assert written["newest"] is True and written["pins"] == {} and written["full_suite"] is True
+    for pkg in ("transformers", "trl", "accelerate", "datasets", "wrapt", "packaging", "hypothesis", "pytest"):
+        assert written["versions"][pkg] == md.version(pkg), pkg
+    assert env["imported"]["transformers"]["version"] == md.version("transformers")
+    assert written["source"]["fingerprint"] == fingerprint.current(with_tests=True)
+
+
+def test_env_check_newest_refuses_releases_older_than_the_pins(tmp_path, monkeypatch):
+    floor = {"transformers": "99.0.0", "trl": "0.1.0", "accelerate": "0.1.0", "datasets": "0.1.0"}
+    monkeypatch.setattr(results, "_newest_pins", lambda: floor)
+    with pytest.raises(results.RecordError, match="transformers: the newest cell imported .* older than .* 99.0.0"):
+        results.env_check(GRID.cell("newest"), tmp_path / "out")
+    assert not (tmp_path / "out" / results.ENV_FILE).exists()
+
+
+def _newest_env(d: Path, **versions) -> None:
+    got = {"transformers": "99.1.0", "trl": "98.2.0", "accelerate": "97.0.0", "datasets": "96.0.0",
+           "torch": "2.13.0+cpu", "wrapt": "9.9.9"}
+    got.update(versions)
+    _fake_env(d, GRID.cell("newest"), newest=True, versions={k: v for k, v in got.items() if v is not None},
+              source={"commit": "f" * 40, "dirty": False, "fingerprint": NOW})
+
+
+def test_record_newest_takes_its_releases_from_the_run(tmp_path, junit_run):
+    runs = tmp_path / "runs"
+    _newest_env(runs / "newest")
+    (runs / "newest" / "junit.xml").write_bytes(junit_run.read_bytes())
+    out = tmp_path / "v.json"
+    got, problems = results.record([runs], GRID, out)
+    assert problems == [] and list(got) == ["newest"]
+    entry = json.loads(out.read_text())["cells"]["newest"]
+    assert (entry["transformers"], entry["trl"], entry["newest"]) == ("99.1.0", "98.2.0", True)
+    assert entry["versions"]["wrapt"] == "9.9.9" and entry["source"]["fingerprint"] == NOW
+    # a newest run that did not say what it installed cannot be recorded
+    _newest_env(runs / "newest", transformers=None)
+    with pytest.raises(results.RecordError, match="without recorded transformers"):
+        results.record([runs], GRID, tmp_path / "w.json")
+
+
+def test_status_and_readme_use_the_newest_cells_recorded_releases():
+    rec = _result(passed=77, transformers="99.1.0", trl="98.2.0", newest=True,
+                  versions={"transformers": "99.1.0", "trl": "98.2.0", "accelerate": "97.0.0", "datasets": "96.0.0"})
+    v = _verified(newest=rec)
+    st = _status("99.1.0", "98.2.0", v)
+    assert st["cell"] == "newest" and st["verified"] is True and st["results"]["passed"] == 77
+    st = _status("99.1.1", "98.2.0", v)  # a later patch release: not the recorded run, but nearest to it
+    assert st["cell"] is None and st["nearest"]["cell"] == "newest" and st["nearest"]["transformers"] == "99.1.0"
+    assert _status("99.1.0", "98.2.0", _verified())["cell"] is None  # never run: nothing to match
+    table = readme.table(GRID, v, NOW)
+    row = next(line for line in table.splitlines() if line.endswith("`newest` |"))
+    assert row.startswith("| newest (99.1.0) | newest (98.2.0) | newest (97.0.0) | newest (96.0.0) | verified | 77 |")
+    row = next(line for line in readme.table(GRID, _verified(), NOW).splitlines() if line.endswith("`newest` |"))
+    assert row.startswith("| newest | newest | newest | newest | not run yet |")
+
+
+# -- content fingerprints: verified only for the code that ran ------------------------------------
+
+def _copy_package(dst: Path) -> Path:
+    import shutil
+
+    from liger_compat.matrix import fingerprint
+
+    shutil.copytree(fingerprint.package_dir(), dst / "liger_compat", ignore=shutil.ignore_patterns("__pycache__"))
+    return dst / "liger_compat"
+
+
+def test_package_fingerprint_follows_code_and_data_not_results(tmp_path):
+    from liger_compat.matrix import fingerprint
+
+    pkg = _copy_package(tmp_path)
+    base = fingerprint.package_fingerprint(pkg)
+    assert base == fingerprint.package_fingerprint() and len(base) == 64  # the copy has the same content
+    (pkg / "matrix" / "verified.json").write_text('{"schema": 1, "cells": {}}\n')  # results: not code
+    (pkg / "__pycache__").mkdir(exist_ok=True)
+    (pkg / "__pycache__" / "junk.py").write_text("x = 1\n")
+    (pkg / "notes.txt").write_text("not shipped\n")
+    assert fingerprint.package_fingerprint(pkg) == base
+    grid = pkg / "matrix" / "grid.toml"
+    grid.write_text(grid.read_text() + "\n# a comment\n")
+    changed_data = fingerprint.package_fingerprint(pkg)
+    assert changed_data != base
+    mod = pkg / "compat" / "report.py"
+    mod.write_text(mod.read_text() + "\n")
+    assert fingerprint.package_fingerprint(pkg) not in (base, changed_data)
+    (pkg / "compat" / "report.py").rename(pkg / "compat" / "report2.py")  # same bytes, other path
+    renamed = fingerprint.package_fingerprint(pkg)
+    (pkg / "compat" / "report2.py").rename(pkg / "compat" / "report.py")
+    assert renamed != fingerprint.package_fingerprint(pkg)
+    with pytest.raises(FileNotFoundError, match="not a package"):
+        fingerprint.package_fingerprint(tmp_path)
+
+
+def test_tests_fingerprint(tmp_path):
+    from liger_compat.matrix import fingerprint
+
+    assert fingerprint.tests_fingerprint(tmp_path / "nowhere") is None  # an installed package has no tests
+    assert fingerprint.tests_fingerprint(ROOT / "tests") == fingerprint.current(with_tests=True)["tests"]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "test_a.py").write_text("def test_a():\n    assert 1\n")
+    a = fingerprint.tests_fingerprint(tmp_path / "t")
+    (tmp_path / "t" / "test_a.py").write_text("def test_a():\n    assert 2\n")
+    assert fingerprint.tests_fingerprint(tmp_path / "t") != a
+
+
+@pytest.mark.parametrize("source, now, ok", [
+    ({"fingerprint": {"package": "p", "tests": "t"}}, {"package": "p", "tests": "t"}, True),
+    ({"fingerprint": {"package": "p", "tests": "t"}}, {"package": "p"}, True),  # a user's install: package only
+    ({"fingerprint": {"package": "p", "tests": "t"}}, {"package": "p", "tests": None}, True),
+    ({"fingerprint": {"package": "p", "tests": "t"}}, {"package": "p", "tests": "u"}, False),
+    ({"fingerprint": {"package": "p", "tests": "t"}}, {"package": "q"}, False),
+    ({"fingerprint": {"package": "p"}}, {"package": "p", "tests": "t"}, False),  # tests not recorded
+    ({"commit": "abc", "dirty": False}, {"package": "p"}, False),  # recorded before fingerprints
+    (None, {"package": "p"}, False),
+    ({"fingerprint": {"package": "p"}}, {"package": None}, False),
+])
+def test_fingerprint_matching(source, now, ok):
+    from liger_compat.matrix import fingerprint
+
+    assert fingerprint.matches(source, now) is ok
+
+
+def test_status_verified_only_for_the_recorded_code():
+    c = GRID.cell("tf4.48-trl0.15")
+    for res in (_result(prints=OTHER), _result(prints=None)):  # other code; recorded without a fingerprint
+        st = _status(c.transformers, c.trl, _verified(**{c.name: res}))
+        assert st["verified"] is False and st["stale"] is True and st["state"] == "stale" and st["cell"] == c.name
+        assert st["summary"].startswith("stale (recorded at abc1234 2026-11-20): ")
+        assert st["recorded_at"] == {"commit": res["source"]["commit"], "date": "2026-11-20T10:00:00"}
+    st = _status(c.transformers, c.trl, _verified(**{c.name: _result(prints=OTHER)}), now=dict(OTHER))
+    assert st["verified"] is True and st["summary"].startswith("verified: ")
+    # a stale cell is not offered as a verified neighbour: a verified one is preferred at equal distance
+    a, b = GRID.cell("tf4.48-trl0.14"), GRID.cell("tf4.49-trl0.15")
+    v = _verified(**{a.name: _result(prints=OTHER), b.name: _result()})
+    st = _status("4.48.3", "0.15.0", v)
+    assert st["nearest"]["cell"] == b.name and st["nearest"]["state"] == "verified"
+    assert "nearest verified cell: " + b.name in st["summary"]
+    st = _status("4.48.3", "0.15.0", _verified(**{a.name: _result(prints=OTHER)}))
+    assert st["nearest"]["state"] == "stale" and "nearest passing cell: " + a.name in st["summary"]
+    assert "stale (recorded at abc1234" in st["summary"]
+
+
+def test_readme_table_states_by_fingerprint():
+    c0, c1, c2 = GRID.pinned[0], GRID.pinned[1], GRID.pinned[2]
+    v = _verified(**{c0.name: _result(), c1.name: _result(prints=OTHER, commit="1234567" + "0" * 33),
+                     c2.name: _result(failed=1, prints=None)})
+    rows = {line.rsplit("`", 2)[1]: line for line in readme.table(GRID, v, NOW).splitlines() if line.endswith("` |")}
+    assert "| verified | 10 |" in rows[c0.name]
+    assert "| stale (recorded at 1234567 2026-11-20) | 10 |" in rows[c1.name]
+    assert "| FAILING (1 test), stale (recorded at abc1234 2026-11-20) |" in rows[c2.name]
+    # the README compares the tests too: a run of the same package with other tests is stale
+    other_tests = readme.table(GRID, v, {**NOW, "tests": "d" * 64})
+    assert "| stale (recorded at abc1234 2026-11-20) |" in next(
+        line for line in other_tests.splitlines() if line.endswith(f"`{c0.name}` |"))
+
+
+def _report_with(matrix_section):
+    from liger_compat.compat import report
+
+    return report.Report(liger_compat_version="0", python="3.11", versions={}, device={},
+                         settings={"disabled": False, "kernels": [], "source": {}}, shims=[], issues=[],
+                         families={}, matrix=matrix_section, conflicts=[])
+
+
+def test_check_report_verified_line_and_json_follow_the_fingerprint(monkeypatch):
+    from types import SimpleNamespace
+
+    from liger_compat.compat import report
+    from liger_compat.matrix import fingerprint, status
+
+    c = GRID.cell("tf4.48-trl0.15")
+    installed = {"transformers": SimpleNamespace(raw=c.transformers), "trl": SimpleNamespace(raw=c.trl)}
+    here = fingerprint.current()  # what check() compares: the installed package, no tests
+    assert set(here) == {"package"}
+    for prints, state in ((here, "verified"), (OTHER, "stale")):
+        monkeypatch.setattr(status, "load_verified", lambda prints=prints: _verified(**{c.name: _result(prints=prints)}))
+        m = report._matrix(installed)
+        r = _report_with(m)
+        lines = str(r).splitlines()
+        line = lines[lines.index("Version matrix") + 1].strip()
+        data = json.loads(r.to_json())["matrix"]
+        assert data["state"] == state and data["verified"] is (state == "verified")
+        assert data["recorded_at"]["commit"].startswith("abc1234")
+        if state == "verified":
+            assert line.startswith(f"verified: transformers {c.transformers} + trl {c.trl} is grid cell {c.name}")
+        else:
+            assert line.startswith("stale (recorded at abc1234 2026-11-20): ") and "verified" not in line

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.cmd == "list":
         for c in grid.cells:
-            print(f"{c.name:18} transformers {c.transformers:8} trl {c.trl:7} accelerate {c.accelerate:7} "
-                  f"datasets {c.datasets:6} {','.join(c.labels):4} {c.why}")
+            t, r, a_, d = (c.transformers, c.trl, c.accelerate, c.datasets) if not c.newest else ("newest",) * 4
+            print(f"{c.name:18} transformers {t:8} trl {r:7} accelerate {a_:7} "
+                  f"datasets {d:6} {','.join(c.labels):4} {c.why}")
         return 0
     if a.cmd == "tox-ini":
         rc = _write_or_check(a.root / "tox.ini", toxgen.render(grid), a.check)

@@ -40,30 +40,42 @@ class Boundary:
     evidence: str
 
     def before(self, cell: "Cell") -> bool:
+        """Whether a pinned cell is on the old side of this change (the newest cell is on neither)."""
         return cell.release(self.package) < Version(self.version)
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One (transformers, trl) pair, pinned exactly, and why the grid has it."""
+    """One (transformers, trl) pair, pinned exactly, and why the grid has it.
+
+    A ``newest`` cell pins nothing: its environment installs the newest release of every
+    dependency at the time it runs (torch excepted), so its release numbers are known only from
+    a recorded run (verified.json), never from the grid.
+    """
 
     name: str
-    transformers: str
-    trl: str
-    accelerate: str
-    datasets: str
+    transformers: str | None
+    trl: str | None
+    accelerate: str | None
+    datasets: str | None
     why: str
     labels: tuple[str, ...] = ()
+    newest: bool = False
 
     def pins(self) -> dict[str, str]:
-        return {"transformers": self.transformers, "trl": self.trl,
+        """The exact releases this cell installs; empty for the newest cell."""
+        if self.newest:
+            return {}
+        return {"transformers": self.transformers, "trl": self.trl,  # type: ignore[dict-item]
                 "accelerate": self.accelerate, "datasets": self.datasets}
 
     def release(self, package: str) -> Version:
+        if self.newest:
+            raise ValueError(f"cell {self.name!r} installs the newest releases: it pins no {package} release")
         return Version(self.pins()[package])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, **self.pins(), "labels": list(self.labels), "why": self.why}
+        return {"name": self.name, **self.pins(), "newest": self.newest, "labels": list(self.labels), "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -79,24 +91,34 @@ class Grid:
                 return c
         raise KeyError(f"no cell named {name!r} in the grid (cells: {', '.join(c.name for c in self.cells)})")
 
+    @property
+    def pinned(self) -> tuple[Cell, ...]:
+        """The cells with exact release pins (all but the newest cell)."""
+        return tuple(c for c in self.cells if not c.newest)
+
     def labelled(self, label: str) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if label in c.labels)
 
     def find(self, transformers: str | None, trl: str | None) -> Cell | None:
-        """The cell pinning exactly these releases (``4.48.3.dev0`` counts as ``4.48.3``)."""
+        """The cell pinning exactly these releases (``4.48.3.dev0`` counts as ``4.48.3``).
+
+        Only pinned cells: the newest cell has no release numbers of its own (see
+        :func:`liger_compat.matrix.status.verification_status` for matching its recorded run)."""
         t, r = _release(transformers), _release(trl)
         if t is None or r is None:
             return None
-        for c in self.cells:
+        for c in self.pinned:
             if Version(c.transformers) == t and Version(c.trl) == r:
                 return c
         return None
 
     def uncovered(self) -> list[str]:
-        """Boundaries without a cell on each side; empty when the grid is well-formed."""
+        """Boundaries without a pinned cell on each side; empty when the grid is well-formed.
+
+        The newest cell covers nothing: what it installs changes with every upstream release."""
         out = []
         for b in self.boundaries:
-            sides = {b.before(c) for c in self.cells}
+            sides = {b.before(c) for c in self.pinned}
             if sides != {True, False}:
                 side = "before" if False in sides else "at or after"
                 out.append(f"{b.id} ({b.package} {b.version}): no cell {side} it")
@@ -167,18 +189,31 @@ def parse(data: dict[str, Any]) -> Grid:
         labels = c.get("labels", [])
         if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
             raise GridError(f"{where}: labels must be a list of strings")
-        cell = Cell(name=name, **{k: _version(c, k, where) for k in (*PACKAGES, *EXTRA_PINS)},
-                    why=_req(c, "why", where), labels=tuple(labels))
-        pair = (cell.transformers, cell.trl)
-        if pair in seen_pair:
-            raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]} is already a cell")
-        seen_pair.add(pair)
-        unknown = set(c) - {"name", "labels", "why", *PACKAGES, *EXTRA_PINS}
+        newest = c.get("newest", False)
+        if not isinstance(newest, bool):
+            raise GridError(f"{where}: field 'newest' must be true or false, got {newest!r}")
+        if newest:
+            pinned = sorted(k for k in (*PACKAGES, *EXTRA_PINS) if k in c)
+            if pinned:
+                raise GridError(f"{where}: a newest cell installs the newest releases and pins nothing; "
+                                f"remove {', '.join(pinned)}")
+            if any(x.newest for x in cells):
+                raise GridError(f"{where}: the grid already has a newest cell")
+            cell = Cell(name=name, transformers=None, trl=None, accelerate=None, datasets=None,
+                        why=_req(c, "why", where), labels=tuple(labels), newest=True)
+        else:
+            cell = Cell(name=name, **{k: _version(c, k, where) for k in (*PACKAGES, *EXTRA_PINS)},
+                        why=_req(c, "why", where), labels=tuple(labels))
+            pair = (cell.transformers, cell.trl)
+            if pair in seen_pair:
+                raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]} is already a cell")
+            seen_pair.add(pair)
+        unknown = set(c) - {"name", "labels", "why", "newest", *PACKAGES, *EXTRA_PINS}
         if unknown:
             raise GridError(f"{where}: unknown field(s) {sorted(unknown)}")
         cells.append(cell)
-    if not cells:
-        raise GridError("the grid has no [[cell]]")
+    if not any(not c.newest for c in cells):
+        raise GridError("the grid has no [[cell]] with pinned releases")
     return Grid(python=_req(data, "python", "grid"), torch=_version(data, "torch", "grid"),
                 boundaries=tuple(boundaries), cells=tuple(cells))
 

@@ -23,11 +23,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
+from packaging.version import Version
+
 from .grid import EXTRA_PINS, PACKAGES, Cell, Grid, _release
 
 SCHEMA = 1
 #: distributions whose versions env-check records besides the pinned ones
-RECORDED = ("torch", "triton", "tokenizers", "huggingface-hub", "numpy", "peft", "pytest")
+RECORDED = ("torch", "triton", "tokenizers", "huggingface-hub", "numpy", "peft", "pytest",
+            "wrapt", "packaging", "hypothesis", "pytest-xdist", "safetensors")
 ENV_FILE = "env.json"
 JUNIT_FILE = "junit.xml"
 MAX_FAILURE_IDS = 25
@@ -86,13 +89,18 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
     Imports transformers and trl (that is the point: ``__version__`` of the module that
     ``import`` finds must be the pinned one, not the system-wide one). Raises
     :class:`RecordError` naming every mismatch.
+
+    The newest cell pins nothing: it records the releases imported (``env.json`` ``versions``,
+    which ``record`` copies into verified.json) and only checks that what is imported is what the
+    distribution metadata says and not older than the grid's newest pinned cell (an environment
+    still on older system-wide releases did not upgrade).
     """
     import importlib
 
     problems = []
     imported: dict[str, dict[str, str | None]] = {}
+    floor = _newest_pins() if cell.newest else {}
     for pkg in (*PACKAGES, *EXTRA_PINS):
-        want = cell.pins()[pkg]
         mod = importlib.import_module(pkg)
         got = getattr(mod, "__version__", None)
         meta = _dist_version(pkg)
@@ -102,6 +110,14 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
         # one imported (a different system-wide release must be shadowed by the env's)
         origin = "env" if env_site and os.path.realpath(where) == os.path.realpath(env_site) else "system"
         imported[pkg] = {"version": got, "metadata": meta, "path": where, "origin": origin}
+        if cell.newest:
+            if _release(got) is None or _release(got) != _release(meta):
+                problems.append(f"{pkg}: imported {got} from {where} but the installed distribution is {meta}")
+            elif pkg in floor and _release(got) < _release(floor[pkg]):  # type: ignore[operator]
+                problems.append(f"{pkg}: the newest cell imported {got} from {where}, older than the grid's "
+                                f"newest pin {floor[pkg]}: the environment did not upgrade")
+            continue
+        want = cell.pins()[pkg]
         if _release(got) != _release(want) or _release(meta) != _release(want):
             problems.append(f"{pkg}: pinned {want}, imported {got} (metadata {meta}) from {where}")
     import torch
@@ -113,6 +129,7 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
         raise RecordError(f"cell {cell.name}: environment does not match the grid:\n  " + "\n  ".join(problems))
     env = {
         "cell": cell.name,
+        "newest": cell.newest,
         "python": sys.version.split()[0],
         "pins": cell.pins(),
         "imported": imported,
@@ -129,20 +146,32 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
     return env
 
 
+def _newest_pins() -> dict[str, str]:
+    from .grid import load
+
+    pinned = load().pinned
+    return {pkg: max((c.pins()[pkg] for c in pinned), key=Version) for pkg in (*PACKAGES, *EXTRA_PINS)}
+
+
 def _source_commit() -> dict[str, Any]:
-    """The git commit the tested source comes from, and whether tracked files differ from it."""
+    """The git commit the tested source comes from, whether tracked files differ from it, and
+    the content fingerprints of the tested package and tests (what decides, later, whether the
+    run still describes the code: see :mod:`.fingerprint`)."""
     import subprocess
 
+    from . import fingerprint
+
+    prints = fingerprint.current(with_tests=True)
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        return {"commit": None, "dirty": None, "fingerprint": prints}
     if head.returncode != 0:
-        return {"commit": None, "dirty": None}
-    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+        return {"commit": None, "dirty": None, "fingerprint": prints}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()), "fingerprint": prints}
 
 
 def _grid_torch() -> str:
@@ -231,8 +260,14 @@ def collect(dirs: Iterable[Path], grid: Grid) -> tuple[dict[str, dict[str, Any]]
             except RecordError as exc:
                 problems.append(str(exc))
                 continue
-            found[name] = {"transformers": cell.transformers, "trl": cell.trl, "python": env.get("python"),
-                           "versions": env.get("versions", {}), "source": env.get("source"), **res}
+            versions = env.get("versions") or {}
+            if cell.newest and not (versions.get("transformers") and versions.get("trl")):
+                problems.append(f"{rd}: newest cell {name} without recorded transformers / trl versions: rerun it")
+                continue
+            # the newest cell's releases are the ones its run installed
+            t, r = (versions["transformers"], versions["trl"]) if cell.newest else (cell.transformers, cell.trl)
+            found[name] = {"transformers": t, "trl": r, "newest": cell.newest, "python": env.get("python"),
+                           "versions": versions, "source": env.get("source"), **res}
     return found, problems
 
 

@@ -1,6 +1,7 @@
 """Is the installed (transformers, trl) pair a verified cell of the grid? Which one is nearest?
 
-Used by ``check()``; reads grid.toml and verified.json only (no torch / transformers import).
+Used by ``check()``; reads grid.toml and verified.json, and hashes the installed package's
+files to tell whether a recorded run tested this code (no torch / transformers import).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from . import fingerprint
 from .grid import Cell, Grid, _release
 from .grid import load as load_grid
 from .results import load_verified, passing
@@ -21,9 +23,13 @@ def _ordinal(v: Version) -> float:
 
 
 def distance(transformers: str | None, trl: str | None, cell: Cell) -> float:
-    """How far an installed pair is from a cell (a missing package does not count)."""
+    """How far an installed pair is from a pinned cell (a missing package does not count)."""
+    return _distance(transformers, trl, cell.transformers, cell.trl)  # type: ignore[arg-type]
+
+
+def _distance(transformers: str | None, trl: str | None, cell_transformers: str, cell_trl: str) -> float:
     d = 0.0
-    for raw, pinned in ((transformers, cell.transformers), (trl, cell.trl)):
+    for raw, pinned in ((transformers, cell_transformers), (trl, cell_trl)):
         rel = _release(raw)
         if rel is not None:
             d += abs(_ordinal(rel) - _ordinal(Version(pinned)))
@@ -37,47 +43,118 @@ def _brief(result: dict[str, Any]) -> str:
     return f"{s}; {str(result.get('date', '?'))[:10]}"
 
 
+def recorded_at(result: dict[str, Any]) -> str:
+    """``<short commit> <date>`` of a recorded run (the code state it describes)."""
+    commit = (result.get("source") or {}).get("commit") or "unknown commit"
+    return f"{commit[:7]} {str(result.get('date', '?'))[:10]}"
+
+
+def cell_state(result: dict[str, Any] | None, now: dict[str, str | None]) -> str:
+    """``verified`` (passing run of this very code), ``stale`` (passing run of other code, or
+    of code without a fingerprint), ``failing`` or ``not run``."""
+    if result is None:
+        return "not run"
+    if not passing(result):
+        return "failing"
+    return "verified" if fingerprint.matches(result.get("source"), now) else "stale"
+
+
+def _newest_match(grid: Grid, recorded: dict[str, Any], transformers_raw: str | None, trl_raw: str | None) -> Cell | None:
+    """The newest cell, when its recorded run was on exactly these releases."""
+    t, r = _release(transformers_raw), _release(trl_raw)
+    if t is None or r is None:
+        return None
+    for c in grid.cells:
+        res = recorded.get(c.name)
+        if c.newest and res and _release(res.get("transformers")) == t and _release(res.get("trl")) == r:
+            return c
+    return None
+
+
+def _releases(cell: Cell, recorded: dict[str, Any]) -> tuple[str, str] | None:
+    """(transformers, trl) of a cell: its pins, or for the newest cell those of its recorded run."""
+    if not cell.newest:
+        return cell.transformers, cell.trl  # type: ignore[return-value]
+    res = recorded.get(cell.name) or {}
+    if res.get("transformers") and res.get("trl"):
+        return res["transformers"], res["trl"]
+    return None
+
+
 def verification_status(transformers_raw: str | None, trl_raw: str | None,
-                        grid: Grid | None = None, verified: dict[str, Any] | None = None) -> dict[str, Any]:
+                        grid: Grid | None = None, verified: dict[str, Any] | None = None,
+                        current: dict[str, str | None] | None = None) -> dict[str, Any]:
     """Where the installed pair stands in the version matrix.
 
-    Keys: ``summary`` (one line), ``verified`` (the pair is a grid cell whose recorded run had
-    no failures or errors), ``cell`` (name of the grid cell pinning exactly these releases, or
-    None), ``results`` (that cell's recorded results, or None), ``nearest`` (the nearest cell
-    with a passing recorded run, when the pair is not verified itself: name, versions,
-    distance, results; None when nothing passed yet), ``installed``, ``grid_cells``,
-    ``recorded_cells``.
+    Keys: ``summary`` (one line), ``state`` (``verified``, ``stale``, ``failing``, ``not run``,
+    or ``not a cell``), ``verified`` (the pair is a grid cell whose recorded run had no failures
+    or errors *and* ran this code: the recorded package fingerprint equals ``current``'s),
+    ``stale`` (a passing run recorded at another state of the code), ``recorded_at`` (commit and
+    date of the cell's run), ``cell`` (name of the grid cell pinning exactly these releases, or
+    the newest cell when its recorded run was on them, or None), ``results`` (that cell's
+    recorded results, or None), ``nearest`` (the nearest other cell with a passing recorded run,
+    when the pair is not verified itself: name, versions, distance, state, results; verified
+    cells before stale ones at equal distance; None when nothing passed yet), ``installed``,
+    ``grid_cells``, ``recorded_cells``, ``fingerprint`` (the compared fingerprints).
+
+    ``current`` defaults to the fingerprint of the installed package (tests are not installed,
+    so ``check()`` compares the package part only).
     """
     grid = grid or load_grid()
     verified = verified if verified is not None else load_verified()
+    now = current if current is not None else fingerprint.current()
     recorded: dict[str, Any] = verified.get("cells", {})
-    cell = grid.find(transformers_raw, trl_raw)
+    cell = grid.find(transformers_raw, trl_raw) or _newest_match(grid, recorded, transformers_raw, trl_raw)
     results = recorded.get(cell.name) if cell else None
-    ok = cell is not None and passing(results)
+    state = cell_state(results, now) if cell else "not a cell"
+    ok = state == "verified"
     out: dict[str, Any] = {
         "verified": ok,
+        "stale": state == "stale",
+        "state": state,
         "cell": cell.name if cell else None,
         "results": results,
+        "recorded_at": ({"commit": (results.get("source") or {}).get("commit"), "date": results.get("date")}
+                        if results else None),
         "nearest": None,
         "installed": {"transformers": transformers_raw, "trl": trl_raw},
         "grid_cells": len(grid.cells),
         "recorded_cells": sum(1 for c in grid.cells if c.name in recorded),
+        "fingerprint": now,
     }
     pair = f"transformers {transformers_raw or 'not installed'} + trl {trl_raw or 'not installed'}"
     if ok:
         out["summary"] = f"verified: {pair} is grid cell {cell.name} ({_brief(results)})"
         return out
 
-    candidates = [c for c in grid.cells if c is not cell and passing(recorded.get(c.name))]
+    candidates = [c for c in grid.cells
+                  if c is not cell and passing(recorded.get(c.name)) and _releases(c, recorded) is not None]
     if transformers_raw is not None and candidates:
-        best = min(candidates, key=lambda c: (distance(transformers_raw, trl_raw, c), grid.cells.index(c)))
-        out["nearest"] = {"cell": best.name, "transformers": best.transformers, "trl": best.trl,
-                          "distance": distance(transformers_raw, trl_raw, best), "results": recorded[best.name]}
-    near = (f"; nearest verified cell: {out['nearest']['cell']} (transformers {out['nearest']['transformers']}, "
-            f"trl {out['nearest']['trl']})" if out["nearest"] else "; no verified cell to compare with")
+        def key(c: Cell) -> tuple[float, bool, int]:
+            t, r = _releases(c, recorded)  # type: ignore[misc]
+            return (_distance(transformers_raw, trl_raw, t, r), cell_state(recorded[c.name], now) != "verified",
+                    grid.cells.index(c))
+
+        best = min(candidates, key=key)
+        t, r = _releases(best, recorded)  # type: ignore[misc]
+        out["nearest"] = {"cell": best.name, "transformers": t, "trl": r,
+                          "distance": _distance(transformers_raw, trl_raw, t, r),
+                          "state": cell_state(recorded[best.name], now), "results": recorded[best.name]}
+    if out["nearest"] is None:
+        near = "; no verified cell to compare with"
+    elif out["nearest"]["state"] == "verified":
+        near = (f"; nearest verified cell: {out['nearest']['cell']} (transformers {out['nearest']['transformers']}, "
+                f"trl {out['nearest']['trl']})")
+    else:
+        near = (f"; nearest passing cell: {out['nearest']['cell']} (transformers {out['nearest']['transformers']}, "
+                f"trl {out['nearest']['trl']}), stale (recorded at {recorded_at(out['nearest']['results'])})")
     if transformers_raw is None:
         out["summary"] = "transformers not installed: nothing to compare with the version matrix"
-    elif cell is not None and results is not None:
+    elif state == "stale":
+        near = near if out["nearest"] and out["nearest"]["state"] == "verified" else ""
+        out["summary"] = (f"stale (recorded at {recorded_at(results)}): {pair} is grid cell {cell.name}, whose run "
+                          f"passed ({_brief(results)}) on other code than this liger_compat{near}")
+    elif state == "failing":
         out["summary"] = f"NOT verified: {pair} is grid cell {cell.name} but its recorded run failed ({_brief(results)}){near}"
     elif cell is not None:
         out["summary"] = f"{pair} is grid cell {cell.name}, not run yet{near}"

@@ -4,13 +4,21 @@ Every environment reuses the system-wide torch (``system_site_packages = true`` 
 ``PIP_CONSTRAINT`` pinning torch to the grid's version, so pip never installs a second torch)
 and pins the cell's transformers / trl / accelerate / datasets inside the virtualenv, where they
 shadow the system-wide ones; ``env-check`` asserts that before the tests run.
+
+The newest cell pins nothing: its ``install_command`` upgrades eagerly (``pip install --upgrade
+--upgrade-strategy eager``), so transformers, trl, accelerate, datasets and every dependency of
+liger_compat (and theirs) come at their newest release instead of the system-wide one, still
+under the torch constraint; ``env-check`` records the versions it got.
 """
 
 from __future__ import annotations
 
-from .grid import Grid
+from .grid import EXTRA_PINS, PACKAGES, Grid
 
 RESULTS_DIR = "matrix-results"
+#: tox's default install command plus an eager upgrade: with system site packages pip would
+#: otherwise keep every system-wide release that satisfies the requirements
+NEWEST_INSTALL_COMMAND = "python -I -m pip install --upgrade --upgrade-strategy eager {opts} {packages}"
 CONSTRAINTS = "liger_compat/matrix/constraints.txt"
 
 HEADER = """\
@@ -18,7 +26,7 @@ HEADER = """\
 # Do not edit by hand: edit grid.toml and regenerate (tests/test_matrix.py fails on drift).
 #
 #   tox -e {example}  one cell of the version grid: `pytest tests` against that pair
-#   tox -m ci  the CI subset: {ci}
+{newest}#   tox -m ci  the CI subset: {ci}
 #   tox  the full grid ({n} cells), one after the other
 #   tox -e CELL -- -q tests/test_x.py  a part of the suite only (posargs replace `-q tests`)
 #   python -m liger_compat.matrix record .tox/{results}  -> liger_compat/matrix/verified.json
@@ -31,8 +39,10 @@ HEADER = """\
 
 def render(grid: Grid) -> str:
     ci = [c.name for c in grid.labelled("ci")]
-    lines = [HEADER.format(example=grid.cells[-1].name, ci=", ".join(ci) or "(none)", n=len(grid.cells),
-                           results=RESULTS_DIR, torch=grid.torch)]
+    lines = [HEADER.format(example=grid.pinned[-1].name, ci=", ".join(ci) or "(none)", n=len(grid.cells),
+                           results=RESULTS_DIR, torch=grid.torch,
+                           newest="".join(f"#   tox -e {c.name}  no pins: the newest release of every dependency (torch held)\n"
+                                          for c in grid.cells if c.newest))]
     lines += [
         "[tox]",
         "requires = tox>=4.20",
@@ -59,11 +69,17 @@ def render(grid: Grid) -> str:
     ]
     for c in grid.cells:
         why = c.why.replace("{", "(").replace("}", ")").replace("\n", " ")
-        lines += [f"[testenv:{c.name}]", f"description = transformers {c.transformers} + trl {c.trl}: {why}"]
+        what = "newest releases, unpinned" if c.newest else f"transformers {c.transformers} + trl {c.trl}"
+        lines += [f"[testenv:{c.name}]", f"description = {what}: {why}"]
         if c.labels:
             lines += [f"labels = {', '.join(c.labels)}"]
-        lines += ["deps ="]
-        lines += [f"    {pkg}=={ver}" for pkg, ver in c.pins().items()]
+        if c.newest:
+            # recreate: a kept environment would keep the releases of its first install
+            lines += ["recreate = true", f"install_command = {NEWEST_INSTALL_COMMAND}", "deps ="]
+            lines += [f"    {pkg}" for pkg in (*PACKAGES, *EXTRA_PINS)]
+        else:
+            lines += ["deps ="]
+            lines += [f"    {pkg}=={ver}" for pkg, ver in c.pins().items()]
         lines += [""]
     return "\n".join(lines)
 
