@@ -24,10 +24,11 @@ library keeps its native behaviour: the import never breaks.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import _config, _import_hooks
 from .._log import log
@@ -265,16 +266,50 @@ class Registry:
                     errors += ps.revert()
                 shim.model_patches.clear()
                 if shim.state == State.APPLIED:
-                    if shim._revert is not None:
-                        try:
-                            shim._revert()
-                        except Exception as exc:
-                            errors.append(f"{shim.id}: {exc}")
-                    errors += shim.patches.revert()
-                    shim.state, shim.reason = State.REVERTED, "liger_compat.revert()"
+                    errors += self._revert_one(shim, "liger_compat.revert()")
                 elif shim.state in (State.WAITING, State.FAILED, State.NOT_NEEDED, State.CONFLICT):
                     shim.state, shim.reason = State.REVERTED, "liger_compat.revert()"
         return errors
+
+
+    def _revert_one(self, shim: Shim, reason: str) -> list[str]:
+        errors: list[str] = []
+        if shim._revert is not None:
+            try:
+                shim._revert()
+            except Exception as exc:
+                errors.append(f"{shim.id}: {exc}")
+        errors += shim.patches.revert()
+        shim.state, shim.reason = State.REVERTED, reason
+        return errors
+
+    @contextlib.contextmanager
+    def suspended(self, shim_id: str) -> Iterator[Shim]:
+        """Revert one shim inside the block and apply it again on exit (only if it was applied).
+
+        Its class- and module-level patches go; instance patches from ``apply(model=...)`` stay.
+        Re-applying reads the targets afresh, as an import would. Raises when the revert fails, since
+        the block would then not run without the shim."""
+        shim = self.get(shim_id)
+        with self._lock:
+            was_applied = shim.state == State.APPLIED
+            if was_applied:
+                errors = self._revert_one(shim, f"suspended ({shim_id})")
+                if errors:
+                    mod = sys.modules.get(shim.trigger)
+                    if mod is not None:
+                        self._apply_one(shim, mod)
+                    raise RuntimeError(f"could not suspend {shim_id}: {'; '.join(errors)}")
+        try:
+            yield shim
+        finally:
+            if was_applied:
+                with self._lock:
+                    mod = sys.modules.get(shim.trigger)
+                    if mod is not None:
+                        self._apply_one(shim, mod)
+                    else:
+                        shim.state, shim.reason = State.WAITING, ""
 
 
 REGISTRY = Registry()
