@@ -242,3 +242,43 @@ def test_patchset_rejects_missing_attribute():
 
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         PatchSet().set(K, "nope", 1)
+
+
+def test_suspended_reverts_one_shim_and_applies_it_again(target_module):
+    mod = importlib.import_module(target_module)
+    original_step, original_forward = mod.Model.__dict__["step"], mod.Base.__dict__["forward"]
+
+    def patch_forward(module, patches):
+        patches.wrap(module.Base, "forward", lambda w, i, a, k: ("wrapped",) + w(*a, **k))
+
+    reg = Registry()
+    step = reg.register(make(target_module))
+    other = reg.register(make(target_module, id="test.forward", _apply=patch_forward))
+    reg.apply()
+    with reg.suspended("test.step") as shim:
+        assert shim is step and step.state == State.REVERTED
+        assert mod.Model.__dict__["step"] is original_step  # exactly the native object
+        assert other.state == State.APPLIED and mod.Model().forward(1) == ("wrapped", "base", 1)
+        # re-applying reads the target afresh: a step replaced meanwhile is the one wrapped on exit
+        mod.Model.step = lambda self, x: x * 10
+    assert step.state == State.APPLIED and mod.Model().step(2) == ("patched", 20)
+    with pytest.raises(RuntimeError, match="inside"):
+        with reg.suspended("test.step"):
+            raise RuntimeError("inside")
+    assert step.state == State.APPLIED and mod.Model().step(2) == ("patched", 20)  # applied again all the same
+    assert reg.revert() == []
+    assert mod.Base.__dict__["forward"] is original_forward
+
+
+def test_suspended_leaves_a_shim_that_was_not_applied_alone(target_module):
+    importlib.import_module(target_module)
+    reg = Registry()
+    shim = reg.register(make(target_module, versions=">=999"))  # not needed on this packaging
+    reg.apply()
+    assert shim.state == State.NOT_NEEDED
+    with reg.suspended("test.step"):
+        assert shim.state == State.NOT_NEEDED
+    assert shim.state == State.NOT_NEEDED
+    with pytest.raises(KeyError, match="no shim 'nope'"):
+        with reg.suspended("nope"):
+            pass

@@ -117,8 +117,8 @@ def _sft_reading_logits():
         yield "the installed SFTTrainer.compute_loss"
         return
     if not matches(_trl_version(), ">=1.15"):
-        pytest.skip(f"trl {_trl_version()} SFTTrainer.compute_loss reads no logits ({style}): token accuracy from "
-                    "outputs.logits came with trl 0.15, the premise of F1 does not exist here")
+        pytest.skip(f"trl {_trl_version()}: {style}; token accuracy from outputs.logits came with trl 0.15, the "
+                    "premise of F1 does not exist here")
     with REGISTRY.suspended(SFT_ACCURACY):  # the shim reads compute_loss when it is applied again
         trainer_cls.compute_loss = _compute_loss_reading_logits
     try:
@@ -144,6 +144,7 @@ def _sft_builder(tokenizer, tmp_path, trainer_cls=None, rows=8, **cfg):
     return build
 
 
+@pytest.mark.slow
 def test_f1_sft_token_accuracy_fails_without_the_shim(tokenizer, tmp_path):
     with _sft_reading_logits():
         model = fresh_model("llama", tokenizer)
@@ -159,6 +160,7 @@ def test_f1_sft_token_accuracy_fails_without_the_shim(tokenizer, tmp_path):
     assert counter.fused >= 1  # the fused forward ran (logits None) and the trainer then read the logits
 
 
+@pytest.mark.slow
 def test_f1_sft_token_accuracy_passes_with_the_shim(tokenizer, tmp_path, capsys):
     with _sft_reading_logits() as what:
         nat, pat, counter, _ = run_native_and_patched(_sft_builder(tokenizer, tmp_path), fresh_model("llama", tokenizer))
@@ -238,6 +240,7 @@ def _dpo_run(trainer, ds):
     return metrics, pred
 
 
+@pytest.mark.slow
 def test_f2_dpo_without_labels_fails_on_a_labels_assuming_forward(tokenizer, tmp_path):
     base = fresh_model("llama", tokenizer)
     build, ds = _dpo_builder(tokenizer, tmp_path, base)
@@ -248,6 +251,7 @@ def test_f2_dpo_without_labels_fails_on_a_labels_assuming_forward(tokenizer, tmp
             _dpo_run(trainer, ds)
 
 
+@pytest.mark.slow
 def test_f2_dpo_without_labels_passes_with_the_shim(tokenizer, tmp_path):
     base = fresh_model("llama", tokenizer)
     build, ds = _dpo_builder(tokenizer, tmp_path, base)
@@ -489,10 +493,17 @@ def _batch_has_fa_kwargs_or_skip(build, tokenizer):
     trainer = build(fresh_model("llama", tokenizer))
     batch = next(iter(trainer.get_train_dataloader()))
     if "cu_seq_lens_q" not in batch:
-        pytest.skip(f"the padding-free collator of trl {_trl_version()} passes no cu_seq_lens_q (keys "
-                    f"{sorted(batch)}): the FlashAttention kwargs came with trl 0.16 / transformers 4.47")
+        import transformers
+        from transformers import DataCollatorWithFlattening
+
+        tf_has = "return_flash_attn_kwargs" in inspect.signature(DataCollatorWithFlattening.__init__).parameters
+        pytest.skip(f"the padding-free collator of trl {_trl_version()} emits no cu_seq_lens_q (keys {sorted(batch)})"
+                    + ("" if tf_has else f", nor does DataCollatorWithFlattening of transformers "
+                       f"{transformers.__version__}") + ": no padding-free batch of this pair carries the "
+                    "FlashAttention kwargs")
 
 
+@pytest.mark.slow
 def test_f4_padding_free_sft_fails_without_the_filtering(tokenizer, tmp_path):
     build = _padding_free_sft(tokenizer, tmp_path)
     _batch_has_fa_kwargs_or_skip(build, tokenizer)
@@ -503,6 +514,7 @@ def test_f4_padding_free_sft_fails_without_the_filtering(tokenizer, tmp_path):
             _quiet_train(trainer)
 
 
+@pytest.mark.slow
 def test_f4_padding_free_sft_passes_with_the_shim(tokenizer, tmp_path):
     build = _padding_free_sft(tokenizer, tmp_path)
     _batch_has_fa_kwargs_or_skip(build, tokenizer)
@@ -559,6 +571,7 @@ def _needs_counting():
         pytest.skip("transformers < 4.46 has no Trainer.get_batch_samples: nothing counts label tokens")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["orpo", "cpo"])
 def test_f5_label_counting_fails_without_the_shim(name, tokenizer, tmp_path):
     _needs_counting()
@@ -585,6 +598,7 @@ class _CountRecorder:
         trainer.compute_loss = compute_loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["orpo", "cpo"])
 def test_f5_label_counting_passes_with_the_shim(name, tokenizer, tmp_path):
     _needs_counting()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import liger_compat
-from liger_compat.shims import REGISTRY
 from liger_compat.shims import _tiny_text as tiny
 
 from trainer_helpers import (assert_logs_close, config_fields, fresh_model, make_config, run_native_and_patched,
@@ -45,24 +43,3 @@ def test_sft_metrics_match_native(family, loss_type, tokenizer, tmp_path):
     # the run really went through the fused forward (logits None), not a native fallback
     assert counter.fused > 0, (counter.fused, counter.with_logits)
 
-
-def test_sft_without_the_shim_fails_on_the_fused_model(tokenizer, tmp_path):
-    """The upstream situation: the fused forward is on, the trainer shim is not."""
-    shim = REGISTRY.get("trl.sft_token_accuracy")
-    trainer_cls, _ = trainer_or_skip("sft")
-    from liger_compat.shims.trl_sft_token_accuracy import read_style
-
-    style = read_style(trainer_cls.compute_loss)
-    if isinstance(style, str):
-        pytest.skip(style)
-    model = fresh_model("llama", tokenizer)
-    liger_compat.apply(model)
-    cfg = {"loss_type": "nll"} if "loss_type" in config_fields(trainer_or_skip("sft")[1]) else {}
-    shim._revert()
-    try:
-        trainer = _build(tokenizer, tmp_path, **cfg)(model)
-        # trl 0.15 .. 0.21 subscript the logits first, 0.22+ take their entropy first
-        with pytest.raises((TypeError, AttributeError), match="NoneType"):
-            trainer.train()
-    finally:
-        shim._apply(None, shim.patches)  # re-install the per-module patches
