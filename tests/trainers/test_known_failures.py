@@ -75,11 +75,12 @@ def _decoder_hidden(instance, kwargs):
 # =============================================================================================
 
 def _compute_loss_reading_logits(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-    """``SFTTrainer.compute_loss`` as trl 1.3 .. 1.14 ran it with ``loss_type="nll"``, written here for trl
-    1.15+, whose own compute_loss reads no logits: the loss is ``transformers.Trainer.compute_loss``'s (the
-    labels go through the model's forward), then ``entropy`` (masked by the shifted labels, entropy_sum /
-    valid tokens) and ``mean_token_accuracy`` come from ``outputs.logits``, unless ``self.args.use_liger_kernel``
-    says the model returns no logits: then the accuracy is ``outputs.token_accuracy``."""
+    """An ``SFTTrainer.compute_loss`` modelled on trl 1.3 .. 1.14's with ``loss_type="nll"`` (the reads the
+    F1 shim steers), written here for trl 1.15+, whose own compute_loss reads no logits: the loss is
+    ``transformers.Trainer.compute_loss``'s (the labels go through the model's forward), then ``entropy``
+    (masked by the shifted labels: entropy_sum / valid tokens) and ``mean_token_accuracy`` come from
+    ``outputs.logits``, unless ``self.args.use_liger_kernel`` says the model returns no logits: then the
+    accuracy is ``outputs.token_accuracy``."""
     from transformers import Trainer
     from trl.trainer.utils import entropy_from_logits
 
@@ -128,13 +129,12 @@ def _sft_reading_logits():
             trainer_cls.compute_loss = own
 
 
-def _sft_builder(tokenizer, tmp_path, trainer_cls=None, rows=8, **cfg):
-    cls, config_cls = trainer_or_skip("sft")
-    trainer_cls = trainer_cls or cls
+def _sft_builder(tokenizer, tmp_path, **cfg):
+    trainer_cls, config_cls = trainer_or_skip("sft")
     fields = config_fields(config_cls)
     if "loss_type" in fields:
         cfg.setdefault("loss_type", "nll")
-    ds = tiny.dataset(tiny.sft_rows(rows))
+    ds = tiny.dataset(tiny.sft_rows(8))
 
     def build(model):
         args = make_config(config_cls, tmp_path, max_seq_length=32, max_length=32, dataset_text_field="text",
@@ -224,10 +224,10 @@ def _dpo_builder(tokenizer, tmp_path, base):
         return trainer_cls(model=model, args=args, train_dataset=ds, eval_dataset=ds, ref_model=ref,
                            **tokenizer_kwarg(trainer_cls, tokenizer))
 
-    return build, ds
+    return build
 
 
-def _dpo_run(trainer, ds):
+def _dpo_run(trainer):
     """Two training steps and an evaluation (trl < 1.15: ``concatenated_forward`` calls the model without
     labels); on trl 1.15+, whose steps go through trl's own LM head, also a prediction, which asks for the
     logits: ``compute_loss(return_outputs=True)`` recomputes them with ``model(**model_kwargs)``, without
@@ -243,27 +243,27 @@ def _dpo_run(trainer, ds):
 @pytest.mark.slow
 def test_f2_dpo_without_labels_fails_on_a_labels_assuming_forward(tokenizer, tmp_path):
     base = fresh_model("llama", tokenizer)
-    build, ds = _dpo_builder(tokenizer, tmp_path, base)
+    build = _dpo_builder(tokenizer, tmp_path, base)
     model = clone(base)
     with _class_forward(type(model), _labels_assuming_forward):
         trainer = build(model)
         with pytest.raises(TypeError, match="'NoneType' object is not subscriptable"):
-            _dpo_run(trainer, ds)
+            _dpo_run(trainer)
 
 
 @pytest.mark.slow
 def test_f2_dpo_without_labels_passes_with_the_shim(tokenizer, tmp_path):
     base = fresh_model("llama", tokenizer)
-    build, ds = _dpo_builder(tokenizer, tmp_path, base)
+    build = _dpo_builder(tokenizer, tmp_path, base)
     with native():
         nat = build(clone(base))
-        nat_metrics, nat_pred = _dpo_run(nat, ds)
+        nat_metrics, nat_pred = _dpo_run(nat)
     model = clone(base)
     liger_compat.apply(model)
     pat = build(model)
     rec = _LabelsAndLogits(pat.model)
     try:
-        pat_metrics, pat_pred = _dpo_run(pat, ds)
+        pat_metrics, pat_pred = _dpo_run(pat)
     finally:
         rec.close()
     # DPO called the fused model without labels and got real logits every time
