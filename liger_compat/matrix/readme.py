@@ -53,7 +53,8 @@ def table(grid: Grid, verified: dict[str, Any], current: dict[str, str | None] |
         "A cell is *verified* when its recorded run passed on the code as it is now (same content fingerprint "
         "of the package and the tests); a run recorded at another state of the code is *stale*. "
         "The `newest` cell pins nothing: it installs the newest release of every dependency when it runs "
-        "(shown: the releases of its recorded run).",
+        "(shown: the releases of its recorded run). CI (`.ci/run`) runs the cells labelled `ci` after the main "
+        "suite: " + ", ".join(f"`{c.name}`" for c in grid.labelled("ci")) + ".",
         "",
         "| transformers | trl | accelerate | datasets | state | passed | failed | skipped | run on @ commit | tox env |",
         "|---|---|---|---|---|---:|---:|---:|---|---|",
