@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # One device-tool call on the H100: the peers from the carried wheels (.whl/: liger-kernel,
 # cut-cross-entropy; the machine has no network), then the benchmark steps named on the command
-# line, each into $OUT with its log. Steps: gpu_tests, kernels:<sections> (KERNELS_ARGS), e2e
-# (E2E_ARGS), e2e_memory (E2E_MEMORY_ARGS).
+# line, each into $OUT with its log. Steps: gpu_tests (COMMIT names the commit: the machine gets no
+# .git), kernels:<sections> (KERNELS_ARGS), e2e (E2E_ARGS), e2e_memory (E2E_MEMORY_ARGS),
+# compile_families (COMPILE_ARGS).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-pip install -q --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1
+if ls .whl/*.whl >/dev/null 2>&1; then pip install -q --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1; fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L >"$OUT/machine.log" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >>"$OUT/machine.log" 2>&1
 for step in "$@"; do
   t0=$(date +%s)
   case "$step" in
-    gpu_tests) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py >"$OUT/gpu_tests.log" 2>&1 ;;
+    gpu_tests) python3 -m benchmarks.gpu_tests --commit "${COMMIT:-unknown}" --out "$OUT" >"$OUT/gpu_tests.log" 2>&1 ;;
+    compile_families) python3 -m benchmarks.compile_families --out "$OUT" ${COMPILE_ARGS:-} >"$OUT/compile_families.log" 2>&1 ;;
     kernels:*) mkdir -p "$OUT/kernels"; python3 -m benchmarks.kernels --out "$OUT/kernels" --sections "${step#kernels:}" ${KERNELS_ARGS:-} >"$OUT/kernels.log" 2>&1 ;;
     e2e) python3 -m benchmarks.e2e --out "$OUT" ${E2E_ARGS:-} >"$OUT/e2e.log" 2>&1 ;;
     e2e_memory) python3 -m benchmarks.e2e_memory --out "$OUT" ${E2E_MEMORY_ARGS:-} >"$OUT/e2e_memory.log" 2>&1 ;;

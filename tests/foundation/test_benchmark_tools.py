@@ -136,3 +136,25 @@ def test_kernel_report_starts_with_the_regenerate_line(monkeypatch):
     assert "come from kernels_elementwise.json, measured separately" in md
     monkeypatch.setattr(K, "RESULTS", {"meta": {}, "rows": []})
     assert K.report().startswith("# liger_compat kernel benchmark")
+
+
+def test_gpu_tests_record_reads_junit_counts_and_failures(tmp_path):
+    from benchmarks import gpu_tests
+
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.kernels.test_gpu" name="test_a"/>'
+        '<testcase classname="tests.kernels.test_gpu" name="test_b"><failure message="assert 1 == 2">tb</failure></testcase>'
+        '<testcase classname="tests.kernels.test_gpu" name="test_c"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="tests.kernels.test_gpu" name="test_d"/>'
+        '</testsuite></testsuites>')
+    d = gpu_tests.parse_junit(str(junit))
+    assert d["counts"] == {"passed": 2, "failed": 1, "error": 0, "skipped": 1}
+    assert [(r["test"], r["outcome"], r["detail"]) for r in d["not_passed"]] == [
+        ("tests.kernels.test_gpu::test_b", "failed", "assert 1 == 2"),
+        ("tests.kernels.test_gpu::test_c", "skipped", "needs CUDA")]
+    md = gpu_tests.markdown({"commit": "abc1234", "device": "H100", "torch": "2.11", "triton": "3.6",
+                             "transformers": "5.17", **d})
+    assert "at commit `abc1234`" in md and "2 passed, 1 failed, 0 errors, 1 skipped" in md
+    assert "| `tests.kernels.test_gpu::test_b` | failed | assert 1 == 2 |" in md
