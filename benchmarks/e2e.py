@@ -40,6 +40,10 @@ MODELS = {
     "llama-3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    # the Llama-3.2-1B layer shape with 8 layers and an untied head: the design card's end-to-end model
+    "llama-8l": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                     rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
     # Qwen2.5-1.5B shape (tied embeddings)
     "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
@@ -242,7 +246,7 @@ def plots(rows: list[dict], out: Path, name: str = "e2e") -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="llama-3.2-1b,qwen2.5-1.5b", help=f"any of {', '.join(MODELS)}")
     ap.add_argument("--shapes", default="4x2048,8x4096")
     ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"any of {', '.join(IMPLS)}")
     ap.add_argument("--steps", type=int, default=6)
