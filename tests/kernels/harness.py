@@ -21,3 +21,19 @@ def expected_backend() -> str:
 def examples(n: int) -> int:
     cap = os.environ.get("LIGER_COMPAT_TEST_EXAMPLES")
     return min(n, int(cap)) if cap else n
+
+
+def tolerance(dtype, *, n: int = 1, ulps: float = 4.0) -> float:
+    """Norm-relative error allowed for a kernel computing in ``dtype``, from the dtype alone.
+
+    ``ulps`` roundings to ``dtype`` (inputs, intermediates, output: each off by at most half a unit
+    in the last place, ``finfo(dtype).eps / 2`` relative) plus ``n`` fp32 roundings (terms of a sum,
+    or operations of a chain such as an activation's formula), whose errors grow like ``sqrt(n)``
+    when they are independent: the kernels accumulate reductions, matmuls and statistics and
+    evaluate activations in fp32 whatever the input dtype. ``dtype="tf32"``: fp32 matmuls that
+    round their inputs to TF32's 10-bit mantissa (CUDA with ``allow_tf32``).
+    """
+    import torch
+
+    eps = 2.0 ** -10 if dtype == "tf32" else torch.finfo(dtype).eps
+    return ulps * (eps + n ** 0.5 * torch.finfo(torch.float32).eps)

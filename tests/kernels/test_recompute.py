@@ -14,10 +14,12 @@ import torch
 
 from liger_compat.kernels import gated_mlp, gated_project, geglu, last_backend, project_norm_output, rms_norm, swiglu
 from liger_compat.kernels import _recompute
-from harness import expected_backend
+from harness import expected_backend, tolerance
 from reference64 import geglu64, rel_err, rms_norm64, swiglu64
 
 KINDS = {"silu": (swiglu, swiglu64), "gelu_tanh": (geglu, geglu64)}
+#: fp32 through two projections (h = 24 and i <= 48 terms) and the activation's formula
+F32 = tolerance(torch.float32, n=24 + 48 + 16)
 
 
 class _Recorder(torch.nn.Module):
@@ -64,9 +66,9 @@ def test_gated_project_matches_float64_and_drops_the_activation(activation, inpl
     x64 = x.detach().double().requires_grad_(True)
     w64, b64 = lin.weight.detach().double().requires_grad_(True), lin.bias.detach().double().requires_grad_(True)
     ref = torch.nn.functional.linear(ref_fn(x64 @ wg.double(), x64 @ wu.double()), w64, b64)
-    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(out, ref) <= F32
     rdx, rdw, rdb = torch.autograd.grad((ref * dy).sum(), (x64, w64, b64))
-    assert rel_err(dx, rdx) <= 1e-5 and rel_err(dw, rdw) <= 1e-5 and rel_err(db, rdb) <= 1e-5
+    assert rel_err(dx, rdx) <= F32 and rel_err(dw, rdw) <= F32 and rel_err(db, rdb) <= F32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,7 +102,7 @@ def test_every_saved_view_of_the_activation_is_rebuilt():
     ref = (torch.nn.functional.linear(h64, w64, lin.bias.detach().double())
            + torch.nn.functional.linear(h64[..., 3:20], lin2.weight.detach().double()) * torch.sigmoid(h64[..., :24]))
     rdx, rdw = torch.autograd.grad((ref * dy).sum(), (x64, w64))
-    assert rel_err(out, ref) <= 1e-5 and rel_err(dx, rdx) <= 1e-5 and rel_err(dw, rdw) <= 1e-5
+    assert rel_err(out, ref) <= F32 and rel_err(dx, rdx) <= F32 and rel_err(dw, rdw) <= F32
 
 
 def test_steps_aside_under_other_saved_tensor_hooks_and_without_grad(monkeypatch):
@@ -122,7 +124,7 @@ def test_steps_aside_under_other_saved_tensor_hooks_and_without_grad(monkeypatch
     ref = torch.nn.functional.linear(swiglu64(x64 @ wg.double(), x64 @ wu.double()),
                                      lin.weight.detach().double(), lin.bias.detach().double())
     (rdx,) = torch.autograd.grad((ref * dy).sum(), x64)
-    assert rel_err(dx, rdx) <= 1e-5
+    assert rel_err(dx, rdx) <= F32
 
     with torch.no_grad():
         assert torch.equal(gated_project(x @ wg, x @ wu, lin), lin(swiglu(x @ wg, x @ wu)))
@@ -190,8 +192,9 @@ def test_project_norm_output_drops_the_norm_output(casting, offset, wdt):
     ref_out = torch.cat([torch.nn.functional.linear(ref, wa64, lin_a.bias.detach().double()),
                          torch.nn.functional.linear(ref, lin_b.weight.detach().double(), lin_b.bias.detach().double())], -1)
     r = torch.autograd.grad((ref_out * dy).sum(), (x64, w64, wa64))
-    assert rel_err(out1, ref_out) <= 3e-2
-    assert all(rel_err(a, b) <= 3e-2 for a, b in zip(g1, r))
+    tol = tolerance(torch.bfloat16, n=32 + 24)  # bf16: the norm sums 32 channels, the projections 32 terms, the weight gradient 15 rows
+    assert rel_err(out1, ref_out) <= tol
+    assert all(rel_err(a, b) <= tol for a, b in zip(g1, r))
 
 
 def test_project_norm_output_leaves_other_tensors_alone():
@@ -224,14 +227,15 @@ def test_plain_linear_runs_as_one_node_with_the_plain_graphs_gradients(bias, tra
     got = torch.autograd.grad((out.double() * dy).sum(), wanted)
     plain = lin(fn(x @ wg, x @ wu))
     want = torch.autograd.grad((plain.double() * dy).sum(), wanted)
-    assert torch.allclose(out, plain, rtol=1e-6, atol=1e-6)
+    # the same fp32 operations; the weight gradient's sum over the 18 rows may run in another order
+    assert rel_err(out, plain) <= F32
     for a, b in zip(got, want):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert rel_err(a, b) <= F32
     x64 = x.detach().double().requires_grad_(True)
     ref = torch.nn.functional.linear(ref_fn(x64 @ wg.double(), x64 @ wu.double()), lin.weight.detach().double(),
                                      None if lin.bias is None else lin.bias.detach().double())
     (rdx,) = torch.autograd.grad((ref * dy).sum(), x64)
-    assert rel_err(got[0], rdx) <= 1e-5
+    assert rel_err(got[0], rdx) <= F32
 
 
 def test_hooked_or_instance_patched_linear_is_called_not_bypassed():
@@ -280,7 +284,7 @@ def test_views_saved_by_several_consumers_share_one_rebuild():
     ref = torch.cat([torch.nn.functional.linear(a64 * 3, w1, lin1.bias.detach().double()),
                      torch.nn.functional.linear(a64 * 3, w2, lin2.bias.detach().double())], -1)
     r1, r2, ra = torch.autograd.grad(ref.pow(2).sum(), (w1, w2, a64))
-    assert rel_err(gw1, r1) <= 1e-5 and rel_err(gw2, r2) <= 1e-5 and rel_err(ga, ra) <= 1e-5
+    assert rel_err(gw1, r1) <= F32 and rel_err(gw2, r2) <= F32 and rel_err(ga, ra) <= F32
 
 
 def test_the_setting_picks_the_parts_and_names_itself_when_wrong(monkeypatch):

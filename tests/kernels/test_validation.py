@@ -61,16 +61,29 @@ def test_bias_shape_and_target_range_on_logits():
     assert torch.isfinite(cross_entropy(torch.randn(4, 10), torch.tensor([0, 1, 9, -100])))
 
 
+class _OnAccelerator(torch.Tensor):
+    """CPU data that reports an accelerator device: what the range check looks at to decide."""
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
 def test_range_check_skipped_on_accelerators_without_debug(monkeypatch):
     """On accelerator tensors the sync-needing range check runs under settings.debug only."""
     from liger_compat.kernels import _checks
 
-    t = torch.tensor([0, 50]).to("meta")
+    t = torch.tensor([0, 50, -100]).as_subclass(_OnAccelerator)
+    assert t.device.type == "cuda"
     monkeypatch.setattr(_config.settings, "debug", False)
-    _checks.target_range("target", t, 10, -100)  # no sync, no check
+    assert _checks.target_range("target", t, 10, -100) is None  # no sync, no check: 50 passes
     monkeypatch.setattr(_config.settings, "debug", True)
-    with pytest.raises((ValueError, NotImplementedError, RuntimeError)):
+    with pytest.raises(ValueError, match=r"^target holds 50, outside \[0, 10\) and not ignore_index=-100$"):
         _checks.target_range("target", t, 10, -100)
+    # the CPU check does not wait for debug
+    monkeypatch.setattr(_config.settings, "debug", False)
+    with pytest.raises(ValueError, match=r"^labels holds 50, outside \[0, 10\)"):
+        _checks.target_range("labels", torch.tensor([0, 50]), 10, -100)
 
 
 def test_other_kernels_bad_inputs():

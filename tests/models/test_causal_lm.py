@@ -55,14 +55,16 @@ def test_loss_and_grads_bf16_as_close_to_fp32_as_native_bf16(family):
         model.to(torch.bfloat16)
         ref, g_ref = _run(model, ids, labels)
     out, g = _run(model, ids, labels)
-    assert out.loss.dtype == torch.float32 or out.loss.dtype == ref.loss.dtype
+    assert out.loss.dtype == ref.loss.dtype == torch.float32  # transformers' loss upcasts the bf16 logits
+    # slack of one bf16 unit in the last place (relative), for a native run that happens to land close
+    ulp = torch.finfo(torch.bfloat16).eps
     t = _flat(g_truth)
     err_native = ((_flat(g_ref) - t).norm() / t.norm()).item()
     err_ours = ((_flat(g) - t).norm() / t.norm()).item()
-    assert err_ours <= 2 * err_native + 1e-2, (err_ours, err_native)
+    assert err_ours <= 2 * err_native + ulp, (err_ours, err_native)
     loss_err_native = abs(ref.loss.float().item() - truth.loss.item())
     loss_err_ours = abs(out.loss.float().item() - truth.loss.item())
-    assert loss_err_ours <= 2 * loss_err_native + 1e-2 * abs(truth.loss.item()), (loss_err_ours, loss_err_native)
+    assert loss_err_ours <= 2 * loss_err_native + ulp * abs(truth.loss.item()), (loss_err_ours, loss_err_native)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -259,7 +261,8 @@ def test_autocast_bf16_over_fp32_weights():
         out = model(input_ids=ids, labels=labels)
         with native():
             ref = model(input_ids=ids, labels=labels)
-    torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=3e-2, atol=3e-2)
+    # both under bf16 autocast: a few bf16 roundings apart, relative to the loss
+    torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=4 * torch.finfo(torch.bfloat16).eps, atol=0)
 
 
 def test_output_is_the_family_output_class_and_indexable():
@@ -268,7 +271,10 @@ def test_output_is_the_family_output_class_and_indexable():
     out = model(input_ids=ids, labels=labels)
     assert type(out).__name__ == "CausalLMOutputWithPast"
     assert "token_accuracy" in out.keys() and out["loss"] is out.loss
-    assert 0.0 <= float(out.token_accuracy) <= 1.0 and out.token_accuracy.dim() == 0
+    assert out.token_accuracy.dim() == 0
+    with native(), torch.no_grad():
+        ref_logits = model(input_ids=ids).logits
+    torch.testing.assert_close(out.token_accuracy, manual_accuracy(ref_logits, labels), rtol=0, atol=0)
 
 
 class _WrappedHead(torch.nn.Module):
