@@ -117,8 +117,3 @@ def installed(name: str) -> PackageVersion:
 
 def all_installed() -> dict[str, PackageVersion]:
     return {name: _lookup(name) for name in TRACKED}
-
-
-def refresh() -> None:
-    """Forget cached metadata (after a pip install in the same process, and in tests)."""
-    _lookup.cache_clear()

@@ -39,13 +39,6 @@ def _rotate(x, cos, sin, out_dtype, backward=False):
     return torch.cat(parts, dim=-1)
 
 
-def rope_torch(q, k, cos_u, sin_u, backward=False, out_dtype=None):
-    """Reference on already-unsqueezed ``cos_u``/``sin_u``."""
-    dq = out_dtype or q.dtype
-    dk = out_dtype or k.dtype
-    return _rotate(q, cos_u, sin_u, dq, backward), _rotate(k, cos_u, sin_u, dk, backward)
-
-
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos_u, sin_u, backend):

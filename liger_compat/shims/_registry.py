@@ -28,7 +28,7 @@ import contextlib
 import enum
 import sys
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import _config, _import_hooks
 from .._log import log
@@ -319,6 +319,3 @@ def register(**kwargs: Any) -> Shim:
     """Declare and register a shim; see the module docstring for the fields."""
     return REGISTRY.register(Shim(**kwargs))
 
-
-def shims_for(library: str) -> Iterable[Shim]:
-    return [s for s in REGISTRY.shims() if s.library == library]

@@ -224,10 +224,6 @@ def _revert() -> None:
     _watcher.stop()
 
 
-def patched_classes() -> list[type]:
-    return [p.owner for p in (_patches or ()) if p.name == "forward"]
-
-
 def describe(cls: type) -> str | None:
     """``"translates X -> Y"`` when this shim wraps ``cls.forward``, else None."""
     fwd = vars(cls).get("forward")

@@ -108,16 +108,3 @@ def find_trainer(name: str) -> tuple[type, type | None]:
     import trl
 
     raise TrainerUnavailable(f"trl {trl.__version__} has no {prefix}Trainer (looked in {', '.join(tried)})")
-
-
-def trainer_kind(trainer_or_cls: Any) -> str | None:
-    """Short name of a trl trainer instance or class (``"sft"``), by its trl base class."""
-    cls = trainer_or_cls if isinstance(trainer_or_cls, type) else type(trainer_or_cls)
-    for klass in cls.__mro__:
-        mod = getattr(klass, "__module__", "")
-        if not mod.startswith("trl."):
-            continue
-        for short, prefix in PREFIX.items():
-            if klass.__name__ == f"{prefix}Trainer":
-                return short
-    return None
