@@ -146,6 +146,14 @@ def _from_env(info: DistributedInfo, env: Mapping[str, str]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _unreadable(info: DistributedInfo, what: str, exc: BaseException) -> None:
+    """A source that raised while being read: detection goes on without it, and says so in
+    ``check()`` (a sharding engine it would have shown may be missing from the report)."""
+    info.warnings.append(DistWarning(
+        "D0", "warning",
+        f"{what} could not be read ({type(exc).__name__}: {exc}); the engine shown may be incomplete."))
+
+
 def _from_torch_distributed(info: DistributedInfo) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None:
@@ -157,18 +165,22 @@ def _from_torch_distributed(info: DistributedInfo) -> None:
         info.world_size = dist.get_world_size()
         info.rank = dist.get_rank()
         info.backend = str(dist.get_backend())
-    except Exception:  # a half-torn-down group must not break check()
-        return
+    except Exception as exc:  # a half-torn-down group must not break check(): reported instead
+        _unreadable(info, "the torch.distributed process group", exc)
 
 
 def _from_transformers(info: DistributedInfo) -> None:
     ds = sys.modules.get("transformers.integrations.deepspeed")
+    if ds is None:
+        return
     try:
-        if ds is not None and ds.is_deepspeed_zero3_enabled():
-            info.engine, info.zero_stage = "DeepSpeed ZeRO-3", 3
-            info.engine_source = "transformers HfDeepSpeedConfig"
-    except Exception:
-        pass
+        zero3 = ds.is_deepspeed_zero3_enabled()
+    except Exception as exc:  # a broken DeepSpeed config must not break check(): reported instead
+        _unreadable(info, "transformers' DeepSpeed ZeRO-3 flag (is_deepspeed_zero3_enabled)", exc)
+        return
+    if zero3:
+        info.engine, info.zero_stage = "DeepSpeed ZeRO-3", 3
+        info.engine_source = "transformers HfDeepSpeedConfig"
 
 
 def _zero_stage_of(config: Any) -> int | None:
@@ -211,7 +223,7 @@ def _output_head(model: Any) -> Any:
     if head is None and hasattr(m, "get_output_embeddings"):
         try:
             head = m.get_output_embeddings()
-        except Exception:
+        except NotImplementedError:  # transformers' base classes: a model without an output embedding
             head = None
     return head
 
@@ -224,8 +236,8 @@ def _from_model(info: DistributedInfo, model: Any) -> None:
     if "DeepSpeedEngine" in top:
         try:
             info.zero_stage = int(model.zero_optimization_stage())
-        except Exception:
-            pass
+        except Exception as exc:  # reported: the ZeRO stage (ZeRO-3 or not) stays unknown
+            _unreadable(info, f"{type(model).__name__}.zero_optimization_stage()", exc)
         engine = f"DeepSpeed ZeRO-{info.zero_stage}" if info.zero_stage is not None else "DeepSpeed"
     for mod in model.modules():
         names = {c.__name__ for c in type(mod).__mro__}

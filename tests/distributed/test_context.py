@@ -186,3 +186,79 @@ def test_no_torch_distributed_at_import_or_env_detection():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "imported: []", out.stdout
+
+
+def _d0(info):
+    return [w.message for w in info.warnings if w.code == "D0"]
+
+
+def test_a_zero3_flag_that_raises_is_reported_not_lost(monkeypatch):
+    """transformers' ZeRO-3 flag raising (a half-built DeepSpeed config) used to leave the engine
+    at "none" without a word; now check() says which source could not be read."""
+    import liger_compat
+
+    fake = types.ModuleType("transformers.integrations.deepspeed")
+
+    def broken():
+        raise RuntimeError("HfDeepSpeedConfig is gone")
+
+    fake.is_deepspeed_zero3_enabled = broken
+    monkeypatch.setitem(sys.modules, "transformers.integrations.deepspeed", fake)
+    info = cdist.detect(env={})
+    assert _d0(info) == ["transformers' DeepSpeed ZeRO-3 flag (is_deepspeed_zero3_enabled) could not be read "
+                         "(RuntimeError: HfDeepSpeedConfig is gone); the engine shown may be incomplete."]
+    assert all(w.level == "warning" for w in info.warnings if w.code == "D0")
+    text = str(liger_compat.check())
+    assert "D0 (warning): transformers' DeepSpeed ZeRO-3 flag" in text and "HfDeepSpeedConfig is gone" in text
+    fake.is_deepspeed_zero3_enabled = lambda: True  # read fine: the engine, and no D0
+    info = cdist.detect(env={})
+    assert info.engine == "DeepSpeed ZeRO-3" and not _d0(info)
+
+
+def test_a_torn_down_process_group_is_reported(monkeypatch):
+    fake = types.ModuleType("torch.distributed")
+    fake.is_available = lambda: True
+    fake.is_initialized = lambda: True
+
+    def gone():
+        raise RuntimeError("Default process group has not been initialized")
+
+    fake.get_world_size = fake.get_rank = fake.get_backend = gone
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+    info = cdist.detect(env={})
+    (msg,) = _d0(info)
+    assert msg.startswith("the torch.distributed process group could not be read (RuntimeError: Default process")
+
+
+def test_a_deepspeed_engine_whose_stage_cannot_be_read_is_reported():
+    torch = pytest.importorskip("torch")
+
+    class DeepSpeedEngine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+
+        def zero_optimization_stage(self):
+            raise AttributeError("'DeepSpeedEngine' object has no attribute '_config'")
+
+    info = cdist.detect(DeepSpeedEngine(), env={})
+    assert info.engine == "DeepSpeed" and info.zero_stage is None
+    (msg,) = _d0(info)
+    assert msg.startswith("DeepSpeedEngine.zero_optimization_stage() could not be read (AttributeError: ")
+
+
+def test_output_embeddings_not_implemented_means_no_head_and_other_errors_surface():
+    torch = pytest.importorskip("torch")
+
+    class Backbone(torch.nn.Module):
+        def __init__(self, exc):
+            super().__init__()
+            self.body, self.exc = torch.nn.Linear(4, 4), exc
+
+        def get_output_embeddings(self):
+            raise self.exc
+
+    info = cdist.detect(Backbone(NotImplementedError()), env={})
+    assert info.head is None and info.warnings == []
+    with pytest.raises(RuntimeError, match="lm_head storage"):
+        cdist.detect(Backbone(RuntimeError("lm_head storage")), env={})
