@@ -429,11 +429,9 @@ def _apply_to_model(model: Any, patches: PatchSet) -> bool:
 
 
 def _causal_lms_in(model: Any) -> list[Any]:
-    try:
-        mods = list(model.modules())
-    except Exception:
+    if not callable(getattr(model, "modules", None)):  # apply(model=...) with no torch module: nothing to report
         return []
-    return [m for m in mods if families.family_of(type(m)) is not None]
+    return [m for m in model.modules() if families.family_of(type(m)) is not None]
 
 
 def describe(fam: families.Family, module: Any) -> str:

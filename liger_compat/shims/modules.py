@@ -40,11 +40,11 @@ from .logits_to_keep import is_ours
 
 
 def _compiling() -> bool:
-    try:
-        import torch
+    import torch
 
+    try:
         return bool(torch.compiler.is_compiling())
-    except Exception:
+    except AttributeError:  # torch < 2.3: no torch.compiler.is_compiling, and no compiling through it
         return False
 
 
@@ -68,20 +68,30 @@ def _foreign_replacements(module: Any, test: Callable[[str], bool]) -> list[tupl
 _refused: set[tuple[str, str]] = set()
 
 
-def _guarded(kernel: str, run_kernel: Callable[[], Any], run_native: Callable[[], Any]) -> tuple[Any, bool]:
-    """``(result, True)`` from the kernel, or ``(native result, False)`` when the kernel refuses the
-    input (its argument checks raise TypeError / ValueError before computing anything: sharded
-    DTensor weights, unusual dtypes). Logged once per kernel and reason."""
+def _refusal(checks: Callable[[], Any]) -> str | None:
+    """Why the kernel would refuse these inputs, from its own argument checks run on them before
+    any call (``checks`` calls ``kernels._checks`` functions, which raise TypeError / ValueError
+    naming the argument: float64 or integer tensors, mixed devices or dtypes); None when it takes
+    them."""
     try:
+        checks()
+    except (TypeError, ValueError) as exc:  # only the argument checks run here: a refusal, not a bug
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _guarded(kernel: str, refusal: str | None, run_kernel: Callable[[], Any],
+             run_native: Callable[[], Any]) -> tuple[Any, bool]:
+    """``(result, True)`` from the kernel, or ``(native result, False)`` when :func:`_refusal` found
+    inputs it refuses (logged once per kernel and reason). The kernel's call is not guarded: an
+    error inside it is a bug, and raises."""
+    if refusal is None:
         return run_kernel(), True
-    except (TypeError, ValueError) as exc:
-        if getattr(exc, "liger_compat_passed_on", False):  # raised by code the kernel called (a projection)
-            raise
-        key = (kernel, f"{type(exc).__name__}: {exc}")
-        if key not in _refused:
-            _refused.add(key)
-            log.warning("liger_compat: %s kernel refused an input, native code used: %s", kernel, key[1])
-        return run_native(), False
+    key = (kernel, refusal)
+    if key not in _refused:
+        _refused.add(key)
+        log.warning("liger_compat: %s kernel refuses an input, native code used: %s", kernel, refusal)
+    return run_native(), False
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,11 +144,8 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     with torch.no_grad():
         ref = native(probe).float()
         scale = ref.abs().max().clamp(min=1e-6)
-        for casting in order:
-            try:
-                y = kernels.rms_norm(probe, m.weight, eps, offset=offset, casting=casting)
-            except (TypeError, ValueError):  # the kernel refuses this weight (e.g. a sharded DTensor)
-                continue
+        for casting in order:  # the inputs passed the kernel's checks (_rms_checks) before this
+            y = kernels.rms_norm(probe, m.weight, eps, offset=offset, casting=casting)
             if y.shape != ref.shape:
                 continue
             err = float(((y.float() - ref).abs().max() / scale).item())
@@ -155,6 +162,14 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     return result
 
 
+def _rms_checks(x: Any, w: Any) -> None:
+    from ..kernels import _checks
+
+    _checks.float_dtype("x", x)
+    _checks.float_dtype("weight", w)
+    _checks.same_device(x=x, weight=w)
+
+
 def _rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
         return wrapped(*args, **kwargs)
@@ -162,6 +177,9 @@ def _rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     eps = _rms_eps(instance)
     if eps is None or not _rms_shape_ok(instance, x):
         return wrapped(x)
+    refusal = _refusal(lambda: _rms_checks(x, instance.weight))
+    if refusal is not None:  # the mode probe below would run the kernel on these dtypes
+        return _guarded("rms_norm", refusal, lambda: None, lambda: wrapped(x))[0]
     if _compiling():
         fam = families.BY_MODULE.get(type(instance).__module__)
         mode: Any = (fam.rms_offset, fam.rms_casting) if fam else None
@@ -171,8 +189,8 @@ def _rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         return wrapped(x)
     from .. import kernels
 
-    return _guarded("rms_norm", lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0], casting=mode[1]),
-                    lambda: wrapped(x))[0]
+    return _guarded("rms_norm", refusal, lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0],
+                                                                  casting=mode[1]), lambda: wrapped(x))[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,8 +275,18 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     # gate / up are this call's own projections, read by nothing after the forward: the kernel
     # may overwrite them with their gradients in the backward. down_proj's input is rebuilt from
     # them in the backward instead of being kept (kernels.gated_project).
-    return _guarded(kernel_name, lambda: kernels.gated_project(gate, up, down_proj, activation=kind,
-                                                               inplace_backward=True),
+    def checks() -> None:
+        from ..kernels import _checks
+
+        _checks.float_dtype("gate", gate)
+        _checks.float_dtype("up", up)
+        if gate.shape != up.shape:
+            raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}")
+        _checks.same_dtype(gate=gate, up=up)
+        _checks.same_device(gate=gate, up=up)
+
+    return _guarded(kernel_name, _refusal(checks),
+                    lambda: kernels.gated_project(gate, up, down_proj, activation=kind, inplace_backward=True),
                     lambda: down_proj(act(gate) * up))[0]
 
 
@@ -297,7 +325,27 @@ def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, An
         return wrapped(*args, **kwargs)
     from .. import kernels
 
-    res, used_kernel = _guarded(_ROPE, lambda: kernels.apply_rotary_pos_emb(
+    def checks() -> None:
+        from ..kernels import _checks
+        from ..kernels.rope import _broadcasts_into
+
+        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+            _checks.float_dtype(name, t)
+        _checks.same_device(q=q, k=k, cos=cos, sin=sin)
+        if cos.shape != sin.shape:
+            raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}")
+        if position_ids is not None:
+            _checks.integer_target("position_ids", position_ids)
+        # the shape of cos.unsqueeze(unsqueeze_dim) (after the position lookup), in plain Python
+        shape = list(cos.shape if position_ids is None else (*position_ids.shape, rot))
+        if not isinstance(unsqueeze_dim, int) or not -len(shape) - 1 <= unsqueeze_dim <= len(shape):
+            raise ValueError(f"unsqueeze_dim={unsqueeze_dim} is out of range for cos of shape {tuple(cos.shape)}")
+        shape.insert(unsqueeze_dim if unsqueeze_dim >= 0 else len(shape) + 1 + unsqueeze_dim, 1)
+        for name, t in (("q", q), ("k", k)):
+            if not _broadcasts_into(tuple(shape[:-1]), t.shape[:-1]):
+                raise ValueError(f"cos of shape {tuple(cos.shape)} does not broadcast against {name}")
+
+    res, used_kernel = _guarded(_ROPE, _refusal(checks), lambda: kernels.apply_rotary_pos_emb(
         q, k, cos, sin, position_ids=position_ids, unsqueeze_dim=unsqueeze_dim), lambda: wrapped(*args, **kwargs))
     if not used_kernel:
         return res
@@ -473,11 +521,9 @@ def _class_covered(cls: type, wrapper: Any) -> bool:
 def _instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], structural: Callable[[Any], bool],
                patches: PatchSet, shim_id: str) -> bool:
     changed = False
-    try:
-        mods = list(model.modules())
-    except Exception:
+    if not callable(getattr(model, "modules", None)):  # apply(model=...) with no torch module: nothing to patch
         return False
-    for m in mods:
+    for m in list(model.modules()):
         cls = type(m)
         if not name_test(cls.__name__):
             continue

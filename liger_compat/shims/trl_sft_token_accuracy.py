@@ -81,12 +81,7 @@ def _is_fused_output(out: Any) -> bool:
 
 
 def _base_model(model: Any) -> Any:
-    if hasattr(model, "get_base_model"):
-        try:
-            return model.get_base_model()
-        except Exception:
-            pass
-    return model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wrappers
 
 
 class _Capture:
@@ -107,15 +102,12 @@ class _Capture:
 
 def _head_logits(model: Any, hidden: Any) -> Any:
     """Final logits of ``hidden`` rows, with the family's soft-cap / divisor when it has one."""
-    try:
-        from . import causal_lm, families
+    from . import causal_lm, families
 
-        fam = families.family_of(type(model))
-        if fam is not None:
-            return causal_lm._logits(model, fam, hidden)
-    except Exception:  # no model shims in this build: plain head plus the usual config quirks
-        pass
-    import torch
+    fam = families.family_of(type(model))
+    if fam is not None:  # the family's own head, soft-cap and divisor (the fused forward's)
+        return causal_lm._logits(model, fam, hidden)
+    import torch  # a model outside the families: the plain head plus the usual config quirks
 
     logits = model.get_output_embeddings()(hidden)
     cfg = model.config

@@ -237,25 +237,42 @@ def test_instance_level_foreign_forward_is_reported_by_apply_model():
     REGISTRY.conflicts.clear()
 
 
-def test_a_kernel_refusing_its_input_falls_back_to_native(monkeypatch, caplog):
-    model = tiny("qwen2")
-    ids, labels = random_batch(model)
+def test_inputs_the_kernels_refuse_run_natively(monkeypatch, caplog):
+    """float64 activations are outside every kernel's dtypes: the shims see that from the kernels'
+    own argument checks before calling them, log it, and run the native code (same numbers)."""
+    monkeypatch.setattr(modules, "_refused", set())  # each refusal is logged once per process
+    model = tiny("qwen2").double()
+    ids, _ = random_batch(model)
     with native(), torch.no_grad():
         ref = model(input_ids=ids).logits
-
-    def refuse(*a, **k):
-        raise ValueError("weight is a sharded DTensor (simulated)")
-
-    monkeypatch.setattr(kernels, "rms_norm", refuse)
-    monkeypatch.setattr(kernels, "gated_project", refuse)
-    monkeypatch.setattr(kernels, "apply_rotary_pos_emb", refuse)
-    modules._rms_modes.clear()
+    kernels.last_backend.clear()
     with torch.no_grad():
         out = model(input_ids=ids).logits
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert "swiglu kernel refused" in caplog.text and "rope kernel refused" in caplog.text
-    monkeypatch.undo()
+    assert torch.equal(out, ref)
+    assert not {"rms_norm", "swiglu", "rope"} & set(kernels.last_backend)
+    for name in ("rms_norm", "swiglu", "rope"):
+        assert f"{name} kernel refuses an input, native code used: TypeError: " in caplog.text
+    assert "unsupported dtype torch.float64" in caplog.text
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "gated_project", "apply_rotary_pos_emb"])
+def test_an_error_inside_a_kernel_raises_instead_of_falling_back(monkeypatch, kernel):
+    """Inputs the kernel accepts go to the kernel, unguarded: a TypeError / ValueError raised
+    inside it (a kernel bug) reaches the caller instead of being hidden by the native result."""
+    model = tiny("qwen2")
+    ids, _ = random_batch(model)
+
+    def broken(*a, **k):
+        raise ValueError(f"{kernel}: simulated bug inside the kernel")
+
+    monkeypatch.setattr(kernels, kernel, broken)
     modules._rms_modes.clear()
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=f"^{kernel}: simulated bug inside the kernel$"):
+            model(input_ids=ids)
+    finally:
+        monkeypatch.undo()
+        modules._rms_modes.clear()
 
 
 def test_patched_norm_and_mlp_keep_neither_activation_and_pass_down_projs_errors_on(caplog):
