@@ -75,7 +75,7 @@ def _capable(device: torch.device) -> bool:
             ok = "warp_specialize" in tl.range.__init__.__code__.co_varnames
             if ok and device.type == "cuda":
                 ok = torch.cuda.get_device_capability(device) >= (9, 0)
-        except Exception:
+        except (ImportError, AttributeError):  # Triton < 3.4: no tensor_descriptor module / no range(warp_specialize=)
             ok = False
         _CAPABLE[key] = ok
     return _CAPABLE[key]
@@ -83,7 +83,8 @@ def _capable(device: torch.device) -> bool:
 
 def supported(hc: torch.Tensor, w: torch.Tensor) -> bool:
     """Tensor descriptors need 16-byte aligned rows and a 16-bit float type. (Triton's CPU
-    interpreter reads bf16 tensor descriptors wrongly, so there only fp16 qualifies.)"""
+    interpreter multiplies bf16 ``tl.dot`` operands as their raw uint16 bits, so there only fp16
+    qualifies; tests/kernels/test_cross_entropy.py runs the bf16 path with that dot corrected.)"""
     es = hc.element_size()
     types = (torch.bfloat16, torch.float16) if hc.device.type != "cpu" else (torch.float16,)
     return (

@@ -74,6 +74,16 @@ def _programs(n: int, device: torch.device) -> int:
     return max(1, min(n, 4))
 
 
+def _rows_per_program(n: int, block: int, device: torch.device) -> int:
+    """Rows of the forward per program: on CUDA several small rows (up to 8, a power of two that
+    divides ``n``) to amortise the weight load; one elsewhere."""
+    rows = 1
+    if device.type == "cuda":
+        while rows < 8 and block * rows < 4096 and n % (rows * 2) == 0:
+            rows *= 2
+    return rows
+
+
 def rms_norm_forward_triton(x2, w, eps, offset, casting):
     from .norm import _out_dtype
 
@@ -83,10 +93,7 @@ def rms_norm_forward_triton(x2, w, eps, offset, casting):
     if n == 0:
         return y, rstd
     block = next_pow2(h)
-    rows = 1
-    if x2.device.type == "cuda":  # small rows: several per program to amortise the weight load
-        while rows < 8 and block * rows < 4096 and n % (rows * 2) == 0:
-            rows *= 2
+    rows = _rows_per_program(n, block, x2.device)
     _rms_fwd[(n // rows,)](x2, w, y, rstd, h, eps, offset, LLAMA=casting == "llama", BLOCK_H=block,
                            ROWS=rows, num_warps=_warps(block, FWD_WARPS))
     return y, rstd

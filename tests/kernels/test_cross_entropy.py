@@ -245,35 +245,114 @@ def test_flce_triton_driver_chunks_and_compaction(monkeypatch, reduction):
     assert (ps[0].grad[t == -100] == 0).all()
 
 
+def _bf16_dot_under_the_interpreter(monkeypatch):
+    """Let the bf16 logits GEMM run under TRITON_INTERPRET=1 on CPU.
+
+    Triton's interpreter (3.9) evaluates ``tl.dot`` with numpy on the operands' storage, and
+    stores bf16 as uint16 (numpy has no bf16): only fp8 operands are converted first, so a bf16
+    dot multiplies the raw bit patterns as integers (1e10 for products of ~1). That is why
+    ``_logits_triton.supported`` takes fp16 only on CPU. Here the interpreter's dot widens bf16
+    operands to fp32 (exact: bf16 is fp32's upper half) before the fp32-accumulating matmul, as
+    the GPU's tensor cores do; everything else of the bf16 path (tensor descriptors, bf16 loads,
+    the rounding of the accumulator to bf16, its store, the statistics from the stored values)
+    runs as the interpreter has it. ``supported`` is asked about the same tensors viewed as fp16
+    (same element size, strides and addresses), so its alignment rules still decide.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    import liger_compat.kernels._logits_triton as lt
+
+    real_dot, real_supported = ti.InterpreterBuilder.create_dot, lt.supported
+
+    def widen(h):
+        return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype == tl.bfloat16 else h.data
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype, b.dtype):
+            return real_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return ti.TensorHandle(np.matmul(widen(a), widen(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+    def supported(hc, w):
+        if hc.dtype == w.dtype == torch.bfloat16:
+            return real_supported(hc.view(torch.float16), w.view(torch.float16))
+        return real_supported(hc, w)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", dot)
+    monkeypatch.setattr(lt, "supported", supported)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 3.0, "label_smoothing": 0.1}])
+def test_logits_gemm_kernel_values_and_row_statistics(monkeypatch, dtype, opts):
+    """The Triton logits GEMM alone: ``out = hidden @ weight.T`` against float64, and its per-tile
+    statistics (max, sum of exp(z - max), argmax, row sum) against the same statistics computed
+    in float64 from ``out`` as stored. 20 x 72 logits over K = 24: partial row, column and K tiles
+    (the interpreter's tiles are 16 x 32 x 16)."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    import liger_compat.kernels._logits_triton as lt
+    from liger_compat.kernels.loss import CEOptions
+
+    if dtype == torch.bfloat16:
+        _bf16_dot_under_the_interpreter(monkeypatch)
+    g = torch.Generator().manual_seed(31)
+    m, n, k, bn = 20, 72, 24, 32
+    hc = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    assert lt.supported(hc, w)
+    pm, ps, pi, pz = lt.logits_with_partials(hc, w, out, CEOptions(**opts))
+    assert rel_err(out, hc.double() @ w.double().T) <= tolerance(dtype, n=k, ulps=1)  # one rounding to dtype
+    z = out.double()
+    if "softcap" in opts:
+        z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    tol = tolerance(torch.float32, n=bn)
+    for j in range(pm.shape[1]):
+        blk = z[:, j * bn:(j + 1) * bn]
+        mx = blk.amax(1)
+        assert rel_err(pm[:, j], mx) <= tol
+        assert rel_err(ps[:, j], torch.exp(blk - mx[:, None]).sum(1)) <= tol
+        # the index of a maximum (bf16 rounding makes ties likely: any of them is right)
+        picked = blk.gather(1, (pi[:, j].long() - j * bn)[:, None])[:, 0]
+        assert torch.equal(picked, blk.amax(1)) and bool(((pi[:, j] >= j * bn) & (pi[:, j] < j * bn + blk.shape[1])).all())
+        if "label_smoothing" in opts:
+            assert rel_err(pz[:, j], blk.sum(1), blk.abs().sum(1).norm().item()) <= tol
+
+
 @pytest.mark.parametrize("impl", ["auto", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("opts", [{}, {"softcap": 3.0, "label_smoothing": 0.1, "lse_square_scale": 1e-3}])
-def test_flce_triton_logits_gemm_with_fused_statistics(monkeypatch, opts, impl):
+def test_flce_triton_logits_gemm_with_fused_statistics(monkeypatch, opts, dtype, impl):
     """Each chunk's logits come from the Triton GEMM whose epilogue writes the row statistics
-    ("auto": not with softcap); loss, token accuracy and gradients still match float64. fp16
-    inputs: the interpreter mishandles bf16 tensor descriptors (bf16 runs in test_gpu.py)."""
+    ("auto": not with softcap); loss, token accuracy and gradients still match float64. bf16:
+    with the interpreter's dot made right for bf16 (see _bf16_dot_under_the_interpreter)."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     import liger_compat.kernels._logits_triton as lt
     import liger_compat.kernels.loss as ce_mod
 
+    if dtype == torch.bfloat16:
+        _bf16_dot_under_the_interpreter(monkeypatch)
     calls = []
     real = lt.logits_with_partials
-    monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
     monkeypatch.setattr(ce_mod, "LOGITS_IMPL", impl)
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 72 * 11)  # 11 rows per chunk
-    hid, w, _, t = _inputs(21, 40, 24, 72, torch.float16, 0.3, False)
+    hid, w, _, t = _inputs(21, 40, 24, 72, dtype, 0.3, False)
     ps = [x.clone().requires_grad_(True) for x in (hid, w)]
     out = fused_linear_cross_entropy(ps[0], ps[1], t, return_token_accuracy=True, **opts)
     out.loss.backward()
     kept = int((t != -100).sum())
     fused = impl == "triton" or "softcap" not in opts
-    assert len(calls) == (-(-kept // 11) if fused else 0) and kept > 11
+    assert calls == ([dtype] * -(-kept // 11) if fused else []) and kept > 11
     p64 = [x.double().requires_grad_(True) for x in (hid, w)]
     ref, _, acc = ce64(p64[0] @ p64[1].T, t, **opts)
     ref.backward()
-    tol = tolerance(torch.float16, n=72)
+    tol = tolerance(dtype, n=72)
     assert rel_err(out.loss, ref) <= tol
-    assert abs(out.token_accuracy.item() - acc.item()) <= 1.0 / kept  # one fp16 argmax tie may flip
+    assert abs(out.token_accuracy.item() - acc.item()) <= 1.0 / kept  # one 16-bit argmax tie may flip
     for mine, theirs in zip(ps, p64):
         assert rel_err(mine.grad, theirs.grad) <= tol
 
@@ -341,3 +420,21 @@ def test_logits_gemm_only_where_it_applies(monkeypatch):
     monkeypatch.setitem(lt._CAPABLE, ("cpu", None), False)
     assert not lt.supported(h, w)
 
+
+def test_logits_gemm_capability_probe(monkeypatch):
+    """A Triton without host tensor descriptors (< 3.4: the import fails) or without
+    ``range(warp_specialize=)`` is not capable; the installed one is (on CPU: the interpreter)."""
+    pytest.importorskip("triton")
+    import sys
+
+    import liger_compat.kernels._logits_triton as lt
+
+    monkeypatch.setattr(lt, "_CAPABLE", {})
+    assert lt._capable(torch.device("cpu")) is True  # triton 3.4+ here
+    monkeypatch.setattr(lt, "_CAPABLE", {})
+    monkeypatch.setitem(sys.modules, "triton.tools.tensor_descriptor", None)  # import now raises ImportError
+    assert lt._capable(torch.device("cpu")) is False
+    monkeypatch.setattr(lt, "_CAPABLE", {})
+    monkeypatch.delitem(sys.modules, "triton.tools.tensor_descriptor")
+    monkeypatch.setattr(lt.tl, "range", type("range", (), {"__init__": lambda self, *a, **k: None}))
+    assert lt._capable(torch.device("cpu")) is False  # a range() without warp_specialize

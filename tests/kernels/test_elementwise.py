@@ -262,3 +262,101 @@ def test_gated_inplace_backward_gives_the_same_gradients_and_refuses_a_second_ba
         loss.backward(retain_graph=True)
         with pytest.raises(RuntimeError, match="backward ran twice"):
             loss.backward()
+
+
+@pytest.mark.parametrize("n,h,rows", [(8, 48, 8), (12, 33, 4), (6, 100, 2), (16, 1500, 2), (5, 16, 1)])
+@pytest.mark.parametrize("dt,casting,offset", [("fp32", "llama", 0.0), ("bf16", "llama", 0.0), ("bf16", "gemma", 1.0)])
+def test_rms_norm_forward_with_several_rows_per_program(monkeypatch, n, h, rows, dt, casting, offset):
+    """The forward kernel's ROWS > 1 launch (CUDA, rows narrower than 4096 / ROWS): the row count
+    CUDA would choose for this shape, run by the interpreter; values, and the gradients that read
+    each row's saved rstd back, against float64."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    from liger_compat.kernels import _rms_norm_triton as rt
+
+    real, chosen = rt._rows_per_program, []
+
+    def as_on_cuda(n_, block, device):
+        assert device.type == "cpu"
+        chosen.append(real(n_, block, torch.device("cuda")))  # only the device type is read
+        return chosen[-1]
+
+    monkeypatch.setattr(rt, "_rows_per_program", as_on_cuda)
+    g = torch.Generator().manual_seed(n * h)
+    x = (torch.randn(n, h, generator=g) * 2 + 0.3).to(DT[dt]).requires_grad_(True)
+    w = (torch.randn(h, generator=g) * 0.3 + 1 - offset).to(DT[dt]).requires_grad_(True)
+    y = rms_norm(x, w, 1e-6, offset=offset, casting=casting)
+    assert chosen == [rows] and last_backend["rms_norm"] == "triton"
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ref = rms_norm64(x64, w64, 1e-6, offset)
+    assert rel_err(y, ref) <= tolerance(DT[dt], n=h)
+    dy = torch.randn(n, h, generator=g, dtype=torch.float64)
+    gx, gw = torch.autograd.grad((y.double() * dy).sum(), (x, w))
+    rx, rw = torch.autograd.grad((ref * dy).sum(), (x64, w64))
+    terms = 2 * ((offset + w64.detach()) * dy).abs() * torch.rsqrt(x64.detach().pow(2).mean(-1, keepdim=True) + 1e-6)
+    tol = tolerance(DT[dt], n=max(h, n), ulps=8)
+    assert rel_err(gx, rx, terms.norm().item()) <= tol and rel_err(gw, rw) <= tol
+
+
+def _strided_rows(g, shape):
+    """[..., T, D] with every other T row of a twice-as-long tensor: unit column stride, not dense."""
+    *lead, t, d = shape
+    return torch.randn(*lead, 2 * t, d, generator=g)[..., ::2, :]
+
+
+def _strided_cols(g, shape):
+    """[..., T, D] as the transpose of [..., D, T]: column stride T."""
+    *lead, t, d = shape
+    return torch.randn(*lead, d, t, generator=g).transpose(-1, -2)
+
+
+def _five_d_permuted(g, shape):
+    """5-D whose two leading dims cannot merge into a view (a copy when reshaped to 4-D)."""
+    b, x, y, t, d = shape
+    return torch.randn(b, t, y, x, d, generator=g).permute(0, 3, 2, 1, 4)
+
+
+# name -> (q shape, k shape, cos shape, unsqueeze_dim, how the tensor is made)
+ROPE_LAYOUTS = {
+    "2d": ((6, 12), (6, 12), (8,), 0, None),  # one position's cos for every row, 4 pass-through channels
+    "3d": ((5, 3, 16), (5, 1, 16), (5, 16), 1, None),  # [T, heads, D]
+    "5d": ((2, 2, 3, 4, 16), (2, 2, 1, 4, 16), (2, 4, 16), 1, None),  # [B, groups, heads, T, D]
+    "5d_permuted": ((2, 2, 3, 4, 16), (2, 2, 1, 4, 16), (2, 4, 16), 1, _five_d_permuted),
+    "strided_rows": ((2, 3, 5, 16), (2, 1, 5, 16), (2, 5, 12), 1, _strided_rows),
+    "strided_cols": ((2, 3, 5, 16), (2, 1, 5, 16), (2, 5, 16), 1, _strided_cols),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ROPE_LAYOUTS))
+def test_rope_reshapes_other_ranks_and_strided_inputs(monkeypatch, layout):
+    """q / k of 2, 3 and 5 dims, and 4-D ones that are not dense or have a column stride, go
+    through the half-row kernel's reshaping to [B, X, Y, D] (a view where one exists, else a
+    copy); values and gradients against float64, with the kernel that ran named."""
+    qs, ks, cs, dim, make = ROPE_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(len(layout))
+    q, k = ((make or (lambda g, shape: torch.randn(shape, generator=g)))(g, s) for s in (qs, ks))
+    assert q.is_contiguous() == k.is_contiguous() == (make is None)
+    q, k = q.requires_grad_(True), k.requires_grad_(True)
+    ang = torch.rand(cs[:-1] + (cs[-1] // 2,), generator=g) * 6.3
+    ang = torch.cat([ang, ang + 0.2], -1)
+    cos, sin = ang.cos(), ang.sin()
+    calls = []
+    if expected_backend() == "triton":
+        from liger_compat.kernels import _rope_triton
+
+        real = _rope_triton._rope_one
+        monkeypatch.setattr(_rope_triton, "_rope_one", lambda *a: calls.append(a[0].dim()) or real(*a))
+    qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=dim)
+    assert last_backend["rope"] == expected_backend()
+    assert qe.shape == q.shape and ke.shape == k.shape
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    rq, rk = rope64(q64, cos, sin, dim), rope64(k64, cos, sin, dim)
+    assert rel_err(qe, rq) <= F32 and rel_err(ke, rk) <= F32
+    gq, gk = torch.randn(qe.shape, generator=g), torch.randn(ke.shape, generator=g)
+    dq, dk = torch.autograd.grad((qe * gq).sum() + (ke * gk).sum(), (q, k))
+    rdq, rdk = torch.autograd.grad((rq * gq).sum() + (rk * gk).sum(), (q64, k64))
+    assert rel_err(dq, rdq) <= F32 and rel_err(dk, rdk) <= F32
+    if expected_backend() == "triton":
+        # the half-row kernel for q and k in the forward, and in the backward where the gradients
+        # have the same rank (4-D dense gradients of strided inputs take the flat kernel there)
+        assert calls == [q.dim()] * (2 if q.dim() == 4 else 4), calls
