@@ -4,6 +4,7 @@ log(logs, start_time), get_batch_samples(epoch_iterator, num_batches[, device]).
 from __future__ import annotations
 
 import inspect
+import re
 import types
 import warnings
 
@@ -16,7 +17,8 @@ from liger_compat.shims import _tiny_text as tiny
 from liger_compat.shims._patching import PatchSet
 from liger_compat.shims.trl_trainer_signatures import _patch
 
-from trainer_helpers import clone, fresh_model, make_config, native, tokenizer_kwarg, train_logs, trainer_or_skip
+from trainer_helpers import (SIGNATURE_DRIFT, clone, fresh_model, make_config, native, tokenizer_kwarg, train_logs,
+                             trainer_or_skip)
 
 
 def _old_style_trainer_module():
@@ -113,8 +115,8 @@ def test_old_trl_trainer_trains_on_new_transformers(name, tokenizer, tmp_path):
         # ("'generator' object has no attribute 'generate'"), then compute_loss(num_items_in_batch=)
         try:
             nat.train()
-        except (TypeError, AttributeError):
-            pass
+        except (TypeError, AttributeError) as exc:
+            assert re.search(SIGNATURE_DRIFT, str(exc)), f"{type(exc).__name__}: {exc}"
         else:  # trl 0.12.2 already adapted its preference trainers to transformers 4.46
             pytest.skip(f"{trainer_cls.__name__} of trl {trl_version()} trains natively on this transformers")
         batch = nat._prepare_inputs(next(iter(nat.get_train_dataloader())))
