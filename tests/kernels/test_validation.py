@@ -78,11 +78,11 @@ def test_range_check_skipped_on_accelerators_without_debug(monkeypatch):
     monkeypatch.setattr(_config.settings, "debug", False)
     assert _checks.target_range("target", t, 10, -100) is None  # no sync, no check: 50 passes
     monkeypatch.setattr(_config.settings, "debug", True)
-    with pytest.raises(ValueError, match=r"^target holds 50, outside \[0, 10\) and not ignore_index=-100$"):
+    with pytest.raises(ValueError, match=r"^target holds 50, outside the vocabulary \[0, 10\) and not ignore_index=-100$"):
         _checks.target_range("target", t, 10, -100)
     # the CPU check does not wait for debug
     monkeypatch.setattr(_config.settings, "debug", False)
-    with pytest.raises(ValueError, match=r"^labels holds 50, outside \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"^labels holds 50, outside the vocabulary \[0, 10\)"):
         _checks.target_range("labels", torch.tensor([0, 50]), 10, -100)
 
 
