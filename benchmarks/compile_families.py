@@ -1,6 +1,7 @@
 """torch.compile of a patched model, family by family: graph breaks, recompiles, loss and gradients.
 
-    python -m benchmarks.compile_families [--families llama,qwen2,...] [--steps 3] [--out DIR]
+    python -m benchmarks.compile_families [--families llama,qwen2,...] [--steps 3] [--backend inductor]
+                                          [--out DIR]
 
 For every family of the table that the installed transformers has, a tiny random model (the
 ``check --deep`` configuration) is compiled twice, natively (every liger_compat patch reverted) and
@@ -46,7 +47,7 @@ def _grads(model):
     return model.get_input_embeddings().weight.grad.detach().clone()
 
 
-def one_family(name: str, steps: int, device: str) -> dict:
+def one_family(name: str, steps: int, device: str, backend: str = "inductor") -> dict:
     import torch
     import torch._dynamo
 
@@ -54,7 +55,7 @@ def one_family(name: str, steps: int, device: str) -> dict:
     from liger_compat.shims import tiny_models
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    row: dict = {"family": name, "device": device, "dtype": str(dtype).replace("torch.", "")}
+    row: dict = {"family": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "backend": backend}
 
     def build():
         m = tiny_models.build(name, dtype=dtype, device=device)
@@ -83,7 +84,7 @@ def one_family(name: str, steps: int, device: str) -> dict:
             row[f"{label}_explain_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         torch._dynamo.reset()
         m.zero_grad(set_to_none=True)
-        compiled = torch.compile(m, fullgraph=patched)
+        compiled = torch.compile(m, fullgraph=patched, backend=backend)
         try:
             loss = _step(compiled, ids, labels)
             row[f"{label}_loss_rel_err"] = _rel(loss, ref_loss)
@@ -108,13 +109,13 @@ def markdown(rows: list[dict]) -> str:
     lines = ["torch.compile of tiny models per family: native vs patched (liger_compat). Breaks from "
              "torch._dynamo.explain of a training forward; loss / grad errors of the compiled step "
              "against the eager native step (relative); recompiles over the later steps of one shape.", "",
-             "| family | device | native graphs / breaks | patched graphs / breaks | patched recompiles "
+             "| family | device, backend | native graphs / breaks | patched graphs / breaks | patched recompiles "
              "| loss err native / patched | grad err native / patched | error |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = "; ".join(str(r[k]) for k in r if k.endswith("_error"))
         lines.append(
-            f"| {r['family']} | {r['device']} {r['dtype']} | {r.get('native_graphs', '-')} / {r.get('native_breaks', '-')} "
+            f"| {r['family']} | {r['device']} {r['dtype']} {r.get('backend', '')} | {r.get('native_graphs', '-')} / {r.get('native_breaks', '-')} "
             f"| {r.get('patched_graphs', '-')} / {r.get('patched_breaks', '-')} | {r.get('patched_recompiles', '-')} "
             f"| {_fmt(r.get('native_loss_rel_err'))} / {_fmt(r.get('patched_loss_rel_err'))} "
             f"| {_fmt(r.get('native_grad_rel_err'))} / {_fmt(r.get('patched_grad_rel_err'))} | {err[:200]} |")
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="", help="comma-separated; default: every family installed")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = ap.parse_args(argv)
     if args.steps < 2:
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         except tiny_models.FamilyUnavailable as exc:
             rows.append({"family": name, "device": device, "dtype": "-", "unavailable_error": str(exc)})
             continue
-        rows.append(one_family(name, args.steps, device))
+        rows.append(one_family(name, args.steps, device, args.backend))
         print(rows[-1], flush=True)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     _results.write(args.out, "compile_families", {"meta": meta, "rows": rows}, markdown(rows),

@@ -85,7 +85,7 @@ def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper"
             logs.append(p.communicate()[0] + "\n[timed out]")
     for p, log, what in zip(procs, logs, ("distributed run", "reference run")):
         if p.returncode != 0:
-            rank0 = "\n".join(line for line in log.splitlines() if line.startswith("[rank0]")) or log
+            rank0 = log
             raise AssertionError(f"{what} failed (exit {p.returncode}):\n{rank0[-6000:]}")
     return torch.load(out_dist, weights_only=False), torch.load(out_ref, weights_only=False)
 
