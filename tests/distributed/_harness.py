@@ -85,8 +85,8 @@ def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper"
             logs.append(p.communicate()[0] + "\n[timed out]")
     for p, log, what in zip(procs, logs, ("distributed run", "reference run")):
         if p.returncode != 0:
-            rank0 = log
-            raise AssertionError(f"{what} failed (exit {p.returncode}):\n{rank0[-6000:]}")
+            # every rank's output: the rank that raised first is not always rank 0
+            raise AssertionError(f"{what} failed (exit {p.returncode}):\n{log[-8000:]}")
     return torch.load(out_dist, weights_only=False), torch.load(out_ref, weights_only=False)
 
 
