@@ -18,7 +18,7 @@ import os
 import torch
 import torch.nn.modules.module as _module
 
-from . import _checks, _dispatch, _recompute
+from . import _checks, _dispatch, _ops, _recompute
 
 __all__ = ["swiglu", "geglu", "gated_project"]
 
@@ -184,15 +184,21 @@ def _prepare(name: str, gate, up):
         raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}; they must match")
     _checks.same_dtype(gate=gate, up=up)
     device = _checks.same_device(gate=gate, up=up)
-    backend = _dispatch.choose(name, device)
+    backend = "auto" if _ops.compiling() else _dispatch.choose(name, device)
     g = gate if gate.is_contiguous() else gate.contiguous()
     u = up if up.is_contiguous() else up.contiguous()
     return g, u, backend
 
 
+def _apply_gated(g, u, kind: str, backend: str, inplace: bool):
+    if _ops.compiling():  # one custom op for the tracer; its backward never works in place
+        return _ops.gated_fwd(g, u, kind, backend)
+    return _Gated.apply(g, u, kind, backend, inplace)
+
+
 def _gated(name: str, kind: str, gate, up, inplace_backward: bool = False):
     g, u, backend = _prepare(name, gate, up)
-    return _Gated.apply(g, u, kind, backend, bool(inplace_backward)), g, u
+    return _apply_gated(g, u, kind, backend, bool(inplace_backward)), g, u
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
@@ -268,7 +274,7 @@ def gated_project(gate: torch.Tensor, up: torch.Tensor, project, *, activation: 
     if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and _plain_linear(project, g)
             and (g.requires_grad or u.requires_grad or project.weight.requires_grad)):
         return _GatedLinear.apply(g, u, project.weight, project.bias, activation, backend, inplace)
-    h = _Gated.apply(g, u, activation, backend, inplace)
+    h = _apply_gated(g, u, activation, backend, inplace)
     try:
         if not rebuild or not _recompute.applies(h):
             return project(h)

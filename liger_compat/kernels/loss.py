@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _checks, _dispatch, _target_errors
+from . import _checks, _dispatch, _ops, _target_errors
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
@@ -253,8 +253,15 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
 #: than cuBLAS plus the pass (NOTES.md, "logits GEMM epilogue"). ``LIGER_COMPAT_FLCE_LOGITS`` sets it.
 LOGITS_IMPL = os.environ.get("LIGER_COMPAT_FLCE_LOGITS", "auto")
 #: Skip ignore_index rows on the Triton path (one host sync to count them); their rows of
-#: grad_hidden are zero and they cost no matmul work.
+#: grad_hidden are zero and they cost no matmul work. Under ``torch.compile`` the sync happens
+#: inside the custom op's real implementation, where the tracer does not see it; while a CUDA
+#: graph is captured all rows are computed instead.
 COMPACT_IGNORED = True
+
+
+def _capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured (``torch.compile(mode="reduce-overhead")``): no host sync then."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None):
@@ -270,7 +277,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     dev = h.device
     f32 = torch.float32
     idx = None
-    if backend == "triton" and COMPACT_IGNORED and n > 0:
+    if backend == "triton" and COMPACT_IGNORED and n > 0 and not _capturing(dev):
         idx = (target != opt.ignore_index).nonzero().squeeze(1)  # the one host sync
         _target_errors.poll()  # every earlier call has finished here: report its bad targets
         if idx.numel() == n:
@@ -400,6 +407,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None, None, None, None
 
 
+def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc):
+    """:class:`_FusedLinearCrossEntropy` as custom ops (``_ops``), for ``torch.compile``: the same
+    two modes (scalar loss: gradients formed in the forward; ``"none"``: recomputed in backward)."""
+    n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
+    args = (opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, opt.softcap)
+    grad_on = torch.is_grad_enabled()
+    needs = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
+    if reduction != "none" and any(needs):
+        loss, zl, hits, _, _, _ = _ops.flce_with_grads(h, w, b, target, scale, *args, *needs, "auto")
+        z = zl.sum() * scale if want_z else None
+        acc = hits.sum() / n_valid.clamp(min=1).float() if want_acc else None
+    else:
+        loss_rows, zl, hits = _ops.flce_rows(h, w, b, target, *args, "auto")
+        loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
+    zero = loss.new_zeros(())
+    return loss, z if z is not None else zero, acc if acc is not None else zero
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -431,7 +456,8 @@ def fused_linear_cross_entropy(
     call at the latest (``raise_target_errors()`` waits for it). Until then its row's loss is NaN
     and its gradient zero.
     """
-    _target_errors.poll()
+    if not _ops.compiling():  # while tracing, the ops' real implementations poll
+        _target_errors.poll()
     _checks.tensor("hidden", hidden)
     _checks.tensor("weight", weight)
     _checks.float_dtype("hidden", hidden)
@@ -455,21 +481,26 @@ def fused_linear_cross_entropy(
     _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
     if v == 0:
         raise ValueError("weight has 0 rows (vocabulary size 0)")
+    compiling = _ops.compiling()
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
         raise ValueError("num_items_in_batch must be a number or a one-element tensor")
 
     opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
-    backend = _dispatch.choose("fused_linear_cross_entropy", device)
-    _checks.target_range("target", target, v, ignore_index, kernel_reports=backend == "triton")
+    if not compiling:  # under torch.compile the op's real implementation runs these checks
+        backend = _dispatch.choose("fused_linear_cross_entropy", device)
+        _checks.target_range("target", target, v, ignore_index, kernel_reports=backend == "triton")
     h2 = hidden.reshape(-1, hdim)
     if not h2.is_contiguous():
         h2 = h2.contiguous()
     t1 = target.reshape(-1)
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
-    loss, z, acc = _FusedLinearCrossEntropy.apply(
-        h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc
-    )
-    _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
+    if compiling:
+        loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc)
+    else:
+        loss, z, acc = _FusedLinearCrossEntropy.apply(
+            h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc
+        )
+        _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
     if reduction == "none":
         shape = tuple(hidden.shape[:-1])
         loss = loss.view(shape)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _recompute
+from . import _checks, _dispatch, _ops, _recompute
 
 __all__ = ["rms_norm", "project_norm_output"]
 
@@ -116,6 +116,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     device = _checks.same_device(x=x, weight=weight)
+    if _ops.compiling():
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        return _ops.rms_norm_fwd(x2, weight, float(eps), float(offset), casting, "auto")[0].view(x.shape)
     backend = _dispatch.choose("rms_norm", device)
     return _RMSNorm.apply(x, weight, float(eps), float(offset), casting, backend)
 
@@ -130,6 +135,8 @@ def project_norm_output(y: torch.Tensor, project):
     """
     from . import gated_mlp
 
+    if _recompute.compiling():
+        return project(y)
     remake = rebuild(y) if "input" in gated_mlp.recompute_parts() else None
     if remake is None:
         return project(y)

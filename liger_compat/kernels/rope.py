@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _ops
 
 __all__ = ["apply_rotary_pos_emb"]
 
@@ -108,5 +108,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
                 f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
                 f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
             )
+    if _ops.compiling():
+        out_q = torch.promote_types(q.dtype, cos_u.dtype)
+        out_k = torch.promote_types(k.dtype, cos_u.dtype)
+        return _ops.rope(q, k, cos_u, sin_u, False, out_q, out_k, "auto")
     backend = _dispatch.choose("rope", device)
     return _Rope.apply(q, k, cos_u, sin_u, backend)

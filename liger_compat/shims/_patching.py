@@ -3,12 +3,20 @@
 A patch remembers whether the attribute lived in the owner's own ``__dict__`` or was
 inherited: reverting puts the very same object back, or deletes the override so the
 inherited one shows through again. Function wrappers are ``wrapt.FunctionWrapper``
-objects, as in OpenTelemetry's instrumentations; wrapt is imported on the first patch, not when
-liger_compat is imported (see :mod:`liger_compat._import_hooks`).
+objects, as in OpenTelemetry's instrumentations (wrapt is imported on the first patch, not when
+liger_compat is imported, see :mod:`liger_compat._import_hooks`), except where the patched function runs inside
+``torch.compile``d code (model forwards, ``apply_rotary_pos_emb``): TorchDynamo cannot trace
+wrapt's C proxy objects (``Unsupported: Missing hash_impl override ... FunctionWrapper``, torch
+2.x), so ``wrap(..., traceable=True)`` installs a plain Python function calling the same
+``wrapper(wrapped, instance, args, kwargs)`` instead. It carries ``__wrapped__`` (the original,
+so ``inspect.signature`` shows the native signature and :func:`unwrap` works) and
+``_self_wrapper`` (the wrapper, as wrapt names it), which ``logits_to_keep.is_ours`` reads for both kinds.
 """
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any, Callable
 
 from .._record import Record
@@ -70,8 +78,13 @@ class PatchSet:
         self._patches.append(Patch(owner, name, original, replacement))
         return replacement
 
-    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
-        """Wrap ``owner.name`` with a wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``."""
+    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any], *, traceable: bool = False) -> Any:
+        """Wrap ``owner.name`` with a wrapt wrapper ``wrapper(wrapped, instance, args, kwargs)``.
+
+        ``traceable=True``: when the attribute is a plain function (a method of a class, or a
+        module-level function), install a plain Python function instead of a wrapt proxy
+        (:func:`traceable_wrapper`), so ``torch.compile`` can trace through it.
+        """
         current = getattr(owner, name)
         if isinstance(owner, type):
             # look the attribute up without the descriptor protocol so that
@@ -80,9 +93,12 @@ class PatchSet:
                 if name in klass.__dict__:
                     current = klass.__dict__[name]
                     break
-        import wrapt
+        if traceable and isinstance(current, types.FunctionType):
+            fw = traceable_wrapper(current, wrapper, method=isinstance(owner, type))
+        else:
+            import wrapt
 
-        fw = wrapt.FunctionWrapper(current, wrapper)
+            fw = wrapt.FunctionWrapper(current, wrapper)
         return self.set(owner, name, fw)
 
     def revert(self) -> list[str]:
@@ -97,13 +113,57 @@ class PatchSet:
         return errors
 
 
+def traceable_wrapper(original: types.FunctionType, wrapper: Callable[..., Any], *, method: bool) -> Any:
+    """A plain function that calls ``wrapper(wrapped, instance, args, kwargs)`` as wrapt would.
+
+    ``method=True`` (a function in a class): bound like the original, ``wrapped`` is
+    ``functools.partial(original, instance)`` and ``instance`` the instance (also when called
+    through the class, ``Cls.forward(obj, ...)``); a partial, not a bound method, because
+    TorchDynamo cannot build ``types.MethodType`` on a submodule. :func:`wrapped_function` gives
+    ``original`` back from either. ``method=False`` (a module-level function): ``wrapped`` is
+    the original and ``instance`` is None.
+    """
+    if method:
+        @functools.wraps(original)
+        def patched(self, *args, **kwargs):
+            return wrapper(functools.partial(original, self), self, args, kwargs)
+    else:
+        @functools.wraps(original)
+        def patched(*args, **kwargs):
+            return wrapper(original, None, args, kwargs)
+    patched._self_wrapper = wrapper  # type: ignore[attr-defined]
+    return patched
+
+
+def wrapped_function(wrapped: Any) -> Any:
+    """The object a wrapper's ``wrapped`` argument stands for, the same on every call: the function
+    of a traceable wrapper's partial, the class-level wrapper of a wrapt bound wrapper, a bound
+    method's function, else ``wrapped`` itself."""
+    if type(wrapped) is functools.partial:
+        return wrapped.func
+    parent = getattr(wrapped, "_self_parent", None)
+    if parent is not None:
+        return parent
+    return getattr(wrapped, "__func__", wrapped)
+
+
+def call_below(wrapped: Any) -> Any:
+    """The callable one wrapper layer below ``wrapped`` (a wrapper's ``wrapped`` argument), bound alike."""
+    if type(wrapped) is functools.partial:  # a traceable wrapper bound to an instance
+        return functools.partial(wrapped.func.__wrapped__, *wrapped.args)
+    return wrapped.__wrapped__
+
+
 def unwrap(obj: Any) -> Any:
     """The innermost function under any wrapt wrappers and ``functools.wraps`` chains."""
-    seen = set()
-    while id(obj) not in seen:
-        seen.add(id(obj))
+    # a bounded walk rather than a set of seen ids: traceable by torch.compile (an id() of a
+    # bound method made on the fly fails its guards) and still safe against a cycle
+    for _ in range(_MAX_DEPTH):
         inner = getattr(obj, "__wrapped__", None)
-        if inner is None:
+        if inner is None or inner is obj:
             break
         obj = inner
     return obj
+
+
+_MAX_DEPTH = 64

@@ -17,7 +17,8 @@ vocabulary). A fused forward that skips the logits has to survive what changed a
   ``logits=None`` they were the token-accuracy scalars and a metric indexing ``[N, T, V]`` logits
   failed with ``IndexError``.
 
-The wrapper (installed with wrapt on the class; ``inspect.signature`` still shows the native one):
+The wrapper (a plain function on the class that ``torch.compile`` traces, ``_patching.traceable_wrapper``;
+``inspect.signature`` still shows the native one):
 
 * ``labels is None``: the native forward runs with ``logits_to_keep`` renamed to what it knows;
   when it cannot honour the request (an index tensor on 4.45 .. 4.48, Granite 4.45 knowing
@@ -53,7 +54,7 @@ from typing import Any
 
 from .. import _config
 from . import conflicts, families
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, call_below, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_ours, keep_positions, normalize_keep, pop_keep,
                              stable_key)
@@ -92,7 +93,7 @@ def _positional_names(forward: Any) -> tuple[str, ...]:
     names = _positional_cache.get(base)
     if names is not None:
         return names
-    fn = unwrap(forward)
+    fn = unwrap(base)
     key = getattr(fn, "__code__", fn)
     names = _positional_cache.get(key)
     if names is None:
@@ -152,11 +153,11 @@ def _call_native(wrapped: Any, kw: dict[str, Any], known: str | None, has_keep: 
         kw[OLD if known == OLD else NEW] = keep
     elif has_keep and not (isinstance(keep, int) and keep == 0):
         kw[NEW] = keep  # the forward knows neither name: as native as it gets
-    if isinstance(keep, int) and getattr(wrapped, "_self_wrapper", None) is _translate:
+    if isinstance(keep, int) and getattr(stable_key(wrapped), "_self_wrapper", None) is _translate:
         # our logits_to_keep wrapper sits right under this one and would pass an int under
         # the same name: call below it (one wrapper layer less on every call). An index
         # tensor still goes through it (it selects positions for int-only forwards).
-        wrapped = wrapped.__wrapped__
+        wrapped = call_below(wrapped)
     return wrapped(**kw)
 
 
@@ -400,7 +401,7 @@ def _patch_module(module: Any) -> None:
         REGISTRY.report_conflict(f"{fam.causal_lm}.forward", owner, f"{_SHIM_ID} left it alone")
         return
     _left_alone.pop(fam.name, None)
-    _patches.wrap(cls, "forward", _fused_forward)
+    _patches.wrap(cls, "forward", _fused_forward, traceable=True)
 
 
 _watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.family_modules)

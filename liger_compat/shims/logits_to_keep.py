@@ -22,7 +22,7 @@ from typing import Any
 
 from .._log import log
 from . import conflicts, families
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, unwrap, wrapped_function
 from ._registry import REGISTRY, register
 from ..compat.scenarios import Context, Skip, scenario
 
@@ -39,14 +39,12 @@ _param_cache: dict[Any, tuple[str | None, frozenset[str], bool]] = {}
 
 
 def stable_key(forward: Any) -> Any:
-    """A cache key for a (possibly bound, possibly wrapt-wrapped) forward that is the same object
-    on every call: wrapt binds a new ``BoundFunctionWrapper`` per attribute access, whose
-    ``_self_parent`` (the class-level wrapper) is stable and cheap to read, while its proxied
-    ``__func__`` costs ~2 us; a plain bound method's ``__func__`` is stable."""
-    parent = getattr(forward, "_self_parent", None)
-    if parent is not None:
-        return parent
-    return getattr(forward, "__func__", forward)
+    """A cache key for a (possibly bound, possibly wrapped) forward that is the same object on every
+    call: wrapt binds a new ``BoundFunctionWrapper`` per attribute access, whose ``_self_parent``
+    (the class-level wrapper) is stable and cheap to read, while its proxied ``__func__`` costs
+    ~2 us; a plain bound method's ``__func__`` and a traceable wrapper's partial's ``func`` are
+    stable (``_patching.wrapped_function``)."""
+    return wrapped_function(forward)
 
 
 def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
@@ -55,7 +53,7 @@ def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
     hit = _param_cache.get(base)
     if hit is not None:
         return hit
-    fn = unwrap(forward)
+    fn = unwrap(base)
     key = getattr(fn, "__code__", fn)
     hit = _param_cache.get(key)
     if hit is None:
@@ -208,7 +206,7 @@ def _patch_module(module: Any) -> None:
         if owner is not None:
             REGISTRY.report_conflict(f"{cls.__name__}.forward", owner, f"{_SHIM_ID} left it alone")
             continue
-        _patches.wrap(cls, "forward", _translate)
+        _patches.wrap(cls, "forward", _translate, traceable=True)
 
 
 _watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.all_modeling_modules)

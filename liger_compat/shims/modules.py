@@ -423,7 +423,7 @@ class _ModuleShim:
         if owner is not None:
             self.conflict(module, f"{cls.__name__}.forward", owner)
             return
-        self.patches.wrap(cls, "forward", wrapper)
+        self.patches.wrap(cls, "forward", wrapper, traceable=True)
         self.patched.setdefault(module.__name__, []).append(cls.__name__)
 
     def conflict(self, module: Any, what: str, owner: str) -> None:
@@ -473,7 +473,7 @@ def _patch_rope(self: _ModuleShim, module: Any) -> None:
     if not {"q", "k", "cos", "sin"} <= set(params):
         self.left_alone[module.__name__] = f"{_ROPE_FN} has an unknown signature {tuple(params)}"
         return
-    self.patches.wrap(module, _ROPE_FN, _rope_forward)
+    self.patches.wrap(module, _ROPE_FN, _rope_forward, traceable=True)
     self.patched.setdefault(module.__name__, []).append(_ROPE_FN)
 
 
