@@ -1,4 +1,4 @@
-"""End-to-end training step: native transformers vs liger-kernel vs liger_compat.
+"""End-to-end training step: native transformers vs liger-kernel vs liger_compat, eager or compiled.
 
     python -m benchmarks.e2e [--models llama-3.2-1b,qwen2.5-1.5b] [--shapes 4x2048,8x4096]
                              [--impls native,liger_kernel,liger_compat,...] [--steps 6]
@@ -17,6 +17,9 @@ alternating order"). With
 ``--repeats R`` every (model, shape) runs its implementations R times, in the given order and
 then reversed, alternately, and the tables report the median over repeats of each process's
 median step.
+
+``native_compiled`` and ``liger_compat_compiled`` run the same step on ``torch.compile(model)``
+(``--impls native_compiled,liger_compat_compiled``); compilation happens in the warm-up steps.
 
 Writes ``<name>.json`` and ``<name>.md`` (``--name``, default ``e2e``) and the plots
 ``<name>_<model>.png`` under ``--out``; both files name the command that regenerates them.
@@ -61,7 +64,10 @@ VARIANTS = {
     "liger_compat_act": {"LIGER_COMPAT_MLP_RECOMPUTE": "activation"},
     "liger_compat_input": {"LIGER_COMPAT_MLP_RECOMPUTE": "input"},
 }
-IMPLS = ("native", "liger_kernel", "liger_compat", *VARIANTS)
+#: the same step on the model wrapped in ``torch.compile(model)`` (Inductor, default mode), the
+#: patched one through the kernels' custom ops: compiled liger_compat against compiled native
+COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat"}
+IMPLS = ("native", "liger_kernel", "liger_compat", *VARIANTS, *COMPILED)
 DEFAULT_IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
 
 
@@ -97,11 +103,22 @@ def setup(model_name: str, shape: str, impl: str, liger_kernel_switches: dict | 
     return model, opt, ids, labels
 
 
+def step_model(model, impl: str):
+    """What a step calls: ``torch.compile(model)`` for the :data:`COMPILED` variants (compiled on
+    the first call, inside the warm-up steps), else the model itself."""
+    if impl in COMPILED:
+        import torch
+
+        return torch.compile(model)
+    return model
+
+
 def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
     import torch
     import transformers
 
     model, opt, ids, labels = setup(model_name, shape, impl)
+    run = step_model(model, impl)
     bsz, seq = ids.shape
     res = {"model": model_name, "shape": shape, "impl": impl, "tokens": bsz * seq,
            "torch": torch.__version__, "transformers": transformers.__version__,
@@ -120,7 +137,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
                 torch.cuda.reset_accumulated_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = model(input_ids=ids, labels=labels)
+            out = run(input_ids=ids, labels=labels)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -179,6 +196,8 @@ def _markdown(rows: list[dict]) -> str:
     present = dict.fromkeys(r["impl"] for r in rows)
     notes = [f"{v}: liger_compat with " + ", ".join(f"`{k}={val}`" for k, val in VARIANTS[v].items())
              for v in VARIANTS if v in present]
+    notes += [f"{v}: {base} with the model in `torch.compile(model)` (compiled in the warm-up steps)"
+              for v, base in COMPILED.items() if v in present]
     lines += ["Median step after warm-up steps; every (model, shape, implementation) in a fresh process"
               + (f"; {repeats} repeats, the order reversed every other one, median over repeats" if repeats > 1 else "")
               + ". " + "; ".join(notes) + ("." if notes else ""), ""]

@@ -194,7 +194,8 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     return_dict = _return_dict(config, kw.pop("return_dict", None))
     loss_kw = {k: kw.pop(k) for k in LOSS_KWARGS if k in kw}
     decoder = model.model
-    _, dec_names, _ = forward_params(decoder.forward)
+    # the class's function, not a bound method (whose __func__ torch.compile does not look through)
+    _, dec_names, _ = forward_params(type(decoder).forward)
     output_router_logits = False
     if fam.moe:
         output_router_logits = kw.get("output_router_logits")
@@ -401,7 +402,21 @@ def _patch_module(module: Any) -> None:
         REGISTRY.report_conflict(f"{fam.causal_lm}.forward", owner, f"{_SHIM_ID} left it alone")
         return
     _left_alone.pop(fam.name, None)
+    _fill_caches(module, fam, cls, current)
     _patches.wrap(cls, "forward", _fused_forward, traceable=True)
+
+
+def _fill_caches(module: Any, fam: families.Family, cls: type, forward: Any) -> None:
+    """Look up now what the hot path caches (signatures, the family of the class), so that the
+    first call traced by ``torch.compile`` finds the caches as every later call will: a cache
+    filled while tracing makes the second call fail its guards and compile again."""
+    families.family_of(cls)
+    _positional_names(forward)
+    forward_params(forward)
+    decoder = getattr(module, f"{fam.prefix}Model", None)
+    dec_forward = vars(decoder).get("forward") if isinstance(decoder, type) else None
+    if dec_forward is not None:
+        forward_params(dec_forward)
 
 
 _watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.family_modules)

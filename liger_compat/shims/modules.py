@@ -296,21 +296,46 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
 
 _ROPE = "rope"
 _ROPE_FN = "apply_rotary_pos_emb"
-_rope_sig_cache: dict[Any, inspect.Signature] = {}
+#: native function -> its parameter names when all are positional-or-keyword (bound by
+#: :func:`_bind`, which torch.compile traces), else its ``inspect.Signature``
+_rope_sig_cache: dict[Any, Any] = {}
+
+
+def _rope_params(fn: Any) -> Any:
+    hit = _rope_sig_cache.get(fn)
+    if hit is None:
+        sig = inspect.signature(fn)
+        plain = all(p.kind == p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+        hit = _rope_sig_cache[fn] = tuple(sig.parameters) if plain else sig
+    return hit
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``inspect.Signature.bind(...).arguments`` for positional-or-keyword ``names`` (no defaults
+    filled in), or None where ``bind`` raises ``TypeError`` for too many or unknown arguments."""
+    if len(args) > len(names):
+        return None
+    a = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k in a or k not in names:
+            return None
+        a[k] = v
+    return a
 
 
 def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     if not _config.kernel_enabled(_ROPE):
         return wrapped(*args, **kwargs)
-    fn = unwrap(wrapped)
-    sig = _rope_sig_cache.get(fn)
-    if sig is None:
-        sig = _rope_sig_cache[fn] = inspect.signature(fn)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError:
+    params = _rope_params(unwrap(wrapped))
+    if isinstance(params, tuple):
+        a = _bind(params, args, kwargs)
+    else:
+        try:
+            a = params.bind(*args, **kwargs).arguments
+        except TypeError:
+            a = None
+    if a is None:
         return wrapped(*args, **kwargs)
-    a = bound.arguments
     q, k, cos, sin = a.get("q"), a.get("k"), a.get("cos"), a.get("sin")
     position_ids = a.get("position_ids")
     unsqueeze_dim = a.get("unsqueeze_dim", 1)
@@ -473,6 +498,7 @@ def _patch_rope(self: _ModuleShim, module: Any) -> None:
     if not {"q", "k", "cos", "sin"} <= set(params):
         self.left_alone[module.__name__] = f"{_ROPE_FN} has an unknown signature {tuple(params)}"
         return
+    _rope_params(unwrap(current))  # cached now, not while torch.compile traces the first call
     self.patches.wrap(module, _ROPE_FN, _rope_forward, traceable=True)
     self.patched.setdefault(module.__name__, []).append(_ROPE_FN)
 

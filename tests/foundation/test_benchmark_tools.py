@@ -54,6 +54,22 @@ def test_markdown_reports_repeats_once_per_implementation():
     assert md.count("| m | 4x2048 | liger_compat |") == 1 and "| 105.0 |" in md
 
 
+def test_compiled_variants_wrap_the_model_in_torch_compile():
+    """The compiled implementations run the step on ``torch.compile(model)`` (compiled lazily, on the
+    first step), the others on the model itself; both are selectable and named in the report."""
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    for impl in ("native_compiled", "liger_compat_compiled"):
+        assert impl in e2e.IMPLS
+        run = e2e.step_model(model, impl)
+        assert run is not model and run._orig_mod is model
+    assert e2e.step_model(model, "liger_compat") is model
+    md = e2e._markdown([_row("liger_compat_compiled", 100.0, 10.0, 0), _row("native_compiled", 120.0, 11.0, 0)])
+    assert md.count("| m | 4x2048 | liger_compat_compiled |") == 1
+    assert "liger_compat_compiled: liger_compat with the model in `torch.compile(model)`" in md
+
+
 def test_kernel_timing_rounds_rotate_the_order_and_keep_the_median(monkeypatch, tmp_path):
     """benchmarks.kernels.measure_rounds (timers replaced: no GPU): every implementation once
     per round, the order rotated by one place per round with ``last`` kept at the end; the row

@@ -1,0 +1,253 @@
+"""``torch.compile`` of patched models and of the kernels: one graph, our ops in it, native numbers.
+
+Each family's tiny model is compiled with ``fullgraph=True`` (a graph break raises) and trained one
+step (forward with labels, backward); the loss and every parameter gradient are compared with the
+same weights run eagerly *without* liger_compat. A second step of the same shape must reuse the
+compiled graph (``error_on_recompile``). The family tests use the ``aot_eager`` backend (TorchDynamo
+and AOT autograd with fake tensors: everything but Inductor's code generation, ~10 s a family on
+CPU); Inductor itself runs in the ``slow`` test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import liger_compat
+from liger_compat import kernels
+from liger_compat.shims.families import FAMILIES
+from liger_compat.shims.tiny_models import FamilyUnavailable, build
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from reference64 import ce64, geglu64, rel_err, rms_norm64, rope64, swiglu64  # noqa: E402
+
+FAMILY_NAMES = [f.name for f in FAMILIES]
+F32_TOL = 1000 * torch.finfo(torch.float32).eps  # ~1.2e-4: chunked sums in another order
+
+
+class Recorder:
+    """A torch.compile backend that keeps every FX graph it is given and then runs ``inner``."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(self.inner)(gm, example_inputs)
+
+    def ops(self) -> set[str]:
+        """``liger_compat::...`` ops called in the recorded graphs."""
+        out = set()
+        for gm in self.graphs:
+            for node in gm.graph.nodes:
+                name = str(getattr(node.target, "name", lambda: "")() if callable(getattr(node.target, "name", None))
+                           else node.target)
+                if "liger_compat" in name:
+                    out.add(name.split("::")[-1].split(".")[0])
+        return out
+
+
+def _tiny(family: str, **kw):
+    try:
+        return build(family, seed=0, **kw).train()
+    except FamilyUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _batch(model, seed: int, b: int = 2, t: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (b, t), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(b, t, generator=g) < 0.25] = -100
+    return ids, labels
+
+
+def _native_step(model, ids, labels):
+    errors = liger_compat.revert()
+    assert not errors, errors
+    try:
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+    finally:
+        liger_compat.apply()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.loss.detach(), grads
+
+
+def _step(model, ids, labels):
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out
+
+
+def _assert_matches(loss, model, ref_loss, ref_grads, tol=F32_TOL):
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=tol, atol=tol * ref_loss.abs().item())
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref_grads)
+    for name, ref in ref_grads.items():
+        err = (got[name] - ref).abs().max().item()
+        assert err <= tol * max(ref.abs().max().item(), 1e-6), (name, err, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fullgraph_training_step_matches_native(family):
+    model = _tiny(family)
+    batches = [_batch(model, seed=1), _batch(model, seed=2)]
+    # native references first: reverting and re-applying the patches between compiled steps would
+    # (rightly) recompile. Mixtral's native forward installs its router-logit capturing hooks on
+    # the first call, under a lock dynamo cannot trace: a break of native code, not ours.
+    refs = [_native_step(model, ids, labels) for ids, labels in batches]
+
+    rec = Recorder()
+    compiled = torch.compile(model, fullgraph=True, backend=rec)
+    for i, ((ids, labels), (ref_loss, ref_grads)) in enumerate(zip(batches, refs)):
+        # the second batch has the same shape: the graph of the first is reused, no recompile
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = _step(compiled, ids, labels)
+        assert out.logits is None and out.token_accuracy is not None  # the fused forward ran
+        _assert_matches(out.loss, model, ref_loss, ref_grads)
+        model.zero_grad(set_to_none=True)
+    assert len(rec.graphs) == 1
+    assert {"flce_with_grads", "rms_norm_fwd", "rope", "gated_fwd"} <= rec.ops(), rec.ops()
+
+
+@pytest.mark.slow
+def test_inductor_training_steps_match_native():
+    """Inductor's generated code (not only the traced graph) around our ops, three steps."""
+    model = _tiny("gemma2")  # soft-capped head, offset norm, GeGLU
+    batches = [_batch(model, seed=s) for s in (1, 2, 3)]
+    refs = [_native_step(model, ids, labels) for ids, labels in batches]
+    compiled = torch.compile(model, fullgraph=True)
+    for i, ((ids, labels), (ref_loss, ref_grads)) in enumerate(zip(batches, refs)):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = _step(compiled, ids, labels)
+        _assert_matches(out.loss, model, ref_loss, ref_grads)
+        model.zero_grad(set_to_none=True)
+
+
+def test_eval_forward_with_and_without_labels_under_compile():
+    """No grad: the per-row loss op; without labels the native logits, all in one graph each."""
+    model = _tiny("llama").eval()
+    ids, labels = _batch(model, seed=3)
+    with liger_compat_native():
+        with torch.no_grad():
+            ref = model(input_ids=ids, labels=labels)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        out = compiled(input_ids=ids, labels=labels)
+        logits = compiled(input_ids=ids).logits
+    torch.testing.assert_close(out.loss, ref.loss, rtol=F32_TOL, atol=F32_TOL)
+    torch.testing.assert_close(logits, ref.logits, rtol=F32_TOL, atol=F32_TOL)
+
+
+class liger_compat_native:
+    def __enter__(self):
+        assert not liger_compat.revert()
+
+    def __exit__(self, *exc):
+        liger_compat.apply()
+
+
+# --------------------------------------------------------------------------------------------
+# the kernels on their own
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fused_linear_cross_entropy_compiled_matches_float64(reduction):
+    g = torch.Generator().manual_seed(0)
+    n, hdim, v = 24, 16, 40
+    h = torch.randn(n, hdim, generator=g, requires_grad=True)
+    w = (torch.randn(v, hdim, generator=g) * 0.5).requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.1).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=4.0)
+    grad_rows = torch.rand(n, generator=g)
+
+    def f(h, w, b, t):
+        out = kernels.fused_linear_cross_entropy(h, w, t, bias=b, reduction=reduction, return_z_loss=True,
+                                                 return_token_accuracy=True, **opts)
+        total = (out.loss * grad_rows).sum() if reduction == "none" else out.loss * 0.7
+        return total, out.z_loss, out.token_accuracy
+
+    rec = Recorder()
+    total, z, acc = torch.compile(f, fullgraph=True, backend=rec)(h, w, b, t)
+    total.backward()
+    expected_op = "flce_rows" if reduction == "none" else "flce_with_grads"
+    assert expected_op in rec.ops()
+
+    h64, w64, b64 = (x.detach().double().requires_grad_() for x in (h, w, b))
+    loss64, z64, acc64 = ce64(h64 @ w64.T + b64, t, reduction=reduction, **opts)
+    total64 = (loss64 * grad_rows.double()).sum() if reduction == "none" else loss64 * 0.7
+    total64.backward()
+    tol = 100 * torch.finfo(torch.float32).eps
+    assert rel_err(total.detach(), total64.detach()) < tol
+    assert rel_err(z, z64.detach()) < tol
+    assert rel_err(acc, acc64) < tol
+    for x, x64 in ((h, h64), (w, w64), (b, b64)):
+        assert rel_err(x.grad, x64.grad) < tol
+
+
+def test_bad_target_under_compile_is_a_clear_error():
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    t = torch.tensor([1, 2, 3, 10, 4, -100])
+
+    def f(h, w, t):
+        return kernels.fused_linear_cross_entropy(h, w, t)
+
+    with pytest.raises(ValueError, match=r"target holds 10, outside \[0, 10\)"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(h, w, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_kernels_compiled_match_float64(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 16, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(16, generator=g)).to(dtype).requires_grad_()
+    a = torch.randn(2, 5, 24, generator=g).to(dtype).requires_grad_()
+    u = torch.randn(2, 5, 24, generator=g).to(dtype).requires_grad_()
+    q = torch.randn(2, 4, 5, 8, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 2, 5, 8, generator=g).to(dtype).requires_grad_()
+    ang = torch.randn(2, 5, 4, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    dy = [torch.randn(s, generator=g).to(dtype) for s in ((2, 5, 16), (2, 5, 24), (2, 5, 24), (2, 4, 5, 8), (2, 2, 5, 8))]
+
+    def f(x, w, a, u, q, k):
+        y = kernels.rms_norm(x, w, 1e-6)
+        s = kernels.swiglu(a, u)
+        ge = kernels.geglu(a, u)
+        qe, ke = kernels.apply_rotary_pos_emb(q, k, cos, sin)
+        return y, s, ge, qe, ke
+
+    rec = Recorder()
+    outs = torch.compile(f, fullgraph=True, backend=rec)(x, w, a, u, q, k)
+    assert {"rms_norm_fwd", "gated_fwd", "rope"} <= rec.ops()
+    sum(((o.float() * d.float()).sum() for o, d in zip(outs, dy))).backward()
+
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, a, u, q, k)]
+    x6, w6, a6, u6, q6, k6 = leaves
+    refs = (rms_norm64(x6, w6, 1e-6), swiglu64(a6, u6), geglu64(a6, u6), rope64(q6, cos.double(), sin.double()),
+            rope64(k6, cos.double(), sin.double()))
+    sum(((r * d.double()).sum() for r, d in zip(refs, dy))).backward()
+    tol = 16 * torch.finfo(dtype).eps
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) < tol
+    for t, r in zip((x, w, a, u, q, k), leaves):
+        assert rel_err(t.grad, r.grad) < tol
+
+
+def test_eager_calls_keep_their_autograd_functions():
+    """Outside compile nothing changes: the eager nodes (which the MLP recompute reads) are built."""
+    x = torch.randn(3, 8, requires_grad=True)
+    y = kernels.rms_norm(x, torch.ones(8), 1e-6)
+    assert type(y.grad_fn).__name__ == "_RMSNormBackward"
