@@ -413,10 +413,12 @@ def _fill_caches(module: Any, fam: families.Family, cls: type, forward: Any) -> 
     families.family_of(cls)
     _positional_names(forward)
     forward_params(forward)
-    decoder = getattr(module, f"{fam.prefix}Model", None)
-    dec_forward = vars(decoder).get("forward") if isinstance(decoder, type) else None
-    if dec_forward is not None:
-        forward_params(dec_forward)
+    for obj in list(vars(module).values()):  # the decoder's class (Gemma3TextModel under Gemma3ForCausalLM ...)
+        if isinstance(obj, type) and obj.__module__ == module.__name__ and "forward" in vars(obj):
+            try:
+                forward_params(vars(obj)["forward"])
+            except (TypeError, ValueError):  # no signature to read: looked up (uncached) if ever called
+                pass
 
 
 _watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.family_modules)
