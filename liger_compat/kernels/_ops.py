@@ -45,7 +45,7 @@ def _backend(kernel: str, backend: str, device: torch.device) -> str:
     return _dispatch.choose(kernel, device) if backend == "auto" else backend
 
 
-def _none_if_empty(t: Tensor, needed: bool) -> Tensor | None:
+def _if_needed(t: Tensor, needed: bool) -> Tensor | None:
     return t if needed else None
 
 
@@ -101,7 +101,7 @@ def _rms_backward(ctx, dy, _drstd):
     x2, w, rstd = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[1]
     dx, dw = rms_norm_bwd(dy, x2, w, rstd, ctx.offset, ctx.casting, need_dw, ctx.backend)
-    return dx, _none_if_empty(dw, need_dw), None, None, None, None
+    return dx, _if_needed(dw, need_dw), None, None, None, None
 
 
 rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
@@ -356,7 +356,7 @@ def _rows_backward(ctx, g_rows, *_rest):
     need = ctx.needs_input_grad
     need_gh, need_gw, need_gb = bool(need[0]), bool(need[1]), bool(need[2]) and b is not None
     gh, gw, gb = flce_rows_backward(h, w, b, target, g_rows, *ctx.args, need_gh, need_gw, need_gb, ctx.backend)
-    return (_none_if_empty(gh, need_gh), _none_if_empty(gw, need_gw), _none_if_empty(gb, need_gb)) + (None,) * 6
+    return (_if_needed(gh, need_gh), _if_needed(gw, need_gw), _if_needed(gb, need_gb)) + (None,) * 6
 
 
 flce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)

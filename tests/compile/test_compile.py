@@ -221,7 +221,7 @@ def test_bad_target_under_compile_is_a_clear_error():
     def f(h, w, t):
         return kernels.fused_linear_cross_entropy(h, w, t)
 
-    with pytest.raises(ValueError, match=r"target holds 10, outside \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"target holds 10, outside the vocabulary \[0, 10\)"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(h, w, t)
 
 
