@@ -10,11 +10,15 @@ CPU); Inductor itself runs in the ``slow`` test.
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
 import liger_compat
 from liger_compat import kernels
+from liger_compat.kernels import _dispatch
 from liger_compat.shims.families import FAMILIES
 from liger_compat.shims.tiny_models import FamilyUnavailable, build
 
@@ -25,6 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from reference64 import ce64, geglu64, rel_err, rms_norm64, rope64, swiglu64  # noqa: E402
 
 FAMILY_NAMES = [f.name for f in FAMILIES]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _expected_backend() -> str:
+    """What the ops' real implementations must have run: the Triton kernels under
+    ``TRITON_INTERPRET=1`` (:func:`test_compiled_kernels_under_interpreter`), else the torch reference."""
+    return "triton" if _dispatch.interpret_mode() else "torch"
 F32_TOL = 1000 * torch.finfo(torch.float32).eps  # ~1.2e-4: chunked sums in another order
 
 
@@ -196,8 +207,10 @@ def test_fused_linear_cross_entropy_compiled_matches_float64(reduction):
         return total, out.z_loss, out.token_accuracy
 
     rec = Recorder()
+    _dispatch.last_backend.clear()
     total, z, acc = torch.compile(f, fullgraph=True, backend=rec)(h, w, b, t)
     total.backward()
+    assert _dispatch.last_backend == {"fused_linear_cross_entropy": _expected_backend()}
     expected_op = "flce_rows" if reduction == "none" else "flce_with_grads"
     assert expected_op in rec.ops()
 
@@ -247,9 +260,12 @@ def test_elementwise_kernels_compiled_match_float64(dtype):
         return y, s, ge, qe, ke
 
     rec = Recorder()
+    _dispatch.last_backend.clear()
     outs = torch.compile(f, fullgraph=True, backend=rec)(x, w, a, u, q, k)
     assert {"rms_norm_fwd", "gated_fwd", "rope"} <= rec.ops()
     sum(((o.float() * d.float()).sum() for o, d in zip(outs, dy))).backward()
+    assert set(_dispatch.last_backend.values()) == {_expected_backend()}
+    assert set(_dispatch.last_backend) == {"rms_norm", "swiglu", "geglu", "rope"}
 
     leaves = [t.detach().double().requires_grad_() for t in (x, w, a, u, q, k)]
     x6, w6, a6, u6, q6, k6 = leaves
@@ -268,3 +284,20 @@ def test_eager_calls_keep_their_autograd_functions():
     x = torch.randn(3, 8, requires_grad=True)
     y = kernels.rms_norm(x, torch.ones(8), 1e-6)
     assert type(y.grad_fn).__name__ == "_RMSNormBackward"
+
+
+@pytest.mark.interpret
+def test_compiled_kernels_under_interpreter():
+    """The kernel tests above with ``TRITON_INTERPRET=1`` in a fresh process: the ops' real
+    implementations then run the Triton kernels (row compaction, the out-of-range flag and the
+    kernels' bool views included), compiled around by torch.compile."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", str(Path(__file__)),
+         "-k", "compiled_match or bad_target"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert "6 passed" in proc.stdout, tail
