@@ -377,7 +377,7 @@ def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, An
     q_out, k_out = res
     if cos.dtype != q.dtype:
         # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
-        want = _rope_out_dtype(wrapped, fn, q, cos, a, unsqueeze_dim)
+        want = _rope_out_dtype(wrapped, unwrap(wrapped), q, cos, a, unsqueeze_dim)
         q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
     return q_out, k_out
 
@@ -402,7 +402,9 @@ def _rope_out_dtype(native: Any, fn: Any, q: Any, cos: Any, a: dict[str, Any], u
             cp = torch.ones(1, 1, rot, dtype=cos.dtype, device=cos.device)
         with torch.no_grad():
             qo, ko = native(qp, qp.clone(), cp, cp.clone(), **kw)
-        hit = _rope_dtypes[key] = (qo.dtype, ko.dtype)
+        hit = (qo.dtype, ko.dtype)
+        if not _compiling():  # a cache filled while tracing would make the next call recompile
+            _rope_dtypes[key] = hit
     return hit
 
 
