@@ -151,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows.append(one_family(name, args.steps, device, args.backend))
         print(rows[-1], flush=True)
+        _write(args, argv, torch, device, rows)  # after every family: a run cut short keeps its rows
+    _write(args, argv, torch, device, rows)
+    return 0
+
+
+def _write(args, argv, torch, device, rows) -> None:
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     _results.write(args.out, "compile_families", {"meta": meta, "rows": rows}, markdown(rows),
                    _results.command("benchmarks.compile_families", argv))
-    return 0
 
 
 if __name__ == "__main__":

@@ -231,8 +231,7 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
                 coef = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0))
                 loss = loss + coef * aux_loss.to(loss.device)
 
-    from transformers import modeling_outputs as mo
-
+    mo = _outputs_module()
     fields = dict(
         loss=loss,
         logits=logits,
@@ -382,10 +381,26 @@ _patches: PatchSet | None = None
 _left_alone: dict[str, str] = {}
 
 
+def _outputs_module() -> Any:
+    """``transformers.modeling_outputs``, imported once outside any traced call: an import
+    statement on ``transformers`` (a ``_LazyModule``) inside the forward makes torch.compile 2.11
+    stop with ``Unsupported: Bad import result``."""
+    global _modeling_outputs
+    if _modeling_outputs is None:
+        import transformers.modeling_outputs
+
+        _modeling_outputs = sys.modules["transformers.modeling_outputs"]
+    return _modeling_outputs
+
+
+_modeling_outputs: Any = None
+
+
 def _patch_module(module: Any) -> None:
     fam = families.BY_MODULE.get(module.__name__)
     if fam is None or _patches is None:
         return
+    _outputs_module()  # while not tracing
     cls = getattr(module, fam.causal_lm, None)
     if cls is None:
         _left_alone[fam.name] = f"{module.__name__} has no {fam.causal_lm}"
