@@ -63,27 +63,48 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _native_abort(log: str) -> bool:
+    """A rank killed by a C++ abort before any Python error of the worker: on this 2-core CI machine,
+    with the other pytest worker busy, gloo's ranks occasionally die with only 'terminate called
+    without an active exception' (about one full suite in three; never reproduced alone)."""
+    return "terminate called" in log and f'File "{WORKER}"' not in log
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(p: subprocess.Popen, timeout: float) -> str:
+    try:
+        return p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.communicate()[0] + "\n[timed out]"
+
+
 def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper", nproc: int = 2,
         timeout: float = 300, allow_errors: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Start the ranks (torchrun) and the reference process side by side; return both results."""
+    """Start the ranks (torchrun) and the reference process side by side; return both results.
+    A distributed run whose ranks died by a native abort before any Python error is started once
+    more (:func:`_native_abort`); any other failure, or a second abort, fails the test."""
     import torch
 
     spec, out_dist, out_ref = tmp / "spec.pt", tmp / "dist.pt", tmp / "ref.pt"
-    dist_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+
+    def dist_cmd() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                 str(WORKER), "dist", "--spec", str(spec), "--out", str(out_dist), "--device", device,
                 "--configs", configs, "--forward", forward] + (["--allow-errors"] if allow_errors else [])
+
     ref_cmd = [sys.executable, str(WORKER), "reference", "--spec", str(spec), "--out", str(out_ref), "--device", device]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in (dist_cmd, ref_cmd)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0] + "\n[timed out]")
-    for p, log, what in zip(procs, logs, ("distributed run", "reference run")):
+    dist_p, ref_p = _start(dist_cmd()), _start(ref_cmd)
+    dist_log, ref_log = _wait(dist_p, timeout), _wait(ref_p, timeout)
+    if dist_p.returncode != 0 and _native_abort(dist_log):
+        first = dist_log
+        dist_p = _start(dist_cmd())
+        dist_log = "[first attempt]\n" + first[-3000:] + "\n[second attempt]\n" + _wait(dist_p, timeout)
+    for p, log, what in ((dist_p, dist_log, "distributed run"), (ref_p, ref_log, "reference run")):
         if p.returncode != 0:
             # every rank's output: the rank that raised first is not always rank 0
             raise AssertionError(f"{what} failed (exit {p.returncode}):\n{log[-8000:]}")

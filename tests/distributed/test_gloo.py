@@ -94,3 +94,12 @@ def test_two_rank_zero3_matches_one_process(tmp_path):
         assert c["engine_route_calls"] == 3, c
     err = dist["zero3_outside_bypass"].get("error", "")
     assert "got shape (0,)" in err, "reading lm_head.weight outside the model's forward should see the partition"
+
+
+def test_only_a_native_abort_before_any_worker_error_is_started_again():
+    abort = "terminate called without an active exception\nfailed (exitcode: -6) local_rank: 1"
+    worker_error = (f'Traceback (most recent call last):\n  File "{h.WORKER}", line 10, in <module>\n'
+                    "ValueError: boom\nterminate called without an active exception")
+    assert h._native_abort(abort)
+    assert not h._native_abort(worker_error)
+    assert not h._native_abort("ValueError: boom")
