@@ -63,10 +63,13 @@ VARIANTS = {
     "liger_compat_keep": {"LIGER_COMPAT_MLP_RECOMPUTE": "0"},
     "liger_compat_act": {"LIGER_COMPAT_MLP_RECOMPUTE": "activation"},
     "liger_compat_input": {"LIGER_COMPAT_MLP_RECOMPUTE": "input"},
+    # the fused loss only: norms, rotary and MLP activations left to transformers (or to Inductor)
+    "liger_compat_flce": {"LIGER_COMPAT_KERNELS": "fused_linear_cross_entropy"},
 }
 #: the same step on the model wrapped in ``torch.compile(model)`` (Inductor, default mode), the
 #: patched one through the kernels' custom ops: compiled liger_compat against compiled native
-COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat"}
+COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat",
+            "liger_compat_flce_compiled": "liger_compat_flce"}
 IMPLS = ("native", "liger_kernel", "liger_compat", *VARIANTS, *COMPILED)
 DEFAULT_IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
 
@@ -75,7 +78,7 @@ def setup(model_name: str, shape: str, impl: str, liger_kernel_switches: dict | 
     """The patched library as a user would set it up, then the model (random weights, bf16,
     SDPA, train mode), fused AdamW and one batch of ids and labels (10 % ignored), on CUDA.
     ``liger_kernel_switches``: keyword switches for ``apply_liger_kernel_to_<family>``."""
-    os.environ.update(VARIANTS.get(impl, {}))
+    os.environ.update(VARIANTS.get(COMPILED.get(impl, impl), {}))
     if impl.startswith("liger_compat"):
         import liger_compat  # noqa: F401  (first import, as a user would)
     import torch
@@ -217,7 +220,8 @@ def _markdown(rows: list[dict]) -> str:
             if r.get("status") != "ok":
                 lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | | |")
                 continue
-            xn = (f"{r['tokens_per_s'] / nat['tokens_per_s']:.2f}" if nat.get("status") == "ok" else "native OOM")
+            xn = (f"{r['tokens_per_s'] / nat['tokens_per_s']:.2f}" if nat.get("status") == "ok"
+                  else "native OOM" if nat else "-")
             xt = (f"{r['tokens_per_s'] / lk['tokens_per_s']:.3f}" if lk.get("status") == "ok" else "-")
             xm = (f"{r['peak_gib'] / lk['peak_gib']:.3f}" if lk.get("status") == "ok" else "-")
             lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xn} | {xt} | "

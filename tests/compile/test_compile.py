@@ -122,6 +122,24 @@ def _assert_matches(loss, model, ref_loss, ref_grads, tol=F32_TOL):
         assert err <= tol * max(ref.abs().max().item(), 1e-6), (name, err, ref.abs().max().item())
 
 
+def _skip_if_native_breaks_too(model, ids, labels, family):
+    """Older transformers break the graph in their own code (phi3's attention logs through
+    ``logger.warning_once`` on 4.45): not ours to fix, so the fullgraph test does not apply there."""
+    import transformers
+
+    torch._dynamo.reset()
+    errors = liger_compat.revert()
+    assert not errors, errors
+    try:
+        ex = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    finally:
+        liger_compat.apply()
+        torch._dynamo.reset()
+    if ex.graph_break_count:
+        pytest.skip(f"native {family} on transformers {transformers.__version__} breaks the graph too: "
+                    f"{str(ex.break_reasons[0].reason).splitlines()[0][:160]}")
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_fullgraph_training_step_matches_native(family):
     model = _tiny(family)
@@ -137,7 +155,11 @@ def test_fullgraph_training_step_matches_native(family):
     for i, ((ids, labels), (ref_loss, ref_grads)) in enumerate(zip(batches, refs)):
         # the second batch has the same shape: the graph of the first is reused, no recompile
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            out = _step(compiled, ids, labels)
+            try:
+                out = _step(compiled, ids, labels)
+            except torch._dynamo.exc.Unsupported:
+                _skip_if_native_breaks_too(model, ids, labels, family)
+                raise
         assert out.logits is None and out.token_accuracy is not None  # the fused forward ran
         _assert_matches(out.loss, model, ref_loss, ref_grads)
         model.zero_grad(set_to_none=True)

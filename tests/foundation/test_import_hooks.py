@@ -120,4 +120,6 @@ def test_wrapt_is_imported_when_a_target_library_is_imported_not_before():
     assert r.returncode == 0, r.stderr[-3000:]
     # the model patches are plain functions (traceable by torch.compile): applied without wrapt;
     # the trainer patches are wrapt wrappers, and wrapt comes with the first of them
-    assert r.stdout.split() == ["False", "False", "applied", "True", "applied"]
+    words = r.stdout.split()
+    assert words[:4] == ["False", "False", "applied", "True"], words
+    assert " ".join(words[4:]) in ("applied", "not needed"), words  # not needed before transformers 4.46
