@@ -80,7 +80,10 @@ def test_trainer_torch_compile_matches_native(tokenizer, tmp_path, monkeypatch):
         rows.append({"input_ids": ids, "attention_mask": mask,
                      "labels": [t if m else -100 for t, m in zip(ids, mask)]})
 
+    built = []  # the graph count when each run's trainer is built: native first, then ours
+
     def build(model):
+        built.append(_graphs())
         args = make_config(TrainingArguments, tmp_path, remove_unused_columns=False, **_compile_args())
         return Trainer(model=model, args=args, train_dataset=rows)
 
@@ -91,7 +94,8 @@ def test_trainer_torch_compile_matches_native(tokenizer, tmp_path, monkeypatch):
     assert_logs_close(native_logs, patched_logs, ["loss"])
     assert ops.loss_passes == 3  # one fused pass per step, through the op
     assert ops.norms == 3 * 5  # two layers x two norms + the final norm, per step
-    assert _graphs() == 2  # the native compiled run's graph and ours: one each, no recompile
+    native_graphs, ours = built[1] - built[0], _graphs() - built[1]
+    assert native_graphs >= 1 and ours == native_graphs, (native_graphs, ours)  # one each on 5.x: no recompile
     assert _breaks() == 0, dict(torch._dynamo.utils.counters["graph_break"])
 
 

@@ -19,7 +19,6 @@ import warnings
 
 import pytest
 import torch
-from packaging.version import Version
 
 import liger_compat
 from liger_compat.compat.versions import matches
@@ -658,12 +657,16 @@ def _pref_trainer(name, tok, tmp_path, **kw):
 
 @pytest.mark.parametrize("name", ["orpo", "cpo"])
 def test_f5_renamed_tokenizer_kwarg_fails_without_the_shim(name, tokenizer, tmp_path):
-    src, _ = _rename_direction(trainer_or_skip(name)[0])
-    if src == "tokenizer" and Version(_trl_version()) < Version("0.13"):
-        pytest.skip(f"trl {_trl_version()} translates tokenizer= to processing_class itself (no native failure)")
+    src, dst = _rename_direction(trainer_or_skip(name)[0])
     with REGISTRY.suspended(RENAMES[0]), REGISTRY.suspended(RENAMES[1]):
-        with pytest.raises(TypeError, match=f"unexpected keyword argument '{src}'"):
-            _pref_trainer(name, tokenizer, tmp_path, **{src: tokenizer})
+        try:
+            trainer = _pref_trainer(name, tokenizer, tmp_path, **{src: tokenizer})
+        except TypeError as exc:
+            assert f"unexpected keyword argument '{src}'" in str(exc), exc
+            return
+    # some releases (trl 0.12, ORPO of 0.14) translate the old name themselves: no failure to reproduce
+    assert getattr(trainer, dst, None) is tokenizer, f"{src}= accepted natively but {dst} not set"
+    pytest.skip(f"{name} of trl {_trl_version()} translates {src}= to {dst} itself (no native failure)")
 
 
 @pytest.mark.parametrize("name", ["orpo", "cpo"])
