@@ -73,11 +73,11 @@ def test_dpo_logits_to_keep(tokenizer, tmp_path):
     when the native model can run it, without it otherwise (the kept logits are the same numbers)."""
     option = _logits_to_keep_option()
     build, ref_base = _builder("dpo", tokenizer, tmp_path, **{option: True})
-    plain_build, _ = _builder("dpo", tokenizer, tmp_path)
+    plain_build, plain_ref = _builder("dpo", tokenizer, tmp_path)
     base = fresh_model("qwen2", tokenizer)
     from trainer_helpers import clone
 
-    ref_base["model"] = clone(base)
+    ref_base["model"] = plain_ref["model"] = clone(base)
     import warnings
 
     from liger_compat.shims.logits_to_keep import NEW, OLD, forward_params
