@@ -15,8 +15,9 @@ the counting inside raises one of those errors, the count is made again by
 :func:`count_label_tokens`, which reads whichever label keys each batch has, and the batches are
 returned as if nothing had happened. The count follows the trainer's own rule for *whether* to
 count: a trainer whose loss does not consume ``num_items_in_batch`` (trl's preference trainers set
-``model_accepts_loss_kwargs = False``, and no ``compute_loss_func``) gets ``None``, which keeps the
-division of the loss by the accumulation steps that such trainers rely on. ``Trainer.train`` makes
+``model_accepts_loss_kwargs = False`` from trl 0.14; before, their ``compute_loss`` takes the argument
+and never reads it) gets ``None``, which keeps the division of the loss by the accumulation steps
+that such trainers rely on. ``Trainer.train`` makes
 sure the wrapper is in front of whatever ``get_batch_samples`` is installed when training starts
 (unsloth replaces the class attribute after transformers is imported).
 """
@@ -75,9 +76,52 @@ def count_label_tokens(batch: Any, *, shift: bool = False, ignore_index: int = I
     return total
 
 
+_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF",
+                    "LOAD_CLOSURE"})
+
+
+def reads_count(compute_loss: Any) -> bool:
+    """Whether the body of ``compute_loss`` reads its ``num_items_in_batch`` argument (or the ``**kwargs``
+    it would arrive in). trl 0.12 / 0.13 preference trainers (ORPO, CPO, DPO, KTO) accept the argument
+    and never read it, while leaving ``model_accepts_loss_kwargs`` True (trl 0.14 sets it False): a
+    count handed to them is not divided by, and transformers 4.46-4.50, which then skips its own
+    division by the accumulation steps, logs the loss that many times too large. Callables whose code
+    cannot be read are taken to read it."""
+    import dis
+    import inspect
+
+    fn = unwrap(compute_loss)
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return True
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    names = {"num_items_in_batch"} & set(params)
+    names |= {p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD}
+    if not names:
+        return False
+    if names & set(code.co_cellvars):  # read by a nested function
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname in _LOADS:
+            arg = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+            if names.intersection(arg):
+                return True
+    return False
+
+
 def trainer_consumes_count(trainer: Any) -> bool:
-    """Whether ``trainer``'s loss uses ``num_items_in_batch`` (the rule transformers 4.51+ applies)."""
-    return bool(getattr(trainer, "model_accepts_loss_kwargs", True)) or getattr(trainer, "compute_loss_func", None) is not None
+    """Whether ``trainer``'s loss uses ``num_items_in_batch``: a ``compute_loss_func``, or the rule
+    transformers 4.51+ applies (``model_accepts_loss_kwargs``) for a ``compute_loss`` that reads it."""
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return True
+    if not bool(getattr(trainer, "model_accepts_loss_kwargs", True)):
+        return False
+    compute_loss = getattr(type(trainer), "compute_loss", None)
+    return compute_loss is None or reads_count(compute_loss)
 
 
 class _RecordingIterator:

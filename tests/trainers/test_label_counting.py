@@ -187,6 +187,40 @@ def test_trainer_that_does_not_take_the_count_keeps_none(tmp_path, tokenizer):
     assert int(recount(trainer, [batch])) == (1 if getattr(trainer, "_loss_shifts_labels", False) else 2)
 
 
+def test_a_compute_loss_that_never_reads_the_count_gets_none(tmp_path, tokenizer):
+    """trl 0.12/0.13 ORPO/CPO/DPO take num_items_in_batch and ignore it while model_accepts_loss_kwargs
+    stays True; handing them a count made transformers 4.46 log the loss times the accumulation steps."""
+    _needs_counting()
+    from liger_compat.shims.num_items_in_batch_labels import reads_count, recount
+
+    def ignores(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss
+
+    def reads(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss / num_items_in_batch
+
+    def forwards(self, model, inputs, **kwargs):
+        return super_loss(model, inputs, **kwargs)
+
+    def in_closure(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return (lambda: num_items_in_batch)()
+
+    def no_param(self, model, inputs, return_outputs=False):
+        return model(**inputs).loss
+
+    super_loss = None
+    assert [reads_count(f) for f in (ignores, reads, forwards, in_closure, no_param)] == [False, True, True, True, False]
+    from transformers import Trainer
+
+    batch = {"chosen_labels": torch.tensor([[1, 2, -100, 4]])}
+    for body in (ignores, reads):
+        trainer = _trainer(tmp_path, tokenizer, cls=type("T", (Trainer,), {"compute_loss": body}))
+        trainer.model_accepts_loss_kwargs, trainer.compute_loss_func = True, None
+        expected = None if body is ignores else (2 if getattr(trainer, "_loss_shifts_labels", False) else 3)
+        got = recount(trainer, [batch])
+        assert (None if got is None else int(got)) == expected, body.__name__
+
+
 def test_list_batches_with_a_get_reading_loop(tmp_path, tokenizer):
     """GRPO collates with identity: a batch is a list of rows; `.get` on it raised AttributeError."""
     _needs_counting()
