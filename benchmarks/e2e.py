@@ -65,11 +65,13 @@ VARIANTS = {
     "liger_compat_input": {"LIGER_COMPAT_MLP_RECOMPUTE": "input"},
     # the fused loss only: norms, rotary and MLP activations left to transformers (or to Inductor)
     "liger_compat_flce": {"LIGER_COMPAT_KERNELS": "fused_linear_cross_entropy"},
+    # no kernel at all: only the shims (under compile, the causal-mask skip that keeps flash attention)
+    "liger_compat_shims": {"LIGER_COMPAT_KERNELS": "none"},
 }
 #: the same step on the model wrapped in ``torch.compile(model)`` (Inductor, default mode), the
 #: patched one through the kernels' custom ops: compiled liger_compat against compiled native
 COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat",
-            "liger_compat_flce_compiled": "liger_compat_flce"}
+            "liger_compat_flce_compiled": "liger_compat_flce", "liger_compat_shims_compiled": "liger_compat_shims"}
 IMPLS = ("native", "liger_kernel", "liger_compat", *VARIANTS, *COMPILED)
 DEFAULT_IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
 
