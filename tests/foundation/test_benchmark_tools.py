@@ -3,6 +3,7 @@ rounds (no GPU needed)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -174,3 +175,37 @@ def test_gpu_tests_record_reads_junit_counts_and_failures(tmp_path):
                              "transformers": "5.17", **d})
     assert "at commit `abc1234`" in md and "2 passed, 1 failed, 0 errors, 1 skipped" in md
     assert "| `tests.kernels.test_gpu::test_b` | failed | assert 1 == 2 |" in md
+
+
+def test_trl_step_rejects_bad_arguments(capsys):
+    from benchmarks import trl_step
+
+    for argv, words in ((["--impls", "trl,nope"], "unknown implementation 'nope'"),
+                        (["--models", "gpt9"], "unknown model 'gpt9'"),
+                        (["--shapes", "4by2048"], "is not BATCHxSEQ"),
+                        (["--steps", "0"], "must be at least 1")):
+        with pytest.raises(SystemExit):
+            trl_step.main(argv)
+        assert words in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_trl_step_times_native_and_patched_sft_with_the_same_loss():
+    """One CPU step of the tiny model through the benchmark's own SFTTrainer set-up: trl natively and
+    under liger_compat, the first logged loss the same, and the table built from both rows."""
+    import inspect
+
+    trl = pytest.importorskip("trl")
+    if "max_length" not in inspect.signature(trl.SFTConfig.__init__).parameters:
+        pytest.skip(f"trl {trl.__version__}: SFTConfig has no max_length (the benchmark targets trl 0.20+)")
+    from benchmarks import trl_step
+    from patch_helpers import native
+
+    with native():
+        base = trl_step._one("tiny", "2x16", "trl", steps=1, warmup=1)
+    ours = trl_step._one("tiny", "2x16", "trl_liger_compat", steps=1, warmup=1)
+    assert base["status"] == ours["status"] == "ok", (base, ours)
+    assert base["step_ms"] > 0 and ours["step_ms"] > 0
+    assert math.isclose(base["first_loss"], ours["first_loss"], rel_tol=1e-3), (base["first_loss"], ours["first_loss"])
+    md = trl_step._markdown([base, ours])
+    assert "| tiny | 2x16 | trl | " in md and "| tiny | 2x16 | trl_liger_compat | " in md

@@ -1,0 +1,188 @@
+"""trl training step: SFTTrainer as shipped, with liger-kernel, and under ``import liger_compat``.
+
+    python -m benchmarks.trl_step [--models llama-8l] [--shapes 4x2048] [--impls trl,trl_liger_kernel,trl_liger_compat]
+                                  [--steps 8] [--warmup 3] [--out DIR] [--name trl_step]
+
+The model is one of :data:`benchmarks.e2e.MODELS` (random weights, bf16, SDPA, on CUDA); the dataset
+is random pre-tokenised rows of exactly the sequence length, so every step sees ``batch x seq``
+tokens with no padding. ``SFTTrainer`` trains ``warmup + steps`` optimizer steps (fused AdamW, bf16,
+no checkpointing, logging every step); a callback times each step between ``on_step_begin`` and
+``on_step_end`` with the GPU synchronised, and the table reports the median of the steps after the
+warm-up, the peak allocated memory over them, and the first logged loss. Implementations:
+
+* ``trl``: trl as installed (trl 1.15+ computes the loss in its own fused LM head);
+* ``trl_liger_kernel``: ``SFTConfig(use_liger_kernel=True)`` (liger-kernel's layer kernels; on
+  trl 1.15+ its fused loss is not used);
+* ``trl_liger_compat``: ``import liger_compat`` first, default settings.
+
+Each runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from . import _results
+from .e2e import MODELS
+
+IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat")
+#: the e2e models, plus a tiny one for a CPU smoke run of this script (tests)
+MODEL_SPECS = {**MODELS, "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      tie_word_embeddings=False, rms_norm_eps=1e-5)}
+
+
+def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
+    if impl == "trl_liger_compat":
+        import liger_compat  # noqa: F401  (first import, as a user would)
+    import tempfile
+
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from liger_compat.shims import _tiny_text as tiny
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spec = dict(MODEL_SPECS[model_name])
+    family = spec.pop("family")
+    cfg_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    cfg = cfg_cls(max_position_embeddings=8192, **spec)
+    cfg._attn_implementation = "sdpa"
+    bsz, seq = (int(x) for x in shape.split("x"))
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16 if cuda else torch.float32)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(3, cfg.vocab_size, (bsz * (steps + warmup), seq), generator=g)
+    ds = Dataset.from_dict({"input_ids": rows.tolist()})
+    tok = tiny.build_tokenizer()
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == warmup and cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            if state.global_step > warmup:
+                times.append(time.perf_counter() - self.t0)
+
+    res = {"model": model_name, "shape": shape, "impl": impl, "tokens": bsz * seq, "torch": torch.__version__,
+           "transformers": transformers.__version__, "trl": trl.__version__, "gpu": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, per_device_train_batch_size=bsz, max_length=seq, bf16=cuda, use_cpu=not cuda,
+                         max_steps=steps + warmup, learning_rate=1e-5, logging_steps=1, report_to="none",
+                         save_strategy="no", optim="adamw_torch_fused" if cuda else "adamw_torch", dataloader_num_workers=0,
+                         use_liger_kernel=impl == "trl_liger_kernel", gradient_checkpointing=False)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+        try:
+            trainer.train()
+        except torch.OutOfMemoryError:
+            return dict(res, status="OOM")
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    step = statistics.median(times)
+    res.update(status="ok", step_ms=step * 1e3, tokens_per_s=bsz * seq / step, steps_ms=[t * 1e3 for t in times],
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), first_loss=losses[0] if losses else None)
+    if impl == "trl_liger_compat":
+        import liger_compat
+
+        rep = liger_compat.check()
+        res["shims_applied"] = sorted(s["id"] for s in rep.shims if s["state"] == "applied")
+        res["heads"] = [s.get("reason", "") for s in rep.shims if s["id"] == "trl.fused_lm_head"]
+    return res
+
+
+def _markdown(rows: list[dict]) -> str:
+    lines = ["# trl SFTTrainer step (forward, backward, AdamW), bf16, random weights and tokens", ""]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if ok:
+        r0 = ok[0]
+        lines += [f"GPU: {r0['gpu']}; torch {r0['torch']}; transformers {r0['transformers']}; trl {r0['trl']}", ""]
+    lines += ["Median step after the warm-up steps, each implementation in a fresh process.", "",
+              "| model | batch x seq | impl | step ms | tokens/s | x trl tokens/s | x trl + liger-kernel tokens/s | "
+              "peak GiB | x trl peak | first loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["model"], r["shape"]), {})[r["impl"]] = r
+    for (m, s), d in by.items():
+        base, lk = d.get("trl", {}), d.get("trl_liger_kernel", {})
+        for impl in IMPLS:
+            r = d.get(impl)
+            if r is None:
+                continue
+            if r.get("status") != "ok":
+                lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | | |")
+                continue
+            ratio = lambda other, key: (f"{r[key] / other[key]:.2f}" if other.get("status") == "ok" else "-")  # noqa: E731
+            loss = f"{r['first_loss']:.4f}" if r.get("first_loss") is not None else "-"
+            lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                         f"{ratio(base, 'tokens_per_s')} | {ratio(lk, 'tokens_per_s')} | {r['peak_gib']:.2f} | "
+                         f"{ratio(base, 'peak_gib')} | {loss} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama-8l", help=f"any of {', '.join(MODEL_SPECS)}")
+    ap.add_argument("--shapes", default="4x2048")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"any of {', '.join(IMPLS)}")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--name", default="trl_step")
+    ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup)), flush=True)
+        return 0
+    for m in a.models.split(","):
+        if m not in MODEL_SPECS:
+            ap.error(f"--models: unknown model {m!r}; choose from {', '.join(MODEL_SPECS)}")
+    for i in a.impls.split(","):
+        if i not in IMPLS:
+            ap.error(f"--impls: unknown implementation {i!r}; choose from {', '.join(IMPLS)}")
+    for shape in a.shapes.split(","):
+        parts = shape.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            ap.error(f"--shapes: {shape!r} is not BATCHxSEQ")
+    if a.steps < 1 or a.warmup < 1:
+        ap.error("--steps and --warmup must be at least 1")
+    rows = []
+    for m in a.models.split(","):
+        for s in a.shapes.split(","):
+            for impl in a.impls.split(","):
+                cmd = [sys.executable, "-m", "benchmarks.trl_step", "--one", m, s, impl,
+                       "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                if got:
+                    rows.append(json.loads(got[-1][len("RESULT "):]))
+                else:
+                    rows.append({"model": m, "shape": s, "impl": impl, "status": f"failed (rc {p.returncode})",
+                                 "stderr_tail": p.stderr[-3000:]})
+                    print(p.stderr[-3000:], file=sys.stderr)
+                print(json.dumps(rows[-1])[:300], flush=True)
+    _results.write(a.out, a.name, rows, _markdown(rows), _results.command("benchmarks.trl_step", argv or sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
