@@ -246,7 +246,7 @@ def lowmem_stats(h, w, b, target, idx, opt, *, config: str | None = None):
 
 
 def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | None = None,
-                 scratch_bytes: int = GH_SCRATCH_BYTES):
+                 scratch_bytes: int | None = None):
     """``(grad_hidden, grad_weight, grad_bias)`` (``None`` where ``grads`` says not needed) of
     ``sum_i scale[i] * loss(row idx[i])``; ``lse`` and ``scale`` fp32 ``[M]`` (scale 0 for rows
     that get no gradient). Rows not in ``idx`` get zero ``grad_hidden``."""
@@ -261,6 +261,7 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
     gb = torch.zeros(v, dtype=torch.float32, device=dev) if need_gb else None
     if m == 0 or not (need_gh or need_gw or need_gb):
         return gh, gw, (gb.to(b.dtype) if gb is not None else None)
+    scratch_bytes = GH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     group = max(bm, scratch_bytes // (4 * k) // bm * bm)
     group = min(group, cdiv(m, bm) * bm)
     scratch = torch.empty((group, k), dtype=torch.float32, device=dev) if need_gh else None
