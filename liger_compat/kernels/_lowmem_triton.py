@@ -36,6 +36,8 @@ CONFIGS = {
     "m128n256k64w8s3": (128, 256, 64, 8, 3),
     "m64n256k64w8s3": (64, 256, 64, 8, 3),
     "m128n64k64w4s4": (128, 64, 64, 4, 4),
+    "m128n256k32w8s4": (128, 256, 32, 8, 4),
+    "m128n128k32w4s4": (128, 128, 32, 4, 4),
     "interpret": (16, 32, 16, 1, 1),
 }
 DEFAULT_CONFIG = "m128n128k64w8s3"
@@ -91,10 +93,11 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, s
         b_ptrs += BK
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    t = acc
     if HAS_SOFTCAP:
         t = _tanh(acc / softcap)
-        return softcap * t, t
-    return acc, acc
+        acc = softcap * t
+    return acc, t
 
 
 @triton.jit
@@ -125,7 +128,8 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, pm_ptr, ps_ptr, pi_ptr, p
                              HAS_BIAS, HAS_SOFTCAP, IEEE, EVEN_K, BM, BN, BK)
         zm = tl.where(nmask[None, :], z, float("-inf"))
         tile_max = tl.max(zm, axis=1)
-        tile_arg = tl.argmax(zm, axis=1).to(tl.int32) + nt * BN
+        # first column holding the tile's max (a min over indices: lighter than an argmax pair reduction)
+        tile_arg = tl.min(tl.where(zm == tile_max[:, None], offs_n[None, :], 2147483647), axis=1)
         new_m = tl.maximum(m_i, tile_max)
         s_i = s_i * tl.exp(m_i - new_m) + tl.sum(tl.exp(zm - new_m[:, None]), axis=1)
         a_i = tl.where(tile_max > m_i, tile_arg, a_i)  # strictly greater: the first index wins ties
@@ -201,6 +205,18 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
                           part_w.to(gw_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :], sem="relaxed")
 
 
+def _launch(kernel, grid, args, stages, **kw):
+    """``kernel[grid](*args, num_stages=stages, **kw)``; where the GPU's shared memory is too
+    small for that many pipeline stages, again with fewer."""
+    while True:
+        try:
+            return kernel[grid](*args, num_stages=stages, **kw)
+        except Exception as exc:  # triton.runtime.errors.OutOfResources
+            if type(exc).__name__ != "OutOfResources" or stages <= 1:
+                raise
+            stages -= 1
+
+
 def _flags(h, w, b, opt, bk):
     return dict(
         HAS_BIAS=b is not None, HAS_SOFTCAP=opt.softcap is not None,
@@ -230,12 +246,10 @@ def lowmem_stats(h, w, b, target, idx, opt, *, config: str | None = None):
     pz = torch.zeros_like(pm) if opt.label_smoothing != 0.0 else pm
     pi = torch.empty((m, shares), dtype=torch.int32, device=dev)
     if m:
-        _stats_kernel[(mblocks * shares,)](
-            h, w, b if b is not None else h, target, idx, pm, ps, pi, pt, pz,
-            m, v, k, shares, per, h.stride(0), w.stride(0),
-            opt.softcap if opt.softcap is not None else 1.0,
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **_flags(h, w, b, opt, bk),
-        )
+        args = (h, w, b if b is not None else h, target, idx, pm, ps, pi, pt, pz,
+                m, v, k, shares, per, h.stride(0), w.stride(0), opt.softcap if opt.softcap is not None else 1.0)
+        _launch(_stats_kernel, (mblocks * shares,), args, stages, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                **_flags(h, w, b, opt, bk))
     gmax = pm.max(dim=1).values if m else pm.new_zeros(0)
     lse = gmax + torch.log((ps * torch.exp(pm - gmax[:, None])).sum(dim=1))
     big = torch.iinfo(torch.int32).max
@@ -272,14 +286,13 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
         rows = min(group, m - row0)
         if scratch is not None:
             scratch.zero_()
-        _grads_kernel[(cdiv(rows, bm) * ntiles,)](
-            h, w, b if b is not None else h, target, idx, lse, scale,
-            scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
-            row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
-            opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale,
-            HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb,
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **flags,
-        )
+        args = (h, w, b if b is not None else h, target, idx, lse, scale,
+                scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
+                row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale)
+        _launch(_grads_kernel, (cdiv(rows, bm) * ntiles,), args, stages,
+                HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb,
+                BM=bm, BN=bn, BK=bk, num_warps=warps, **flags)
         if scratch is not None:
             part = scratch[:rows]
             if whole:
