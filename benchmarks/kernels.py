@@ -491,6 +491,8 @@ def flce_mib():
 LOWMEM_HEADS = {**HEADS, "llama3-8b-32k": (32768, 4096, 128256, None)}
 #: tile configurations of the low-memory kernels that ``flce_lowmem`` also times (``--lowmem-configs``)
 LOWMEM_CONFIGS: tuple[str, ...] = ()
+#: forward/backward pairs that ``--lowmem-configs all`` adds to the single configurations
+LOWMEM_PAIRS = ("m128n128k64w8s3/m128n256k32w8s4", "m128n128k64w8s3/m128n64k64w4s4", "m128n64k64w4s4/m128n128k64w8s3")
 
 
 def _ref_grads_fp32(h, w, t, softcap, rows=4096):
@@ -1156,11 +1158,12 @@ def main(argv=None):
         from liger_compat.kernels._lowmem_triton import CONFIGS
 
         names = [c for c in CONFIGS if c != "interpret"]
-        chosen = names if args.lowmem_configs.strip() == "all" else [x.strip() for x in args.lowmem_configs.split(",") if x.strip()]
-        unknown = [x for x in chosen if x not in names]
+        chosen = (names + list(LOWMEM_PAIRS) if args.lowmem_configs.strip() == "all"
+                  else [x.strip() for x in args.lowmem_configs.split(",") if x.strip()])
+        unknown = [x for x in chosen if not x.split("/")[0] in names or not x.split("/")[-1] in names or x.count("/") > 1]
         if unknown or not chosen:
             p.error(f"--lowmem-configs: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
-                    f"choose from {', '.join(names)} or 'all'")
+                    f"choose from {', '.join(names)}, FORWARD/BACKWARD pairs of them, or 'all'")
         lowmem_configs = tuple(chosen)
     unknown = [x for x in args.sections.split(",") if x not in SECTIONS]
     if unknown:

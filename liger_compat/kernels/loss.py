@@ -642,6 +642,10 @@ def fused_linear_cross_entropy(
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
     if mode is not None and mode not in _config.FLCE_MODES:
         raise ValueError(f"mode must be one of {', '.join(_config.FLCE_MODES)} or None, got {mode!r}")
+    if config is not None:
+        from ._lowmem_triton import check_config
+
+        check_config(config)
     if compiling:
         # the setting or the keyword decide at trace time; ``auto`` keeps the chunked ops (the
         # free memory of the moment of tracing says nothing about the runs)

@@ -187,9 +187,11 @@ def test_bad_mode_setting_and_keyword_raise_naming_them(monkeypatch):
     monkeypatch.setattr(_config.settings, "flce_mode", "auto")
     with pytest.raises(ValueError, match="mode must be one of auto, chunked, lowmem or None, got 'tiny'"):
         fused_linear_cross_entropy(hid, w, t, mode="tiny")
+    for bad in ("m1", "m128n128k64w8s3/m1", "a/b/c"):
+        with pytest.raises(ValueError, match=f"config must be a name of .*, got '{bad}'"):
+            fused_linear_cross_entropy(hid, w, t, mode="lowmem", config=bad)
 
 
-@pytest.mark.skipif(interpreting(), reason="environment parsing: once, in the normal session")
 def test_mode_setting_read_from_the_environment():
     code = ("from liger_compat import _config as c; print(c.settings.flce_mode, c.settings.source.get('flce_mode'));"
             "print(c.flce_mode())")
