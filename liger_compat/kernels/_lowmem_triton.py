@@ -219,6 +219,23 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
                           part_w.to(gw_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :], sem="relaxed")
 
 
+def _shares(mblocks: int, ntiles: int, sms: int, most: int) -> tuple[int, int]:
+    """How many shares of the vocabulary's tiles the statistics kernel splits each block of rows
+    into, and tiles per share: at least ~4 programs per SM, at most ``most`` shares, and of the
+    counts up to 4x that the one whose last wave of programs (one per SM: the kernel uses the
+    whole register file) is fullest."""
+    lo = max(1, min(ntiles, most, cdiv(4 * sms, mblocks)))
+    best = None
+    for want in range(lo, max(lo, min(ntiles, most, 4 * lo)) + 1):
+        per = cdiv(ntiles, want)
+        shares = cdiv(ntiles, per)
+        programs = mblocks * shares
+        fill = programs / (cdiv(programs, sms) * sms)
+        if best is None or fill > best[0] + 1e-9:
+            best = (fill, shares, per)
+    return best[1], best[2]
+
+
 def _launch(kernel, grid, args, stages, **kw):
     """``kernel[grid](*args, num_stages=stages, **kw)``; where the GPU's shared memory is too
     small for that many pipeline stages, again with fewer."""
@@ -250,10 +267,7 @@ def lowmem_stats(h, w, b, target, idx, opt, *, config: str | None = None):
     bm, bn, bk, warps, stages = _config(dev, config)
     ntiles = cdiv(v, bn)
     mblocks = cdiv(max(m, 1), bm)
-    # enough programs to fill the GPU a few times over, within the statistics' memory
-    shares = min(ntiles, max(1, cdiv(4 * _num_sms(dev), mblocks)), max(1, STATS_BYTES // (20 * max(m, 1))))
-    per = cdiv(ntiles, shares)
-    shares = cdiv(ntiles, per)
+    shares, per = _shares(mblocks, ntiles, _num_sms(dev), max(1, STATS_BYTES // (20 * max(m, 1))))
     pm = torch.empty((m, shares), dtype=f32, device=dev)
     ps = torch.empty_like(pm)
     pt = torch.empty_like(pm)
