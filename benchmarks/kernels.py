@@ -487,25 +487,111 @@ def flce_mib():
         _set_flce()
 
 
-def flce_lowmem():
-    """The low-memory operating point (LIGER_COMPAT_FLCE_CHUNK_MB=62) at every head."""
+#: heads of the ``flce_lowmem`` section: the four HEADS and a 32k-token Llama-3-8B head
+LOWMEM_HEADS = {**HEADS, "llama3-8b-32k": (32768, 4096, 128256, None)}
+#: tile configurations of the low-memory kernels that ``flce_lowmem`` also times (``--lowmem-configs``)
+LOWMEM_CONFIGS: tuple[str, ...] = ()
+#: forward/backward pairs that ``--lowmem-configs all`` adds to the single configurations
+LOWMEM_PAIRS = ("m128n128k64w8s3/m128n256k32w8s4", "m128n128k64w8s3/m128n64k64w4s4", "m128n64k64w4s4/m128n128k64w8s3")
+
+
+def _ref_grads_fp32(h, w, t, softcap, rows=4096):
+    """grad_hidden, grad_weight and loss of the all-fp32 LM head (mean over non-ignored rows),
+    in chunks of ``rows`` so that the 32k-token head's fp32 logits need not exist at once."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        w32 = w.detach().float().requires_grad_(True)
+        n_valid = max(int((t != -100).sum()), 1)
+        gh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        gw = torch.zeros_like(w32)
+        total = 0.0
+        for s in range(0, h.shape[0], rows):
+            hc = h[s:s + rows].detach().float().requires_grad_(True)
+            z = hc @ w32.t()
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            loss = F.cross_entropy(z, t[s:s + rows], ignore_index=-100, reduction="sum") / n_valid
+            a, b = torch.autograd.grad(loss, (hc, w32))
+            gh[s:s + rows] = a
+            gw += b
+            total += loss.item()
+            del z, loss, a, b, hc
+        return gh, gw, total
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def lowmem_impls(softcap, configs=()):
+    """The implementations ``flce_lowmem`` compares: our two modes (and the low-memory kernels at
+    each of ``configs``), cut-cross-entropy's ``cce`` (gradient filter on, its default) and with
+    ``filter_eps=None``, liger-kernel."""
     from liger_compat.kernels import fused_linear_cross_entropy
 
-    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
-    _set_flce(mib=62)
+    impls = {
+        "liger_compat lowmem": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem"),
+        "liger_compat chunked": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="chunked"),
+    }
+    for cfg in configs:
+        impls[f"liger_compat lowmem {cfg}"] = (
+            lambda h, w, t, cfg=cfg: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem", config=cfg))
     try:
-        for name, (n, hd, v, softcap) in HEADS.items():
-            h, w, t = _flce_inputs(n, hd, v)
-            floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+        from cut_cross_entropy import linear_cross_entropy
 
-            def step():
-                return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
+        impls["cce"] = lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl="cce")
+        impls["cce_exact (filter_eps=None)"] = (
+            lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl="cce", filter_eps=None))
+    except Exception as exc:
+        log("cut-cross-entropy unavailable:", exc)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
-            measure("flce_lowmem", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
-                    "liger_compat (62 MiB cap)", step, floor_ms=floor)
-            del h, w, t
-    finally:
-        _set_flce()
+        lk = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
+        impls["liger-kernel"] = lambda h, w, t: lk(w, h, t)
+    except Exception as exc:
+        log("liger-kernel unavailable:", exc)
+    return impls
+
+
+def flce_lowmem():
+    """The low-memory mode (``mode="lowmem"``, LIGER_COMPAT_FLCE_MODE=lowmem) at the four heads
+    and a 32k-token head, in one run with our chunked default, cut-cross-entropy and
+    liger-kernel: ms, extra MiB, grad errors against fp32, time relative to ``cce``."""
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    for name, (n, hd, v, softcap) in LOWMEM_HEADS.items():
+        shape = f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else "")
+        log(f"## flce_lowmem: {shape}")
+        h, w, t = _flce_inputs(n, hd, v)
+        floor = 6 * n * hd * v / (mt * 1e12) * 1e3
+        rh, rw, rl = _ref_grads_fp32(h, w, t, softcap)
+        steps, extras = {}, {}
+        for impl, fn in lowmem_impls(softcap, LOWMEM_CONFIGS).items():
+            def step(fn=fn):
+                return torch.autograd.grad(fn(h, w, t), (h, w))
+
+            errs = {}
+            try:
+                loss = fn(h, w, t)
+                gh, gw = torch.autograd.grad(loss, (h, w))
+                errs.update(gh_err_vs_fp32=rel(gh, rh), gw_err_vs_fp32=rel(gw, rw),
+                            loss_absdiff_vs_fp32=abs(loss.item() - rl),
+                            finite=bool(torch.isfinite(gh).all() and torch.isfinite(gw).all()))
+                del loss, gh, gw
+            except Exception as exc:
+                errs["check_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            steps[impl], extras[impl] = step, errs
+        del rh, rw
+        gc.collect()
+        torch.cuda.empty_cache()
+        out = measure_rounds("flce_lowmem", shape, steps, extras, floor_ms=floor)
+        cce = out.get("cce")
+        for r in RESULTS["rows"]:
+            if r.get("section") == "flce_lowmem" and r.get("shape") == shape and r.get("ms") and cce:
+                r["x_cce"] = r["ms"] / cce
+        save()
+        del h, w, t, steps
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def flce_profile():
@@ -881,7 +967,7 @@ def report() -> str:
     for run, secs in sorted(runs.items()):
         lines += [f"Sections {', '.join(sorted(secs))} come from {run}, measured separately (its own ceilings "
                   f"set their floors); every ratio compares rows measured together.", ""]
-    fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap", "flce_lowmem")]
+    fl = [r for r in RESULTS["rows"] if r.get("section") in ("flce", "flce_acc", "flce_softcap")]
     if fl:
         lines += ["## Fused linear cross-entropy: correctness (bf16 inputs)", "",
                   "| head | impl | loss diff vs eager | grad_h err vs eager (bf16 mm, fp32 CE) | grad_h err vs fp32 | grad_w err vs fp32 |",
@@ -903,6 +989,22 @@ def report() -> str:
                     continue
                 lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {_spread(r, 2)} | {r['ms'] / r['floor_ms']:.2f} | "
                              f"{r['ms'] / ours if ours else float('nan'):.2f} | {_mib(r)} |")
+    lm = _rows("flce_lowmem")
+    if lm:
+        lines += ["", "## Low-memory fused linear cross-entropy (bf16, forward+backward, 10 % ignored targets)", "",
+                  "ms: median of the rounds; x cce: time over cut-cross-entropy's `cce` (gradient filter on) "
+                  "measured in the same rounds; errors: norm-relative against the all-fp32 head.", "",
+                  "| head | impl | ms | rounds | x cce | x floor | extra MiB | grad_h err vs fp32 | grad_w err vs fp32 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in lm:
+            if r.get("ms") is None:
+                lines.append(f"| {r['shape']} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | | |")
+                continue
+            xc = r.get("x_cce")
+            ge, we = r.get("gh_err_vs_fp32"), r.get("gw_err_vs_fp32")
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['ms']:.2f} | {_spread(r, 2)} | "
+                         f"{'' if xc is None else f'{xc:.2f}'} | {r['ms'] / r['floor_ms']:.2f} | {_mib(r)} | "
+                         f"{'' if ge is None else f'{ge:.2e}'} | {'' if we is None else f'{we:.2e}'} |")
     for sec, title in (("flce_variants", "liger_compat FLCE variants (Llama-3-8B head)"),
                        ("flce_rows", "liger_compat FLCE rows per chunk (config -> rows x chunks)"),
                        ("flce_mib", "liger_compat FLCE at every head: chunk settings"),
@@ -993,6 +1095,7 @@ SECTIONS = {
     "acc": lambda: flce(("llama3-8b",), acc_variants=(True,), section="flce_acc"),
     "variants": flce_variants,
     "lowmem": flce_lowmem,
+    "flce_lowmem": flce_lowmem,
     "flce_mib": flce_mib,
     "elem_profile": elem_profile,
     "profile": flce_profile,
@@ -1008,7 +1111,7 @@ SECTIONS = {
 
 
 def main(argv=None):
-    global OUT, NAME, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, FLCE_GEMM_CHUNK, ROUNDS
+    global OUT, NAME, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, FLCE_GEMM_CHUNK, ROUNDS, LOWMEM_CONFIGS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--sections", default="ceilings,elem_profile,norm,profile,variants,flce,softcap,acc,lowmem,flce_sweep,elementwise_sweep")
@@ -1020,6 +1123,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help=f"timing rounds of the flce/softcap/acc and elementwise sections (default {ROUNDS})")
     p.add_argument("--gemm-chunk", help="head:rows of the chunk the flce_gemm section times (default llama3-8b:1024)")
+    p.add_argument("--lowmem-configs",
+                   help="tile configurations of the low-memory kernels that the flce_lowmem section also times "
+                        "(comma-separated names of liger_compat.kernels._lowmem_triton.CONFIGS, or 'all')")
     args = p.parse_args(argv)
     if args.plot:
         plots(Path(args.plot))
@@ -1047,11 +1153,23 @@ def main(argv=None):
         if head not in ALL_HEADS or not rows.isdigit() or int(rows) < 1:
             p.error(f"--gemm-chunk must be head:rows with a head of {', '.join(ALL_HEADS)}, got {args.gemm_chunk!r}")
         gemm_chunk = (head, int(rows))
+    lowmem_configs = LOWMEM_CONFIGS
+    if args.lowmem_configs:
+        from liger_compat.kernels._lowmem_triton import CONFIGS
+
+        names = [c for c in CONFIGS if c != "interpret"]
+        chosen = (names + list(LOWMEM_PAIRS) if args.lowmem_configs.strip() == "all"
+                  else [x.strip() for x in args.lowmem_configs.split(",") if x.strip()])
+        unknown = [x for x in chosen if not x.split("/")[0] in names or not x.split("/")[-1] in names or x.count("/") > 1]
+        if unknown or not chosen:
+            p.error(f"--lowmem-configs: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+                    f"choose from {', '.join(names)}, FORWARD/BACKWARD pairs of them, or 'all'")
+        lowmem_configs = tuple(chosen)
     unknown = [x for x in args.sections.split(",") if x not in SECTIONS]
     if unknown:
         p.error(f"--sections: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SECTIONS)}")
-    OUT, NAME, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, ROUNDS, FLCE_GEMM_CHUNK = (
-        Path(args.out), args.name, chunks, heads, args.rounds, gemm_chunk)
+    OUT, NAME, FLCE_CHUNK_SETTINGS, FLCE_MIB_HEADS, ROUNDS, FLCE_GEMM_CHUNK, LOWMEM_CONFIGS = (
+        Path(args.out), args.name, chunks, heads, args.rounds, gemm_chunk, lowmem_configs)
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
         return 1
@@ -1065,6 +1183,7 @@ def main(argv=None):
     sections = args.sections.split(",")
     rerun = {"norm": "elementwise", "elementwise_sweep": "elementwise_sweep", "elem_profile": "elem_profile",
              "flce": "flce", "softcap": "flce_softcap", "acc": "flce_acc", "lowmem": "flce_lowmem",
+             "flce_lowmem": "flce_lowmem",
              "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep",
              "flce_rows": "flce_rows", "flce_gemm": "flce_gemm", "flce_mib": "flce_mib"}
     for m in args.merge or []:

@@ -1,7 +1,8 @@
 """Process-wide settings: which kernels are enabled and whether liger_compat is active.
 
 Read once from the environment (``LIGER_COMPAT_DISABLE``, ``LIGER_COMPAT_KERNELS``,
-``LIGER_COMPAT_DEBUG``) and changed afterwards with :func:`liger_compat.configure`.
+``LIGER_COMPAT_DEBUG``, ``LIGER_COMPAT_FLCE_MODE``) and changed afterwards with
+:func:`liger_compat.configure` (the first three) or by assigning ``settings.flce_mode``.
 Kept free of heavy imports: importing ``liger_compat`` must not import torch.
 """
 
@@ -29,6 +30,12 @@ _ALIASES = {
 }
 
 _TRUE = {"1", "true", "yes", "on"}
+
+#: Values of ``LIGER_COMPAT_FLCE_MODE``: how the fused linear cross-entropy runs. ``chunked``: rows
+#: in chunks whose logits are stored (fastest; one chunk of logits in memory); ``lowmem``: no
+#: logits stored (at most 16 MiB extra); ``auto`` (default): chunked unless one chunk would not
+#: fit in the GPU's free memory.
+FLCE_MODES: tuple[str, ...] = ("auto", "chunked", "lowmem")
 
 
 def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) -> frozenset[str]:
@@ -58,13 +65,15 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 
 class Settings(Record):
-    _fields = ("disabled", "kernels", "debug", "source")
+    _fields = ("disabled", "kernels", "debug", "flce_mode", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
-                 source: dict[str, str] | None = None) -> None:
+                 source: dict[str, str] | None = None, flce_mode: str = "auto") -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
+        #: ``LIGER_COMPAT_FLCE_MODE`` as set (checked when the fused loss runs: :func:`flce_mode`)
+        self.flce_mode = flce_mode
         #: where a setting came from, for the report
         self.source: dict[str, str] = {} if source is None else source
 
@@ -84,6 +93,10 @@ def _from_env() -> Settings:
     if os.environ.get("LIGER_COMPAT_DEBUG", "").strip().lower() in _TRUE:
         s.debug = True
         s.source["debug"] = "LIGER_COMPAT_DEBUG"
+    mode = os.environ.get("LIGER_COMPAT_FLCE_MODE")
+    if mode is not None and mode.strip():
+        s.flce_mode = mode.strip().lower()  # a bad value raises when the fused loss runs, not here
+        s.source["flce_mode"] = "LIGER_COMPAT_FLCE_MODE"
     return s
 
 
@@ -93,3 +106,13 @@ settings: Settings = _from_env()
 def kernel_enabled(name: str) -> bool:
     """True when liger_compat is active and kernel ``name`` is selected."""
     return (not settings.disabled) and name in settings.kernels
+
+
+def flce_mode() -> str:
+    """``settings.flce_mode``, checked: one of :data:`FLCE_MODES`, else a ``ValueError`` naming
+    ``LIGER_COMPAT_FLCE_MODE``."""
+    mode = str(settings.flce_mode).strip().lower()
+    if mode not in FLCE_MODES:
+        raise ValueError(
+            f"LIGER_COMPAT_FLCE_MODE must be one of {', '.join(FLCE_MODES)}, got {settings.flce_mode!r}")
+    return mode

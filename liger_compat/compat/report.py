@@ -255,6 +255,10 @@ def _tuning() -> dict[str, str]:
             out["LIGER_COMPAT_FLCE_CHUNK_MB"] = f"invalid ({exc})"
         out["LIGER_COMPAT_FLCE_LOGITS"] = str(loss.LOGITS_IMPL)
         try:
+            out["LIGER_COMPAT_FLCE_MODE"] = _config.flce_mode()
+        except ValueError as exc:
+            out["LIGER_COMPAT_FLCE_MODE"] = f"invalid ({exc})"
+        try:
             parts = gated_mlp.recompute_parts()
             out["LIGER_COMPAT_MLP_RECOMPUTE"] = "+".join(sorted(parts)) or "off"
         except ValueError as exc:

@@ -360,3 +360,84 @@ def _rows_backward(ctx, g_rows, *_rest):
 
 
 flce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# fused linear cross-entropy, low-memory mode (no stored logits: ``_lowmem_triton``)
+# --------------------------------------------------------------------------------------------
+
+
+def _lowmem_backend(h: Tensor) -> None:
+    be = _dispatch.choose("fused_linear_cross_entropy", h.device)
+    if be != "triton":
+        raise RuntimeError("the low-memory fused loss needs the Triton path (CUDA, or TRITON_INTERPRET=1)")
+
+
+@torch.library.custom_op(f"{_NS}::flce_lowmem_rows", mutates_args=())
+def flce_lowmem_rows(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, ignore_index: int,
+                     label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
+                     config: Optional[str]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row: loss, z-loss, argmax hit (fp32 0/1) and lse (0 for rows left out)."""
+    from . import _target_errors
+    from . import loss as _loss
+
+    _target_errors.poll()
+    _lowmem_backend(h)
+    _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=True)
+    opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
+    loss_rows, zl_rows, correct, idx, lse, _ok = _loss._lowmem_forward(h, w, b, target, opt, config)
+    lse_rows = torch.zeros_like(loss_rows).index_copy_(0, idx, lse)
+    _target_errors.poll()
+    return loss_rows, zl_rows, correct.to(torch.float32), lse_rows
+
+
+@flce_lowmem_rows.register_fake
+def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, config):
+    n = h.shape[0]
+    return tuple(h.new_empty(n, dtype=torch.float32) for _ in range(4))
+
+
+@torch.library.custom_op(f"{_NS}::flce_lowmem_rows_backward", mutates_args=())
+def flce_lowmem_rows_backward(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, lse_rows: Tensor,
+                              grad_rows: Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float,
+                              softcap: Optional[float], config: Optional[str], need_gh: bool, need_gw: bool,
+                              need_gb: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from . import loss as _loss
+
+    _lowmem_backend(h)
+    opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
+    grads = (need_gh, need_gw, need_gb and b is not None)
+    idx = _loss._lowmem_rows_index(target, opt, h.device)
+    tc = target.index_select(0, idx)
+    ok = (tc != ignore_index) & (tc >= 0) & (tc < w.shape[0])
+    gh, gw, gb = _loss._lowmem_backward(h, w, b, target, opt, idx, lse_rows.index_select(0, idx), ok,
+                                        grad_rows, grads, config)
+    return (gh if gh is not None else _empty(h), gw if gw is not None else _empty(w),
+            gb if gb is not None else _empty(h))
+
+
+@flce_lowmem_rows_backward.register_fake
+def _(h, w, b, target, lse_rows, grad_rows, ignore_index, label_smoothing, lse_square_scale, softcap, config,
+      need_gh, need_gw, need_gb):
+    gh = h.new_empty(h.shape) if need_gh else h.new_empty(0)
+    gw = w.new_empty(w.shape) if need_gw else w.new_empty(0)
+    gb = b.new_empty(b.shape) if (need_gb and b is not None) else h.new_empty(0)
+    return gh, gw, gb
+
+
+def _lowmem_setup(ctx, inputs, output):
+    h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, config = inputs
+    ctx.save_for_backward(h, w, b, target, output[3])
+    ctx.args = (ignore_index, label_smoothing, lse_square_scale, softcap, config)
+    ctx.mark_non_differentiable(output[1], output[2], output[3])
+
+
+def _lowmem_rows_backward(ctx, g_rows, *_rest):
+    h, w, b, target, lse_rows = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_gh, need_gw, need_gb = bool(need[0]), bool(need[1]), bool(need[2]) and b is not None
+    gh, gw, gb = flce_lowmem_rows_backward(h, w, b, target, lse_rows, g_rows, *ctx.args, need_gh, need_gw, need_gb)
+    return (_if_needed(gh, need_gh), _if_needed(gw, need_gw), _if_needed(gb, need_gb)) + (None,) * 6
+
+
+flce_lowmem_rows.register_autograd(_lowmem_rows_backward, setup_context=_lowmem_setup)

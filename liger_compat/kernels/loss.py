@@ -15,6 +15,12 @@ The row kernel has two implementations behind the one dispatch point
 torch reference :func:`ce_rows_torch` here. Gemma 2/3 final-logit softcapping, label smoothing,
 z-loss (``lse_square_scale * lse**2``, PaLM) and ``num_items_in_batch`` (transformers' gradient
 accumulation fix, 4.46) are options of both.
+
+A second mode stores no logits at all (``_lowmem_triton.py``): the forward keeps per-row
+statistics only and the backward computes the logits tiles again, at most 16 MiB of extra
+memory at any vocabulary and token count, for about a third more matmul work. Which mode runs
+is ``LIGER_COMPAT_FLCE_MODE`` (:func:`flce_mode_for`): ``auto`` takes the chunked mode unless one
+chunk would not fit in the GPU's free memory.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import _config
 from . import _checks, _dispatch, _ops, _target_errors
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
@@ -407,11 +414,148 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, gb, None, None, None, None, None, None, None
 
 
-def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc):
+# --------------------------------------------------------------------------------------------
+# the low-memory mode
+# --------------------------------------------------------------------------------------------
+
+#: The mode the most recent eager call of :func:`fused_linear_cross_entropy` ran ("chunked" or "lowmem").
+last_flce_mode: str | None = None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation could get on ``device`` (the driver's free memory plus what
+    PyTorch's allocator holds unused); ``None`` where unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def flce_mode_for(n: int, v: int, hdim: int, elem: int, backend: str, device: torch.device,
+                  mode: str | None = None) -> str:
+    """``"chunked"`` or ``"lowmem"`` for a fused loss of ``n`` rows: ``mode``, or when ``None``
+    ``LIGER_COMPAT_FLCE_MODE`` (``ValueError`` naming it for a bad value); under ``auto``, low-memory when the Triton path
+    runs and one chunk's logits and gathered rows would not fit in :func:`_free_bytes`. The low
+    memory mode needs the Triton path; the torch reference (CPU) always runs in chunks."""
+    if mode is None:
+        mode = _config.flce_mode()
+    if backend != "triton":
+        return "chunked"
+    if mode != "auto":
+        return mode
+    free = _free_bytes(device)
+    if free is None:
+        return "chunked"
+    rows = _chunk_rows(max(n, 1), v, hdim, elem, backend, device)
+    need = rows * (v + hdim) * elem
+    return "lowmem" if need > free else "chunked"
+
+
+def _lowmem_rows_index(target, opt, dev):
+    """The rows the low-memory kernels work on: the non-ignored ones (one host sync), or all
+    rows while a CUDA graph is captured."""
+    n = target.shape[0]
+    if n and COMPACT_IGNORED and not _capturing(dev):
+        idx = (target != opt.ignore_index).nonzero().squeeze(1)
+        _target_errors.poll()  # every earlier call has finished here: report its bad targets
+        return idx
+    return torch.arange(n, device=dev)
+
+
+def _lowmem_forward(h, w, b, target, opt, config):
+    """Per row of ``h``: loss, z-loss, argmax hit (``[N]``), and for the backward the row index,
+    the rows' lse and whether each row gets a gradient (the last three per index row)."""
+    from ._lowmem_triton import lowmem_stats
+
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    idx = _lowmem_rows_index(target, opt, dev)
+    tc = target.index_select(0, idx)
+    lse, zt, zsum, arg = lowmem_stats(h, w, b, target, idx, opt, config=config)
+    eps, s = opt.label_smoothing, opt.lse_square_scale
+    vc = tc != opt.ignore_index
+    in_range = (tc >= 0) & (tc < v)
+    zl_c = s * lse * lse
+    loss_c = lse - (1.0 - eps) * zt + zl_c
+    if eps:
+        loss_c = loss_c - eps * zsum / v
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    loss_c = torch.where(vc & in_range, loss_c, zero)
+    loss_c = torch.where(vc & ~in_range, torch.full_like(loss_c, math.nan), loss_c)
+    zl_c = torch.where(vc, zl_c, zero)
+    hit_c = (arg == tc) & vc & in_range
+    bad = _target_errors.new_flag(dev)
+    if idx.numel():
+        oob = vc & ~in_range
+        t64 = tc.long()
+        bad[0] += oob.sum()
+        bad[1] = torch.maximum(bad[1], torch.where(oob & (t64 >= v), t64, 0).max())
+        bad[2] = torch.minimum(bad[2], torch.where(oob & (t64 < 0), t64, 0).min())
+    _target_errors.watch(bad, "fused_linear_cross_entropy", v, opt.ignore_index)
+    loss_rows = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, idx, loss_c)
+    zl_rows = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, idx, zl_c)
+    correct = torch.zeros(n, dtype=torch.bool, device=dev).index_copy_(0, idx, hit_c)
+    return loss_rows, zl_rows, correct, idx, lse, vc & in_range
+
+
+def _lowmem_backward(h, w, b, target, opt, idx, lse, ok, row_scale, needs, config):
+    """Gradients of ``sum_i row_scale[i] * loss_i`` over the index rows (``row_scale``: ``[N]``
+    per row, or 0-d for all)."""
+    from ._lowmem_triton import lowmem_grads
+
+    if row_scale.dim():
+        sc = row_scale.float().reshape(-1).index_select(0, idx)
+    else:
+        sc = row_scale.float().reshape(()).expand(idx.numel())
+    sc = torch.where(ok, sc, torch.zeros((), dtype=torch.float32, device=sc.device)).contiguous()
+    return lowmem_grads(h, w, b, target, idx, lse, sc, opt, needs, config=config)
+
+
+class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):
+    """The fused loss without stored logits: statistics in the forward, every gradient recomputed
+    in the backward (``_lowmem_triton``)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, target, opt, reduction, num_items, want_z, want_acc, config):
+        n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
+        loss_rows, zl_rows, correct, idx, lse, ok = _lowmem_forward(h, w, b, target, opt, config)
+        loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (h.shape[0],), want_z, want_acc)
+        needs = tuple(ctx.needs_input_grad[:3])
+        ctx.needs = (needs[0], needs[1], needs[2] and b is not None)
+        ctx.opt, ctx.reduction, ctx.config = opt, reduction, config
+        ctx.save_for_backward(h, w, b, target, idx, lse, ok, scale)
+        outs = [loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(())]
+        ctx.mark_non_differentiable(outs[1], outs[2])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_z, _g_acc):
+        _target_errors.poll()
+        if not any(ctx.needs):
+            return (None,) * 10
+        h, w, b, target, idx, lse, ok, scale = ctx.saved_tensors
+        row_scale = g_loss.float().reshape(-1) if ctx.reduction == "none" else (g_loss.float() * scale).reshape(())
+        gh, gw, gb = _lowmem_backward(h, w, b, target, ctx.opt, idx, lse, ok, row_scale, ctx.needs, ctx.config)
+        return gh, gw, gb, None, None, None, None, None, None, None
+
+
+def _pick_mode(mode, h2, weight, backend) -> str:
+    global last_flce_mode
+    chosen = flce_mode_for(h2.shape[0], weight.shape[0], h2.shape[1], h2.element_size(), backend, h2.device, mode)
+    last_flce_mode = chosen
+    return chosen
+
+
+def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowmem=False, config=None):
     """:class:`_FusedLinearCrossEntropy` as custom ops (``_ops``), for ``torch.compile``: the same
-    two modes (scalar loss: gradients formed in the forward; ``"none"``: recomputed in backward)."""
+    two modes (scalar loss: gradients formed in the forward; ``"none"``: recomputed in backward);
+    ``lowmem``: the low-memory kernels' ops (per-row losses, gradients in the backward)."""
     n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
     args = (opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, opt.softcap)
+    if lowmem:
+        loss_rows, zl, hits, _lse = _ops.flce_lowmem_rows(h, w, b, target, *args, config)
+        loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
+        zero = loss.new_zeros(())
+        return loss, z if z is not None else zero, acc if acc is not None else zero
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
     if reduction != "none" and any(needs):
@@ -439,6 +583,8 @@ def fused_linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     return_token_accuracy: bool = False,
     return_z_loss: bool = False,
+    mode: str | None = None,
+    config: str | None = None,
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without ``[N, V]`` logits.
 
@@ -494,8 +640,24 @@ def fused_linear_cross_entropy(
         h2 = h2.contiguous()
     t1 = target.reshape(-1)
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
+    if mode is not None and mode not in _config.FLCE_MODES:
+        raise ValueError(f"mode must be one of {', '.join(_config.FLCE_MODES)} or None, got {mode!r}")
+    if config is not None:
+        from ._lowmem_triton import check_config
+
+        check_config(config)
     if compiling:
-        loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc)
+        # the setting or the keyword decide at trace time; ``auto`` keeps the chunked ops (the
+        # free memory of the moment of tracing says nothing about the runs)
+        triton_path = device.type == "cuda" or (device.type == "cpu" and _dispatch.interpret_mode())
+        lowmem = (mode or _config.flce_mode()) == "lowmem" and triton_path and _dispatch.HAS_TRITON
+        loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc,
+                                 lowmem=lowmem, config=config)
+    elif _pick_mode(mode, h2, weight, backend) == "lowmem":
+        loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
+            h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config
+        )
+        _target_errors.poll()
     else:
         loss, z, acc = _FusedLinearCrossEntropy.apply(
             h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc

@@ -209,3 +209,29 @@ def test_trl_step_times_native_and_patched_sft_with_the_same_loss():
     assert math.isclose(base["first_loss"], ours["first_loss"], rel_tol=1e-3), (base["first_loss"], ours["first_loss"])
     md = trl_step._markdown([base, ours])
     assert "| tiny | 2x16 | trl | " in md and "| tiny | 2x16 | trl_liger_compat | " in md
+
+
+def test_lowmem_section_and_config_arguments(monkeypatch, tmp_path, capsys):
+    """``--sections ceilings,flce_lowmem`` and ``--lowmem-configs`` are understood before any GPU
+    is needed (here: none, so main returns 1 after parsing); bad configuration names are refused
+    with the valid ones listed."""
+    import torch
+    from benchmarks import kernels as K
+    from liger_compat.kernels._lowmem_triton import CONFIGS
+
+    for name in ("OUT", "NAME", "FLCE_CHUNK_SETTINGS", "FLCE_MIB_HEADS", "ROUNDS", "FLCE_GEMM_CHUNK", "LOWMEM_CONFIGS"):
+        monkeypatch.setattr(K, name, getattr(K, name))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "flce_lowmem" in K.SECTIONS and "llama3-8b-32k" in K.LOWMEM_HEADS
+    assert K.LOWMEM_HEADS["llama3-8b-32k"][0] == 32768
+    assert K.main(["--sections", "ceilings,flce_lowmem", "--out", str(tmp_path)]) == 1
+    assert K.LOWMEM_CONFIGS == ()
+    pair = "m128n128k64w8s3/m128n64k64w4s4"
+    assert K.main(["--sections", "flce_lowmem", "--lowmem-configs", f"{pair},m64n256k64w8s3", "--out", str(tmp_path)]) == 1
+    assert K.LOWMEM_CONFIGS == (pair, "m64n256k64w8s3")
+    assert K.main(["--sections", "flce_lowmem", "--lowmem-configs", "all", "--out", str(tmp_path)]) == 1
+    assert set(K.LOWMEM_CONFIGS) == (set(CONFIGS) - {"interpret"}) | set(K.LOWMEM_PAIRS)
+    for bad in ("m1n1", "m128n128k64w8s3/zz", "a/b/c", ","):
+        with pytest.raises(SystemExit):
+            K.main(["--sections", "flce_lowmem", "--lowmem-configs", bad, "--out", str(tmp_path)])
+        assert "--lowmem-configs" in capsys.readouterr().err

@@ -239,7 +239,14 @@ def test_report_shows_the_tuning_settings_in_effect():
     assert tuning["LIGER_COMPAT_FLCE_CHUNK_MB"] == "62 MiB"
     assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"] == "activation"
     assert tuning["LIGER_COMPAT_FLCE_LOGITS"] == "auto"
-    assert "tuning: LIGER_COMPAT_FLCE_CHUNK_MB 62 MiB, LIGER_COMPAT_FLCE_LOGITS auto" in r.stdout
+    assert tuning["LIGER_COMPAT_FLCE_MODE"] == "auto"
+    assert "tuning: LIGER_COMPAT_FLCE_CHUNK_MB 62 MiB, LIGER_COMPAT_FLCE_LOGITS auto, LIGER_COMPAT_FLCE_MODE auto" in r.stdout
+    r = _run(code=code, env={"LIGER_COMPAT_FLCE_MODE": "lowmem"})
+    assert json.loads(r.stdout.splitlines()[0])["LIGER_COMPAT_FLCE_MODE"] == "lowmem"
+    r = _run(code=code, env={"LIGER_COMPAT_FLCE_MODE": "tiny"})
+    assert r.returncode == 0  # reported, not raised
+    mode = json.loads(r.stdout.splitlines()[0])["LIGER_COMPAT_FLCE_MODE"]
+    assert mode.startswith("invalid") and "'tiny'" in mode
     r = _run(code=code, env={"LIGER_COMPAT_MLP_RECOMPUTE": "bogus"})
     assert r.returncode == 0  # reported, not raised
     tuning = json.loads(r.stdout.splitlines()[0])

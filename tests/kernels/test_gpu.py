@@ -257,3 +257,97 @@ def test_gated_project_gpu_frees_the_activation(activation):
     assert torch.equal(out0, out1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))  # the same kernels and matmuls on the same inputs
     assert n * i * 2 <= held0 - held1 < n * i * 2 + 2**20, (held0, held1)
+
+
+def _fp32_head_grads(hid, w, t, softcap=None):
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h32 = hid.detach().float().requires_grad_(True)
+        w32 = w.detach().float().requires_grad_(True)
+        z = h32 @ w32.t()
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        loss = torch.nn.functional.cross_entropy(z, t, ignore_index=-100)
+        gh, gw = torch.autograd.grad(loss, (h32, w32))
+        return loss.detach(), gh, gw
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@pytest.mark.parametrize("config", [None, "m128n256k64w8s3", "m64n256k64w8s3"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_flce_lowmem_bf16_vs_fp32(softcap, config):
+    """The low-memory kernels in bf16 against the all-fp32 head: grad_hidden within 4e-3 (its
+    fp32 sum is rounded to bf16 once), grad_weight (bf16 atomic sums) and the loss close too."""
+    import liger_compat.kernels.loss as loss_mod
+
+    hid, w, t = _flce_inputs(2053, 2048, 32011, torch.bfloat16, 0)
+    hid.requires_grad_(True)
+    w.requires_grad_(True)
+    w.data *= 2.0
+    loss = fused_linear_cross_entropy(hid, w, t, softcap=softcap, mode="lowmem", config=config)
+    assert loss_mod.last_flce_mode == "lowmem"
+    gh, gw = torch.autograd.grad(loss, (hid, w))
+    ref_loss, rh, rw = _fp32_head_grads(hid, w, t, softcap)
+    assert abs(loss.item() - ref_loss.item()) < 1e-4 * abs(ref_loss.item())
+    assert rel_err(gh, rh) < 4e-3
+    assert rel_err(gw, rw) < 2e-2
+    assert not gh[t == -100].any()
+
+
+def test_flce_lowmem_fp32_exact_options():
+    """fp32 inputs (IEEE dots) with every option: the float64 reference within fp32 tolerance."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, h, v = 517, 320, 5003
+    hid = torch.randn(n, h, device="cuda", generator=g).requires_grad_(True)
+    w = (torch.randn(v, h, device="cuda", generator=g) / h**0.5).requires_grad_(True)
+    b = (torch.randn(v, device="cuda", generator=g) * 0.5).requires_grad_(True)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[::7] = -100
+    opts = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0)
+    out = fused_linear_cross_entropy(hid, w, t, bias=b, mode="lowmem", return_z_loss=True, return_token_accuracy=True, **opts)
+    gh, gw, gb = torch.autograd.grad(out.loss, (hid, w, b))
+    h64, w64, b64 = (x.detach().double().requires_grad_(True) for x in (hid, w, b))
+    ref, zl, acc = ce64(h64 @ w64.t() + b64, t, **opts)
+    rgh, rgw, rgb = torch.autograd.grad(ref, (h64, w64, b64))
+    tol = tolerance(torch.float32, n=h * v, ulps=8.0)
+    assert rel_err(out.loss.detach(), ref.detach()) < tol
+    assert rel_err(out.z_loss, zl.detach()) < tol
+    assert abs(out.token_accuracy.item() - acc.item()) < 1e-6
+    for got, exp in ((gh, rgh), (gw, rgw), (gb, rgb)):
+        assert rel_err(got, exp) < tol
+
+
+@pytest.mark.parametrize("n,h,v", [(8192, 4096, 128256), (32768, 4096, 128256), (8192, 3584, 256000)])
+def test_flce_lowmem_extra_memory_at_most_16_mib(n, h, v):
+    """Peak memory of forward + backward beyond the inputs and the returned gradients."""
+    import gc
+
+    hid, w, t = _flce_inputs(n, h, v, torch.bfloat16, 0)
+    hid.requires_grad_(True)
+    w.requires_grad_(True)
+    for _ in range(2):  # the second time without first-call allocations (Triton compile, caches)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        gh, gw = torch.autograd.grad(fused_linear_cross_entropy(hid, w, t, mode="lowmem"), (hid, w))
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - gh.untyped_storage().nbytes() - gw.untyped_storage().nbytes()
+        del gh, gw
+    assert extra <= 16 * 2**20, f"{extra / 2**20:.1f} MiB"
+
+
+def test_flce_auto_mode_takes_lowmem_when_the_chunk_does_not_fit(monkeypatch):
+    import liger_compat.kernels.loss as loss_mod
+
+    hid, w, t = _flce_inputs(1024, 512, 32000, torch.bfloat16, 2)
+    monkeypatch.setattr(_config.settings, "flce_mode", "auto")
+    assert loss_mod._free_bytes(hid.device) > 0
+    fused_linear_cross_entropy(hid, w, t)
+    assert loss_mod.last_flce_mode == "chunked"
+    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 2**20)
+    fused_linear_cross_entropy(hid, w, t)
+    assert loss_mod.last_flce_mode == "lowmem"

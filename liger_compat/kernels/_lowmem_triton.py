@@ -1,0 +1,330 @@
+"""Low-memory fused linear cross-entropy in Triton: no chunk of logits is ever stored.
+
+Forward (:func:`lowmem_stats`): programs over (block of rows, share of the vocabulary) compute
+each logits tile ``h[rows] @ W[cols].T`` over a loop on the hidden dimension, in fp32, apply
+bias and softcap, and keep only per-row running statistics over their share of the columns:
+max and sum of ``exp(z - max)`` (online log-sum-exp), argmax (first index on ties), the target
+logit and the row sum (label smoothing). Each program writes those five numbers per row; a few
+``[rows, shares]`` torch ops combine them into lse, loss, z-loss and the argmax hit.
+
+Backward (:func:`lowmem_grads`): the same tiles are computed again, turned into
+``scale_row * d loss / d logits`` from the saved lse, and multiplied straight away by the
+weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics.
+``grad_hidden`` is summed in an fp32 scratch of one group of rows at a time (at most
+:data:`GH_SCRATCH_BYTES`), so every element is rounded to the output dtype once;
+``grad_weight`` is added in its own dtype, in the output tensor itself; ``grad_bias`` in fp32
+(``[V]``). Extra memory: the scratch, the per-share statistics and a few ``[rows]`` vectors.
+
+Rows are read through an index vector, so ignored rows can be left out of all the work.
+Tile sizes come from :data:`CONFIGS`, picked by name with the ``config`` keyword (one name for
+both kernels, or ``"FORWARD/BACKWARD"``). The default was checked by compiling both kernels for
+sm_90 ahead of time (no register spills, pipelined loads); the wider tiles spill in the forward
+kernel, and 128x256 backward tiles need fewer pipeline stages to fit in shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._ce_triton import _tanh
+from ._dispatch import cdiv, tl, triton
+
+__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "GH_SCRATCH_BYTES"]
+
+#: name -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for CUDA; the interpreter uses
+#: small tiles (``"interpret"``) so that tests cover several tiles and ragged edges.
+CONFIGS = {
+    "m128n128k64w8s3": (128, 128, 64, 8, 3),
+    "m128n128k64w8s4": (128, 128, 64, 8, 4),
+    "m128n256k64w8s3": (128, 256, 64, 8, 3),
+    "m64n256k64w8s3": (64, 256, 64, 8, 3),
+    "m128n64k64w4s4": (128, 64, 64, 4, 4),
+    "m128n256k32w8s4": (128, 256, 32, 8, 4),
+    "m128n128k32w4s4": (128, 128, 32, 4, 4),
+    "interpret": (16, 32, 16, 1, 1),
+}
+DEFAULT_CONFIG = "m128n128k64w8s3"
+#: The fp32 scratch ``grad_hidden`` is summed in (rows per group = this / (4 * H)).
+GH_SCRATCH_BYTES = 8 * 2**20
+#: At most this many bytes of per-share statistics in the forward (5 fp32/int32 per row and share).
+STATS_BYTES = 4 * 2**20
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def check_config(config: str | None) -> None:
+    """``ValueError`` naming ``config`` unless it is ``None``, a name of :data:`CONFIGS`, or
+    ``"FORWARD/BACKWARD"``: two names, one for each kernel."""
+    if config is None:
+        return
+    parts = str(config).split("/")
+    if len(parts) > 2 or any(p not in CONFIGS for p in parts):
+        raise ValueError(f"config must be a name of {', '.join(CONFIGS)} or 'FORWARD/BACKWARD' of two, got {config!r}")
+
+
+def _config(device: torch.device, config: str | None, backward: bool = False):
+    check_config(config)
+    if device.type != "cuda":
+        name = "interpret"
+    else:
+        parts = (config or DEFAULT_CONFIG).split("/")
+        name = parts[-1] if backward else parts[0]
+    return CONFIGS[name]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, stride_w, softcap,
+                 HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """fp32 ``[BM, BN]`` tile of ``h[rows] @ W[offs_n].T (+ bias)`` and, with a softcap, the
+    capped tile and ``tanh`` (else the tile twice)."""
+    offs_k = tl.arange(0, BK)
+    a_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
+    b_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (k + offs_k) < K
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    t = acc
+    if HAS_SOFTCAP:
+        t = _tanh(acc / softcap)
+        acc = softcap * t
+    return acc, t
+
+
+@triton.jit
+def _stats_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, pm_ptr, ps_ptr, pi_ptr, pt_ptr, pz_ptr,
+                  M, V, K, S, tiles_per_share, stride_h, stride_w, softcap,
+                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                  IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    pid_m = pid % num_m  # row blocks of one share side by side: they read the same weight tiles
+    share = pid // num_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mmask = offs_m < M
+    rows = tl.load(idx_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+    tgt = tl.load(t_ptr + rows, mask=mmask, other=-1).to(tl.int64)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    s_i = tl.zeros((BM,), tl.float32)
+    a_i = tl.zeros((BM,), tl.int32)
+    zt_i = tl.zeros((BM,), tl.float32)
+    zs_i = tl.zeros((BM,), tl.float32)
+    first = share * tiles_per_share
+    last = tl.minimum(first + tiles_per_share, tl.cdiv(V, BN))
+    for nt in range(first, last):
+        offs_n = nt * BN + tl.arange(0, BN)
+        nmask = offs_n < V
+        z, _t = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, stride_w, softcap,
+                             HAS_BIAS, HAS_SOFTCAP, IEEE, EVEN_K, BM, BN, BK)
+        zm = tl.where(nmask[None, :], z, float("-inf"))
+        tile_max = tl.max(zm, axis=1)
+        # first column holding the tile's max (a min over indices: lighter than an argmax pair reduction)
+        tile_arg = tl.min(tl.where(zm == tile_max[:, None], offs_n[None, :], 2147483647), axis=1)
+        new_m = tl.maximum(m_i, tile_max)
+        s_i = s_i * tl.exp(m_i - new_m) + tl.sum(tl.exp(zm - new_m[:, None]), axis=1)
+        a_i = tl.where(tile_max > m_i, tile_arg, a_i)  # strictly greater: the first index wins ties
+        m_i = new_m
+        zt_i += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], z, 0.0), axis=1)
+        if HAS_SMOOTHING:
+            zs_i += tl.sum(tl.where(nmask[None, :], z, 0.0), axis=1)
+    out = offs_m.to(tl.int64) * S + share
+    tl.store(pm_ptr + out, m_i, mask=mmask)
+    tl.store(ps_ptr + out, s_i, mask=mmask)
+    tl.store(pi_ptr + out, a_i, mask=mmask)
+    tl.store(pt_ptr + out, zt_i, mask=mmask)
+    if HAS_SMOOTHING:
+        tl.store(pz_ptr + out, zs_i, mask=mmask)
+
+
+@triton.jit
+def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr,
+                  row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing, lse_square_scale,
+                  HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                  HAS_ZLOSS: tl.constexpr, NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
+                  IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows ``row0 .. row0 + M`` of the (index) rows; ``gh_ptr`` is their fp32 scratch ``[M, K]``."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    local = pid_m * BM + tl.arange(0, BM)
+    mmask = local < M
+    offs_m = row0 + local
+    rows = tl.load(idx_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+    tgt = tl.load(t_ptr + rows, mask=mmask, other=-1).to(tl.int64)
+    lse = tl.load(lse_ptr + offs_m, mask=mmask, other=0.0)
+    sc = tl.load(scale_ptr + offs_m, mask=mmask, other=0.0)  # 0 for ignored / out-of-range rows
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < V
+    z, t = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, stride_w, softcap,
+                        HAS_BIAS, HAS_SOFTCAP, IEEE, EVEN_K, BM, BN, BK)
+    p = tl.exp(z - lse[:, None])
+    if HAS_ZLOSS:
+        p = p * (1.0 + 2.0 * lse_square_scale * lse)[:, None]
+    if HAS_SMOOTHING:
+        p = p - label_smoothing / V
+    p = tl.where(offs_n[None, :] == tgt[:, None], p - (1.0 - label_smoothing), p)
+    d = p * sc[:, None]
+    if HAS_SOFTCAP:
+        d = d * (1.0 - t * t)
+    d = tl.where(mmask[:, None] & nmask[None, :], d, 0.0)
+    if NEED_GB:
+        tl.atomic_add(gb_ptr + offs_n, tl.sum(d, axis=0), mask=nmask, sem="relaxed")
+    dd = d.to(h_ptr.dtype.element_ty)
+    offs_k = tl.arange(0, BK)
+    for k in range(0, K, BK):
+        kk = k + offs_k
+        kmask = kk < K
+        if NEED_GH:
+            wk = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + kk[None, :],
+                         mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                part = tl.dot(dd, wk, input_precision="ieee")
+            else:
+                part = tl.dot(dd, wk)
+            tl.atomic_add(gh_ptr + local[:, None].to(tl.int64) * K + kk[None, :], part,
+                          mask=mmask[:, None] & kmask[None, :], sem="relaxed")
+        if NEED_GW:
+            hk = tl.load(h_ptr + rows[:, None] * stride_h + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                part_w = tl.dot(tl.trans(dd), hk, input_precision="ieee")
+            else:
+                part_w = tl.dot(tl.trans(dd), hk)
+            tl.atomic_add(gw_ptr + offs_n[:, None].to(tl.int64) * stride_gw + kk[None, :],
+                          part_w.to(gw_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :], sem="relaxed")
+
+
+def _shares(mblocks: int, ntiles: int, sms: int, most: int) -> tuple[int, int]:
+    """How many shares of the vocabulary's tiles the statistics kernel splits each block of rows
+    into, and tiles per share: at least ~4 programs per SM, at most ``most`` shares, and of the
+    counts up to 4x that the one whose last wave of programs (one per SM: the kernel uses the
+    whole register file) is fullest."""
+    lo = max(1, min(ntiles, most, cdiv(4 * sms, mblocks)))
+    best = None
+    for want in range(lo, max(lo, min(ntiles, most, 4 * lo)) + 1):
+        per = cdiv(ntiles, want)
+        shares = cdiv(ntiles, per)
+        programs = mblocks * shares
+        fill = programs / (cdiv(programs, sms) * sms)
+        if best is None or fill > best[0] + 1e-9:
+            best = (fill, shares, per)
+    return best[1], best[2]
+
+
+def _launch(kernel, grid, args, stages, **kw):
+    """``kernel[grid](*args, num_stages=stages, **kw)``; where the GPU's shared memory is too
+    small for that many pipeline stages, again with fewer."""
+    while True:
+        try:
+            return kernel[grid](*args, num_stages=stages, **kw)
+        except Exception as exc:  # triton.runtime.errors.OutOfResources
+            if type(exc).__name__ != "OutOfResources" or stages <= 1:
+                raise
+            stages -= 1
+
+
+def _flags(h, w, b, opt, bk):
+    return dict(
+        HAS_BIAS=b is not None, HAS_SOFTCAP=opt.softcap is not None,
+        HAS_SMOOTHING=opt.label_smoothing != 0.0, IEEE=h.dtype == torch.float32,
+        EVEN_K=h.shape[1] % bk == 0,
+    )
+
+
+def lowmem_stats(h, w, b, target, idx, opt, *, config: str | None = None):
+    """Per index row ``idx[i]`` of ``h [N, H]``: ``(lse, target logit, row sum, argmax)`` of its
+    logits (fp32; argmax int64; the row sum is 0 without label smoothing). ``target`` is ``[N]``,
+    ``idx`` int32/int64 ``[M]``."""
+    m = idx.numel()
+    v, k = w.shape
+    dev = h.device
+    f32 = torch.float32
+    bm, bn, bk, warps, stages = _config(dev, config)
+    ntiles = cdiv(v, bn)
+    mblocks = cdiv(max(m, 1), bm)
+    shares, per = _shares(mblocks, ntiles, _num_sms(dev), max(1, STATS_BYTES // (20 * max(m, 1))))
+    pm = torch.empty((m, shares), dtype=f32, device=dev)
+    ps = torch.empty_like(pm)
+    pt = torch.empty_like(pm)
+    pz = torch.zeros_like(pm) if opt.label_smoothing != 0.0 else pm
+    pi = torch.empty((m, shares), dtype=torch.int32, device=dev)
+    if m:
+        args = (h, w, b if b is not None else h, target, idx, pm, ps, pi, pt, pz,
+                m, v, k, shares, per, h.stride(0), w.stride(0), opt.softcap if opt.softcap is not None else 1.0)
+        _launch(_stats_kernel, (mblocks * shares,), args, stages, BM=bm, BN=bn, BK=bk, num_warps=warps,
+                **_flags(h, w, b, opt, bk))
+    gmax = pm.max(dim=1).values if m else pm.new_zeros(0)
+    lse = gmax + torch.log((ps * torch.exp(pm - gmax[:, None])).sum(dim=1))
+    big = torch.iinfo(torch.int32).max
+    arg = torch.where(pm == gmax[:, None], pi, torch.full_like(pi, big)).min(dim=1).values.long() if m else pi.new_zeros(0).long()
+    zt = pt.sum(dim=1)
+    zsum = pz.sum(dim=1) if opt.label_smoothing != 0.0 else torch.zeros_like(zt)
+    return lse, zt, zsum, arg
+
+
+def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | None = None,
+                 scratch_bytes: int | None = None):
+    """``(grad_hidden, grad_weight, grad_bias)`` (``None`` where ``grads`` says not needed) of
+    ``sum_i scale[i] * loss(row idx[i])``; ``lse`` and ``scale`` fp32 ``[M]`` (scale 0 for rows
+    that get no gradient). Rows not in ``idx`` get zero ``grad_hidden``."""
+    need_gh, need_gw, need_gb = grads
+    n, k = h.shape
+    v = w.shape[0]
+    m = idx.numel()
+    dev = h.device
+    bm, bn, bk, warps, stages = _config(dev, config, backward=True)
+    gh = torch.zeros_like(h) if need_gh else None
+    gw = torch.zeros_like(w) if need_gw else None
+    gb = torch.zeros(v, dtype=torch.float32, device=dev) if need_gb else None
+    if m == 0 or not (need_gh or need_gw or need_gb):
+        return gh, gw, (gb.to(b.dtype) if gb is not None else None)
+    scratch_bytes = GH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+    group = max(bm, scratch_bytes // (4 * k) // bm * bm)
+    group = min(group, cdiv(m, bm) * bm)
+    scratch = torch.empty((group, k), dtype=torch.float32, device=dev) if need_gh else None
+    whole = m == n  # idx is then every row in order
+    flags = _flags(h, w, b, opt, bk)
+    ntiles = cdiv(v, bn)
+    for row0 in range(0, m, group):
+        rows = min(group, m - row0)
+        if scratch is not None:
+            scratch.zero_()
+        args = (h, w, b if b is not None else h, target, idx, lse, scale,
+                scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
+                row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale)
+        _launch(_grads_kernel, (cdiv(rows, bm) * ntiles,), args, stages,
+                HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb,
+                BM=bm, BN=bn, BK=bk, num_warps=warps, **flags)
+        if scratch is not None:
+            part = scratch[:rows]
+            if whole:
+                gh[row0:row0 + rows].copy_(part)
+            else:
+                gh.index_copy_(0, idx[row0:row0 + rows].long(), part.to(gh.dtype))
+    return gh, gw, (gb.to(b.dtype) if gb is not None else None)
