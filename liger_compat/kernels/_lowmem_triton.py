@@ -43,7 +43,11 @@ CONFIGS = {
     "m128n128k32w4s4": (128, 128, 32, 4, 4),
     "interpret": (16, 32, 16, 1, 1),
 }
-DEFAULT_CONFIG = "m128n128k64w8s3"
+#: Measured over every configuration and three forward/backward pairs at the Llama-3-8B, Qwen2-7B and
+#: Llama-3.2-1B heads (bf16, one H200 run, ``benchmarks.kernels --sections flce_lowmem --lowmem-configs
+#: all``): 128 x 256 tiles with 32-wide K steps were fastest at all three (95-97 ms against 103-107 ms for
+#: m128n128k64w8s3, the next best), in both kernels.
+DEFAULT_CONFIG = "m128n256k32w8s4"
 #: The fp32 scratch ``grad_hidden`` is summed in (rows per group = this / (4 * H)).
 GH_SCRATCH_BYTES = 8 * 2**20
 #: At most this many bytes of per-share statistics in the forward (5 fp32/int32 per row and share).
