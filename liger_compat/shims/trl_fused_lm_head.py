@@ -208,3 +208,60 @@ REGISTRY.register(_HeadShim(
     modules=("trl.trainer.utils",) + locations.all_trainer_modules(),
     patch_module=_patch,
 ))
+
+
+# --------------------------------------------------------------------------------------------
+# check(): which head computes each trainer's loss
+# --------------------------------------------------------------------------------------------
+
+#: trainers whose loss comes from the LM head's log-probs, as check() lists them
+_LM_TRAINERS = ("sft", "dpo", "grpo", "kto", "rloo", "orpo", "cpo")
+
+
+def _trainer_source(name: str) -> str | None:
+    """The source text of trl's module for trainer ``name`` (newest location first), read from the
+    installed distribution's files without importing trl."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("trl")
+    except metadata.PackageNotFoundError:
+        return None
+    for mod in locations.TRAINER_MODULES.get(name, ()):
+        path = dist.locate_file(mod.replace(".", "/") + ".py")
+        try:
+            return open(path, encoding="utf-8").read()
+        except OSError:
+            continue
+    return None
+
+
+def trainer_heads() -> dict[str, str]:
+    """Trainer -> which head computes its loss on the installed trl, with liger_compat as it is now
+    (active or disabled, this shim applied or not): ``liger_compat fused log-probs``, ``trl's ...``
+    or ``native logits``. Read from trl's sources (feature probes on the text), importing nothing."""
+    from .._config import settings
+
+    shim = next((s for s in REGISTRY.shims() if s.id == SHIM_ID), None)
+    ours = (not settings.disabled and shim is not None
+            and getattr(shim.state, "value", str(shim.state)) in ("applied", "waiting"))
+    out: dict[str, str] = {}
+    for name in _LM_TRAINERS:
+        text = _trainer_source(name)
+        if text is None:
+            continue
+        label = locations.PREFIX[name] + "Trainer"
+        if "add_fused_lm_head(" in text:
+            out[label] = ("liger_compat fused log-probs (trl's add_fused_lm_head contract)" if ours
+                          else "trl's ChunkedLogProbFunction (add_fused_lm_head)")
+        elif name == "sft" and "_patch_chunked_ce_lm_head" in text:
+            out[label] = ("trl's chunked_nll head (loss_type='chunked_nll', the default from trl 1.10); with "
+                          "loss_type='nll': the model's forward with labels (liger_compat fused cross-entropy "
+                          "on patched models)")
+        elif name == "sft":
+            out[label] = "the model's forward with labels (liger_compat fused cross-entropy on patched models)"
+        elif name in ("orpo", "cpo"):
+            out[label] = "native logits: log-probs and NLL from the model's full logits (not fused)"
+        else:
+            out[label] = "native logits: per-token log-probs from the model's full logits (not fused)"
+    return out

@@ -108,3 +108,22 @@ def test_grpo_on_our_head(tokenizer, tmp_path):
     base_dir = tmp_path / "base"
     base.save_pretrained(base_dir)
     _compare(_build(tokenizer, tmp_path / "out", base_dir), base, rtol=1e-3, atol=1e-4)
+
+
+def test_check_names_the_head_of_each_trainer():
+    """check() says per trainer which head computes the loss: ours for the add_fused_lm_head trainers
+    while liger_compat is applied, trl's chunked function once it is reverted, native logits for the
+    trainers that score from full logits (ORPO / CPO here)."""
+    _trl_chunked_function()
+    from trainer_helpers import native
+
+    heads = liger_compat.check().heads
+    for trainer in ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "KTOTrainer"):
+        assert heads[trainer].startswith("liger_compat fused log-probs"), heads
+    for trainer in ("ORPOTrainer", "CPOTrainer"):
+        if trainer in heads:
+            assert heads[trainer].startswith("native logits"), heads
+    with native():
+        off = liger_compat.check().heads
+    assert off["SFTTrainer"].startswith("trl's ChunkedLogProbFunction"), off
+    assert "LM heads" in str(liger_compat.check())
