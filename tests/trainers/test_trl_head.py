@@ -127,3 +127,154 @@ def test_check_names_the_head_of_each_trainer():
         off = liger_compat.check().heads
     assert off["SFTTrainer"].startswith("trl's ChunkedLogProbFunction"), off
     assert "LM heads" in str(liger_compat.check())
+
+
+# ------------------------------------------------------------------------------------------------
+# trl's head contract, call by call: our scoring against trl's own ChunkedLogProbFunction on the
+# same model and inputs (trl's _fused_forward around both)
+# ------------------------------------------------------------------------------------------------
+
+
+def _head_pair(family, *, cast=False, temperature=1.0, config=None, outputs=head.ChunkedLogProbs.OPTIONAL_OUTPUTS):
+    import torch
+    import trl.trainer.utils as tu
+
+    from liger_compat.shims import tiny_models
+
+    fn = _trl_chunked_function()
+    model = tiny_models.build(family, seed=3, vocab_size=96, **(config or {})).train()
+    tu.add_fused_lm_head(model, temperature=temperature, cast_lm_head_to_fp32=cast,
+                         outputs=("log_probs",) + tuple(outputs))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (2, 11), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    labels[1, 7:] = -100
+
+    def run(scoring, **kw):
+        model.zero_grad(set_to_none=True)
+        with mock.patch.object(tu, "_ChunkedLogProbFunction", scoring):
+            out = model(input_ids=ids, fused_lm_head=True, **kw)
+        w = torch.randn(out.log_probs.shape, generator=torch.Generator().manual_seed(9))
+        total = out.loss + (out.log_probs * w).sum() * 0.1
+        if out.entropy is not None:
+            total = total + (out.entropy * w.flip(-1)).sum() * 0.05
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out, grads
+
+    return fn, run, labels
+
+
+def _assert_same(ours, theirs, tol=1e-5):
+    import torch
+
+    (o, og), (t, tg) = ours, theirs
+    for field in ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "aux_loss"):
+        a, b = getattr(o, field), getattr(t, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, field
+            assert torch.allclose(a, b, rtol=tol, atol=tol), (field, (a - b).abs().max())
+    for field in ("is_top1", "label_mask"):
+        a, b = getattr(o, field), getattr(t, field)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), field
+    assert og.keys() == tg.keys() and og
+    for name in og:
+        scale = tg[name].abs().max().clamp(min=1e-6)
+        assert ((og[name] - tg[name]).abs().max() / scale) < 20 * tol, name
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["labels", "shift_labels", "num_items_in_batch", "cast_lm_head_to_fp32", "temperature", "softcap_and_scale",
+     "few_outputs", "compact_rows"],
+)
+def test_head_contract_matches_trl(case, monkeypatch):
+    import torch
+
+    kw = {}
+    if case == "cast_lm_head_to_fp32":
+        kw["cast"] = True
+    if case == "temperature":
+        kw["temperature"] = 0.7
+    if case == "softcap_and_scale":
+        kw["config"] = {"final_logit_softcapping": 3.0, "logit_scale": 0.8}
+    if case == "few_outputs":
+        kw["outputs"] = ("is_top1",)
+    fn, run, labels = _head_pair("llama", **kw)
+    call = {"labels": labels}
+    if case == "shift_labels":
+        call = {"shift_labels": torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)}
+    if case == "num_items_in_batch":
+        call["num_items_in_batch"] = torch.tensor(23)
+    if case == "compact_rows":
+        # what trl does on Triton devices: only the unmasked rows are scored, then scattered back
+        import trl.trainer.utils as tu
+
+        monkeypatch.setattr(tu, "_use_triton", lambda device: True)
+    with mock.patch.object(fn, "apply", wraps=fn.apply) as spy:
+        ours = run(head.ChunkedLogProbs, **call)
+        assert spy.call_count == 0
+        theirs = run(fn, **call)
+        assert spy.call_count == 1
+    _assert_same(ours, theirs)
+
+
+def test_head_contract_moe_aux_loss_matches_trl():
+    fn, run, labels = _head_pair("mixtral")
+    ours = run(head.ChunkedLogProbs, labels=labels)
+    theirs = run(fn, labels=labels)
+    assert ours[0].aux_loss is not None
+    _assert_same(ours, theirs)
+
+
+def test_head_all_labels_masked_gives_a_differentiable_zero():
+    import torch
+
+    fn, run, labels = _head_pair("qwen2")
+    labels[:] = -100
+    ours = run(head.ChunkedLogProbs, labels=labels)
+    theirs = run(fn, labels=labels)
+    assert float(ours[0].loss) == 0.0 and torch.all(ours[0].log_probs == 0)
+    _assert_same(ours, theirs)
+
+
+def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch):
+    """SFT's loss (sum of log-probs over a count) on compacted rows: the head formed the gradient in its
+    forward and the backward reuses it (one kernel pass), with trl's gradients."""
+    import torch
+    import trl.trainer.utils as tu
+
+    import liger_compat.kernels.logprob as lpmod
+    from liger_compat.shims import tiny_models
+
+    fn = _trl_chunked_function()
+    monkeypatch.setattr(tu, "_use_triton", lambda device: True)
+    model = tiny_models.build("qwen2", seed=4, vocab_size=96).train()
+    tu.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    ids = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    passes = []
+    real = lpmod._pass
+    monkeypatch.setattr(lpmod, "_pass", lambda *a, **k: passes.append(k["grads"]) or real(*a, **k))
+
+    def grads(scoring):
+        model.zero_grad(set_to_none=True)
+        token = head._GRAD_MODE.set("uniform")
+        try:
+            with mock.patch.object(tu, "_ChunkedLogProbFunction", scoring):
+                out = model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=torch.tensor(17))
+        finally:
+            head._GRAD_MODE.reset(token)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, ours = grads(head.ChunkedLogProbs)
+    assert len(passes) == 1 and any(passes[0]), passes
+    loss_trl, theirs = grads(fn)
+    assert torch.allclose(loss, loss_trl, rtol=1e-5, atol=1e-6)
+    for name in theirs:
+        scale = theirs[name].abs().max().clamp(min=1e-6)
+        assert ((ours[name] - theirs[name]).abs().max() / scale) < 2e-4, name
