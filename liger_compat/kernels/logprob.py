@@ -176,9 +176,10 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
         out = [z(), z() if opt.entropy else None, z() if opt.log_sum_sq else None,
                z() if opt.mean_logits else None,
                torch.zeros(n, dtype=torch.bool, device=dev) if opt.is_top1 else None, z()]
-    gh = torch.zeros((n, hdim), dtype=cdt, device=dev) if need_gh else None
+    # every row of grad_hidden is written when no row is skipped; the first chunk writes grad_weight
+    gh = (torch.empty if idx is None else torch.zeros)((n, hdim), dtype=cdt, device=dev) if need_gh else None
     acc_dtype = f32 if backend == "torch" else cdt
-    gw = torch.zeros((v, hdim), dtype=acc_dtype, device=dev) if need_gw else None
+    gw = (torch.empty if acc_dtype == cdt and m else torch.zeros)((v, hdim), dtype=acc_dtype, device=dev) if need_gw else None
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
     buf = torch.empty((min(rows, max(m, 1)), v), dtype=cdt, device=dev)
     wt = wc.t()
@@ -217,6 +218,8 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
             if need_gw:
                 if acc_dtype != d.dtype:
                     gw += (d.t() @ hc).to(acc_dtype)
+                elif start == 0:
+                    torch.mm(d.t(), hc, out=gw)
                 else:
                     gw.addmm_(d.t(), hc)
             if need_gb:
@@ -278,10 +281,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             if c is not None:
                 gh, gw, gb = ctx.unit
                 ctx.unit = None
-                if not bool(c == 1):
-                    gh = None if gh is None else gh * c.to(gh.dtype)
-                    gw = None if gw is None else gw * c.to(gw.dtype)
-                    gb = None if gb is None else gb * c.to(gb.dtype)
+                if not bool(c == 1):  # in place: these buffers are the forward's own
+                    for g in (gh, gw, gb):
+                        if g is not None:
+                            g.mul_(c.to(g.dtype))
                 return gh, gw, gb, None, None, None, None, None, None
         ctx.unit = None
         h, w, b, target, lse, ent = ctx.saved_tensors
