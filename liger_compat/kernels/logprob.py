@@ -178,7 +178,10 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
                torch.zeros(n, dtype=torch.bool, device=dev) if opt.is_top1 else None, z()]
     # every row of grad_hidden is written when no row is skipped; the first chunk writes grad_weight
     gh = (torch.empty if idx is None else torch.zeros)((n, hdim), dtype=cdt, device=dev) if need_gh else None
-    acc_dtype = f32 if backend == "torch" else cdt
+    # grad_weight sums every chunk's product: in fp32 on the torch path and for fp32 weights (e.g. an
+    # fp32 master copy under bf16 autocast), in the compute dtype otherwise (an fp32 copy of a bf16
+    # weight would be 2x the weight in extra memory)
+    acc_dtype = f32 if (backend == "torch" or w.dtype == f32) else cdt
     gw = (torch.empty if acc_dtype == cdt and m else torch.zeros)((v, hdim), dtype=acc_dtype, device=dev) if need_gw else None
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
     buf = torch.empty((min(rows, max(m, 1)), v), dtype=cdt, device=dev)

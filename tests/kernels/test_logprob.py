@@ -215,3 +215,22 @@ def test_backward_context_is_entered_by_the_recomputation():
     h64 = hid.detach().double().requires_grad_(True)
     (logprobs64(h64, w, None, t)[0] * glp.double()).sum().backward()
     assert rel_err(hid.grad, h64.grad) < tolerance(torch.float32, n=38, ulps=32.0)
+
+
+def test_compute_dtype_under_fp32_weights_matches_bf16_head():
+    """fp32 hidden and weight computed in bf16 (what trl's head does under bf16 autocast): the result is
+    the bf16 head's, gradients come back in fp32."""
+    hid, w, b, t, glp, _ = _inputs(13, 21, 16, 90, torch.float32, 0.2, True)
+    a, c = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = fused_linear_logprobs(a, c, t, bias=b, want="log_probs", compute_dtype=torch.bfloat16)
+    (out.log_probs * glp).sum().backward()
+    assert a.grad.dtype == torch.float32 and c.grad.dtype == torch.float32
+    hb, wb, bb = hid.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double()
+    hb.requires_grad_(True)
+    wb.requires_grad_(True)
+    ref = logprobs64(hb, wb, bb, t)[0]
+    (ref * glp.double()).sum().backward()
+    tol = tolerance(torch.bfloat16, n=16 + 90, ulps=16.0)
+    unit = float((hb @ wb.T).detach().abs().amax()) * 21**0.5
+    assert rel_err(out.log_probs, ref.detach(), unit) < tol
+    assert rel_err(a.grad, hb.grad) < tol and rel_err(c.grad, wb.grad) < tol
