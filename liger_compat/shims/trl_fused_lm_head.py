@@ -254,6 +254,9 @@ def trainer_heads() -> dict[str, str]:
         if "add_fused_lm_head(" in text:
             out[label] = ("liger_compat fused log-probs (trl's add_fused_lm_head contract)" if ours
                           else "trl's ChunkedLogProbFunction (add_fused_lm_head)")
+        elif "_ChunkedLogProbFunction" in text:
+            # trl 1.6 .. 1.14: the trainer calls trl's chunked log-prob function on the backbone's hidden states
+            out[label] = "trl's _ChunkedLogProbFunction on the hidden states (trl's own chunked head; not liger_compat's)"
         elif name == "sft" and "_patch_chunked_ce_lm_head" in text:
             out[label] = ("trl's chunked_nll head (loss_type='chunked_nll', the default from trl 1.10); with "
                           "loss_type='nll': the model's forward with labels (liger_compat fused cross-entropy "

@@ -278,3 +278,24 @@ def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch)
     for name in theirs:
         scale = theirs[name].abs().max().clamp(min=1e-6)
         assert ((ours[name] - theirs[name]).abs().max() / scale) < 2e-4, name
+
+
+def test_check_heads_rule_for_older_trl_sources(monkeypatch):
+    """The per-trainer head as check() reads it from trl's sources, for the shapes older releases have:
+    the trainer calls trl's _ChunkedLogProbFunction itself (trl 1.6 .. 1.14 DPO / GRPO / KTO), SFT's
+    chunked_nll patch, a plain SFT loss through the model, and log-probs from full logits."""
+    sources = {
+        "sft": "def _patch_chunked_ce_lm_head(model, chunk_size): ...",
+        "dpo": "logps, entropies = _ChunkedLogProbFunction.apply(hidden, w, b, labels, 1.0, 4096)",
+        "grpo": "logps = selective_log_softmax(logits, input_ids)",
+        "kto": "outputs = model(**inputs, labels=labels, fused_lm_head=True); add_fused_lm_head(model)",
+    }
+    monkeypatch.setattr(head, "_trainer_source", lambda name: sources.get(name))
+    heads = head.trainer_heads()
+    assert heads["SFTTrainer"].startswith("trl's chunked_nll head"), heads
+    assert heads["DPOTrainer"].startswith("trl's _ChunkedLogProbFunction"), heads
+    assert heads["GRPOTrainer"].startswith("native logits"), heads
+    assert heads["KTOTrainer"].startswith("liger_compat fused log-probs"), heads
+    assert set(heads) == {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "KTOTrainer"}
+    sources["sft"] = "loss = outputs.loss"
+    assert head.trainer_heads()["SFTTrainer"].startswith("the model's forward with labels")
