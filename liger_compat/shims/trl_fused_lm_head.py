@@ -17,8 +17,11 @@ the MoE aux loss, FSDP2 DTensor gathering, ZeRO-3 gathering, PEFT, ``cast_lm_hea
 trl's ``ChunkedLogProbFunction`` is never called. Models given a head by ``SFTTrainer`` score with
 ``grad_mode="uniform"`` (the SFT loss is a plain sum of the log-probs over a token count; the
 kernel checks that at backward time and recomputes otherwise); the other trainers weight tokens
-(DPO, GRPO, KTO) and recompute in the backward. trl 1.6 .. 1.14's ``chunked_nll`` head is reported
-as trl's own (not verified here: those releases are not installed in CI).
+(DPO, GRPO, KTO) and recompute in the backward. trl 1.6 .. 1.14 define an older
+``_ChunkedLogProbFunction`` (returns log-probs and entropy; used by SFT's ``chunked_nll`` loss in
+``trl.trainer.utils`` and by the DPO / GRPO / KTO modules that import it): where its signature is
+trl 1.14's, it is replaced the same way in every module holding it, and calls with a target outside the
+vocabulary (which those releases score as logit 0) go to trl's function.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class ChunkedLogProbs:
     ``chunk_size`` (trl's vocabulary tile width) has no meaning for the kernel, which chunks rows."""
 
     OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    _liger_compat = True
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size=None, final_logit_softcapping=None,
@@ -79,6 +83,46 @@ class ChunkedLogProbs:
         )
         calls["ours"] += 1
         return out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, out.is_top1
+
+
+#: the forward parameters of trl 1.6 .. 1.14's _ChunkedLogProbFunction (read from trl 1.14) that the
+#: legacy adapter implements; another signature is left to trl
+_LEGACY_PARAMS = ("ctx", "last_hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                  "final_logit_softcapping", "logit_scale")
+
+
+def _legacy_adapter(original: Any) -> type:
+    """Drop-in for trl 1.6 .. 1.14's ``_ChunkedLogProbFunction``: ``apply(hidden, weight, bias, targets,
+    temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0)`` returning ``(log_probs,
+    entropy)``. Those releases score a target outside the vocabulary (an unfiltered ``-100``) as logit 0
+    (log-prob ``-logsumexp``); calls with such targets go to ``original`` so that stays exact."""
+
+    class LegacyChunkedLogProbs:
+        trl_function = original
+        _liger_compat = True
+
+        @staticmethod
+        def apply(hidden, weight, bias, targets, temperature, chunk_size=None, final_logit_softcapping=None,
+                  logit_scale=1.0):
+            import torch
+
+            from ..kernels.logprob import fused_linear_logprobs
+
+            v = weight.shape[0]
+            if targets.numel() and bool(((targets < 0) | (targets >= v)).any()):
+                return original.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                      final_logit_softcapping, logit_scale)
+            dev = hidden.device.type
+            cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+            out = fused_linear_logprobs(
+                hidden, weight, targets, bias=bias, temperature=temperature, softcap=final_logit_softcapping,
+                logit_scale=1.0 if logit_scale is None else logit_scale, want=("log_probs", "entropy"),
+                grad_mode=_GRAD_MODE.get(), compute_dtype=cdt, backward_context=_gather_context(weight, bias),
+            )
+            calls["ours"] += 1
+            return out.log_probs, out.entropy
+
+    return LegacyChunkedLogProbs
 
 
 def _gather_context(weight, bias):
@@ -152,14 +196,20 @@ def _chunked_nll_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[
     result = wrapped(*args, **kwargs)
     model = args[0] if args else kwargs.get("model")
     name = type(model).__name__
-    REGISTRY.report_conflict(
-        f"{name} LM head",
-        f"trl {_trl_version()} SFT loss_type='chunked_nll'",
-        "trl's chunked head computes the loss and metrics for every SFT forward with labels; liger_compat's "
-        "fused linear cross-entropy stays off that path, its RMSNorm / RoPE / SwiGLU kernels still run inside "
-        "the decoder",
-    )
-    entry = f"trl's SFT loss_type='chunked_nll' head on {name}"
+    import sys
+
+    utils = sys.modules.get("trl.trainer.utils")
+    ours = getattr(getattr(utils, "_ChunkedLogProbFunction", None), "_liger_compat", False)
+    if not ours:
+        REGISTRY.report_conflict(
+            f"{name} LM head",
+            f"trl {_trl_version()} SFT loss_type='chunked_nll'",
+            "trl's chunked head computes the loss and metrics for every SFT forward with labels; liger_compat's "
+            "fused linear cross-entropy stays off that path, its RMSNorm / RoPE / SwiGLU kernels still run "
+            "inside the decoder",
+        )
+    entry = (f"trl's SFT loss_type='chunked_nll' head on {name}"
+             + (" (scored by liger_compat's fused log-prob kernel)" if ours else ""))
     if entry not in heads:
         heads.append(entry)
     return result
@@ -182,10 +232,25 @@ class _HeadShim(SubmoduleShim):
 def _patch(module: Any, patches: PatchSet) -> list[str]:
     done = []
     short = _short(module)
-    # trl 1.15+: the head's scoring function, looked up in trl.trainer.utils on every head call
-    if module.__name__ == "trl.trainer.utils" and hasattr(module, "_ChunkedLogProbFunction"):
-        patches.set(module, "_ChunkedLogProbFunction", ChunkedLogProbs)
-        done.append(f"{short}._ChunkedLogProbFunction")
+    # the chunked scoring function, looked up in the module's globals on every call: trl 1.15+ in
+    # trl.trainer.utils (add_fused_lm_head); trl 1.6 .. 1.14 also in the DPO / GRPO / KTO modules that
+    # import it, with an older signature (no `outputs`, returns log-probs and entropy)
+    fn = getattr(module, "_ChunkedLogProbFunction", None)
+    if isinstance(fn, type) and hasattr(fn, "apply") and not getattr(fn, "_liger_compat", False):
+        import inspect
+
+        try:
+            params = tuple(inspect.signature(fn.forward).parameters)
+        except (TypeError, ValueError):
+            params = ()
+        if "outputs" in params:
+            patches.set(module, "_ChunkedLogProbFunction", ChunkedLogProbs)
+            done.append(f"{short}._ChunkedLogProbFunction")
+        elif params == _LEGACY_PARAMS:
+            patches.set(module, "_ChunkedLogProbFunction", _legacy_adapter(fn))
+            done.append(f"{short}._ChunkedLogProbFunction")
+        else:
+            done.append(f"not needed: {short}._ChunkedLogProbFunction has an unknown signature, left to trl")
     # trl 1.6 .. 1.14: SFTConfig(loss_type="chunked_nll"), the default from 1.10, patches the forward
     if callable(getattr(module, "_patch_chunked_ce_lm_head", None)):
         patches.wrap(module, "_patch_chunked_ce_lm_head", _chunked_nll_wrapper)
@@ -255,12 +320,16 @@ def trainer_heads() -> dict[str, str]:
             out[label] = ("liger_compat fused log-probs (trl's add_fused_lm_head contract)" if ours
                           else "trl's ChunkedLogProbFunction (add_fused_lm_head)")
         elif "_ChunkedLogProbFunction" in text:
-            # trl 1.6 .. 1.14: the trainer calls trl's chunked log-prob function on the backbone's hidden states
-            out[label] = "trl's _ChunkedLogProbFunction on the hidden states (trl's own chunked head; not liger_compat's)"
+            # trl 1.6 .. 1.14: only with use_liger_kernel does the trainer call trl's chunked log-prob function
+            # (read from trl 1.14's DPO / KTO); liger_compat turns that switch off while it applies its kernels
+            out[label] = ("native logits: per-token log-probs from the model's full logits (not fused); trl's "
+                          "chunked path (use_liger_kernel) " + ("scored by liger_compat fused log-probs" if ours
+                                                                else "is trl's _ChunkedLogProbFunction"))
         elif name == "sft" and "_patch_chunked_ce_lm_head" in text:
-            out[label] = ("trl's chunked_nll head (loss_type='chunked_nll', the default from trl 1.10); with "
-                          "loss_type='nll': the model's forward with labels (liger_compat fused cross-entropy "
-                          "on patched models)")
+            head = ("trl's chunked_nll head scored by liger_compat fused log-probs" if ours
+                    else "trl's chunked_nll head")
+            out[label] = (head + " (loss_type='chunked_nll', the default from trl 1.10); with loss_type='nll': "
+                          "the model's forward with labels (liger_compat fused cross-entropy on patched models)")
         elif name == "sft":
             out[label] = "the model's forward with labels (liger_compat fused cross-entropy on patched models)"
         elif name in ("orpo", "cpo"):

@@ -139,8 +139,8 @@ def test_sft_with_the_trainers_switch_on(tokenizer, tmp_path):
 
 def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path):
     """trl's own fused head (1.15+ for every SFT run, 1.6 .. 1.14 with loss_type chunked_nll) runs the
-    backbone; liger_compat's RMSNorm kernel runs inside the decoder, and check() says which kernel
-    scores the labels: ours under trl 1.15+'s add_fused_lm_head, trl's for chunked_nll."""
+    backbone; liger_compat's RMSNorm kernel runs inside the decoder, and check() says that liger_compat's
+    log-prob kernel scores the labels (trl 1.15+'s add_fused_lm_head; trl 1.6 .. 1.14's chunked function)."""
     trainer_cls, config_cls = trainer_or_skip("sft")
     extra = {}
     import trl.trainer.utils as tu
@@ -165,8 +165,5 @@ def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path):
     head = [c for c in rep.conflicts if c["what"] == "Qwen2ForCausalLM LM head"]
     reason = next(s for s in rep.shims if s["id"] == "trl.fused_lm_head")["reason"]
     assert "Qwen2ForCausalLM" in reason and "in use" in reason, reason
-    if extra:  # trl's chunked_nll head scores the labels itself
-        assert head and "trl" in head[0]["by"], rep.conflicts
-    else:
-        assert not head, rep.conflicts
-        assert "liger_compat's fused log-prob kernel" in reason, reason
+    assert not head, rep.conflicts
+    assert "liger_compat's fused log-prob kernel" in reason, reason

@@ -292,10 +292,62 @@ def test_check_heads_rule_for_older_trl_sources(monkeypatch):
     }
     monkeypatch.setattr(head, "_trainer_source", lambda name: sources.get(name))
     heads = head.trainer_heads()
-    assert heads["SFTTrainer"].startswith("trl's chunked_nll head"), heads
-    assert heads["DPOTrainer"].startswith("trl's _ChunkedLogProbFunction"), heads
+    assert heads["SFTTrainer"].startswith("trl's chunked_nll head scored by liger_compat fused log-probs"), heads
+    assert heads["DPOTrainer"].startswith("native logits") and "scored by liger_compat" in heads["DPOTrainer"], heads
     assert heads["GRPOTrainer"].startswith("native logits"), heads
     assert heads["KTOTrainer"].startswith("liger_compat fused log-probs"), heads
     assert set(heads) == {"SFTTrainer", "DPOTrainer", "GRPOTrainer", "KTOTrainer"}
     sources["sft"] = "loss = outputs.loss"
     assert head.trainer_heads()["SFTTrainer"].startswith("the model's forward with labels")
+    from trainer_helpers import native
+
+    with native():
+        off = head.trainer_heads()
+    assert off["DPOTrainer"].endswith("is trl's _ChunkedLogProbFunction"), off
+    assert off["KTOTrainer"].startswith("trl's ChunkedLogProbFunction"), off
+
+
+# ------------------------------------------------------------------------------------------------
+# trl 1.6 .. 1.14: SFT's chunked_nll loss (and DPO / GRPO / KTO's use_liger_kernel paths) call trl's
+# own _ChunkedLogProbFunction (log-probs, entropy) on the hidden states
+# ------------------------------------------------------------------------------------------------
+
+
+def test_legacy_chunked_function_replaced_by_ours():
+    """Our stand-in for trl 1.6 .. 1.14's function against trl's own on the same inputs: log-probs,
+    entropy and the gradients of a per-token weighted sum; a target outside the vocabulary (scored as
+    logit 0 by trl) goes to trl's function."""
+    import inspect
+
+    import torch
+    import trl.trainer.utils as tu
+
+    fn = getattr(tu, "_ChunkedLogProbFunction", None)
+    original = getattr(fn, "trl_function", fn)
+    if not hasattr(original, "forward") or "outputs" in inspect.signature(original.forward).parameters:
+        pytest.skip("the installed trl has no trl 1.6 .. 1.14 _ChunkedLogProbFunction")
+    assert getattr(fn, "_liger_compat", False), "trl.trainer.utils._ChunkedLogProbFunction was not replaced"
+    g = torch.Generator().manual_seed(2)
+    hid = torch.randn(23, 16, generator=g)
+    w = torch.randn(77, 16, generator=g) / 4
+    b = torch.randn(77, generator=g)
+    t = torch.randint(0, 77, (23,), generator=g)
+    up = torch.randn(23, generator=g), torch.randn(23, generator=g)
+
+    def run(f, targets):
+        hh, ww = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, ent = f.apply(hh, ww, b, targets, 0.8, 32, 5.0, 0.9)
+        ((lp * up[0]).sum() + (ent * up[1]).sum()).backward()
+        return lp.detach(), ent.detach(), hh.grad, ww.grad
+
+    before = head.calls["ours"]
+    ours = run(fn, t)
+    assert head.calls["ours"] == before + 1
+    theirs = run(original, t)
+    for a, c in zip(ours, theirs):
+        assert torch.allclose(a, c, rtol=1e-4, atol=1e-5), (a - c).abs().max()
+    t_bad = t.clone()
+    t_bad[3] = -100
+    with mock.patch.object(original, "apply", wraps=original.apply) as spy:
+        ours = run(fn, t_bad)
+    assert spy.call_count == 1 and head.calls["ours"] == before + 1
