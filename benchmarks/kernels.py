@@ -1,7 +1,7 @@
 """GPU benchmark of the liger_compat kernels against torch eager, torch.compile, liger-kernel and
 cut-cross-entropy, in one run.
 
-    python -m benchmarks.kernels [--out DIR] [--name kernels] [--sections ceilings,flce,variants,profile,norm,...]
+    python -m benchmarks.kernels [--out DIR] [--name kernels] [--sections ceilings,flce,logprob,variants,profile,norm,...]
     python -m benchmarks.kernels --plot DIR/kernels.json      # plots only (no GPU needed)
 
 Prints a correctness table and a timing table (markdown, also written to ``<name>.md``),
@@ -355,6 +355,99 @@ def flce(names=("llama3-8b", "qwen2-7b", "llama3.2-1b"), acc_variants=(False,), 
             del h, w, t, steps
             gc.collect()
             torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# fused log-prob heads (trl's add_fused_lm_head scoring)
+# ---------------------------------------------------------------------------------------------
+
+#: trl's vocabulary tile width in add_fused_lm_head (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+TRL_LOGPROB_CHUNK = 32768
+#: what trl's SFTTrainer asks its head for
+LOGPROB_OUTPUTS = ("entropy", "is_top1")
+
+
+def _logprob_impls(upstream):
+    """Head implementations on the compacted rows (what trl's head passes the scoring function):
+    each returns ``(loss, log_probs)`` from ``(h, w, t)`` for the ``upstream`` kind of loss:
+    ``"sft"`` (minus the mean log-prob) or ``"weights"`` (per-token weights, GRPO-like)."""
+    from liger_compat.kernels import fused_linear_cross_entropy
+    from liger_compat.kernels.logprob import fused_linear_logprobs
+
+    impls = {}
+
+    def loss_of(lp, adv):
+        return -lp.sum() / lp.numel() if upstream == "sft" else -(lp * adv).sum() / lp.numel()
+
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+
+        def trl_head(h, w, t, adv):
+            lp = ChunkedLogProbFunction.apply(h, w, None, t, 1.0, TRL_LOGPROB_CHUNK, None, 1.0, LOGPROB_OUTPUTS)[0]
+            return loss_of(lp, adv), lp
+
+        impls["trl head"] = trl_head
+    except Exception as exc:
+        log("trl unavailable:", exc)
+
+    def ours(h, w, t, adv):
+        out = fused_linear_logprobs(h, w, t, want=("log_probs",) + LOGPROB_OUTPUTS,
+                                    grad_mode="uniform" if upstream == "sft" else "recompute")
+        return loss_of(out.log_probs, adv), out.log_probs
+
+    impls["liger_compat logprobs"] = ours
+    if upstream == "sft":
+        impls["liger_compat fused loss (mean)"] = lambda h, w, t, adv: (
+            fused_linear_cross_entropy(h, w, t, return_token_accuracy=True).loss, None)
+    return impls
+
+
+def logprob(names=("llama3-8b", "qwen2-7b", "llama3.2-1b")):
+    """trl's head (ChunkedLogProbFunction) against fused_linear_logprobs at the heads, bf16, 10 % of the
+    rows ignored and dropped first as trl's head does; SFT-style loss and per-token weighted upstream
+    gradients; floors: 3 matmuls (gradient formed in the forward) and 4 (recomputed)."""
+    mt = RESULTS["meta"].get("matmul_tflops", 797.0)
+    for name in names:
+        n, hd, v, _ = HEADS[name]
+        h_all, w, t_all = _flce_inputs(n, hd, v)
+        keep = t_all != -100
+        h = h_all.detach()[keep].clone().requires_grad_(True)
+        t = t_all[keep]
+        m = h.shape[0]
+        adv = torch.randn(m, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        floor3 = 6 * m * hd * v / (mt * 1e12) * 1e3
+        floor4 = 8 * m * hd * v / (mt * 1e12) * 1e3
+        refs = _ref_grads(h, w, t, None, fp32=True)  # grads of the mean NLL = the SFT loss here
+        for upstream in ("sft", "weights"):
+            shape = f"{name} N={n} ({m} scored) H={hd} V={v} {upstream}"
+            log(f"## logprob: {shape}")
+            steps, extras = {}, {}
+            for impl, fn in _logprob_impls(upstream).items():
+                def step(fn=fn):
+                    loss, _ = fn(h, w, t, adv)
+                    return torch.autograd.grad(loss, (h, w))
+
+                errs = {"floor3_ms": floor3, "floor4_ms": floor4, "upstream": upstream}
+                try:
+                    loss, lp = fn(h, w, t, adv)
+                    gh, gw = torch.autograd.grad(loss, (h, w))
+                    if upstream == "sft":
+                        errs["gh_err_vs_fp32"] = rel(gh, refs[0])
+                        errs["gw_err_vs_fp32"] = rel(gw, refs[1])
+                        errs["loss_absdiff_vs_fp32"] = abs(loss.item() - refs[2].item())
+                    errs["finite"] = bool(torch.isfinite(gh).all() and torch.isfinite(gw).all())
+                    del loss, lp, gh, gw
+                except Exception as exc:
+                    errs["check_error"] = str(exc)[:300]
+                steps[impl], extras[impl] = step, errs
+            gc.collect()
+            torch.cuda.empty_cache()
+            measure_rounds("logprob", shape, steps, extras, preexisting=(h, w),
+                           floor_ms=floor3 if upstream == "sft" else floor4)
+            del steps
+        del h_all, h, w, t, t_all, refs
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _set_flce(rows=None, mib=None, variant="split", compact=True, logits="auto"):
@@ -1028,6 +1121,23 @@ def report() -> str:
                     lines.append(f"| {r['shape']}: {r['impl']} | {r['ms']:.2f} | {_mib(r)} | {r['ms'] / r['floor_ms']:.2f} |")
                 else:
                     lines.append(f"| {r['shape']} | {r['ms']:.2f} | {_mib(r)} | {r['ms'] / r['floor_ms']:.2f} |")
+    lp = _rows("logprob")
+    if lp:
+        lines += ["", "## Fused log-prob head (trl's add_fused_lm_head scoring): forward+backward, bf16, 10 % ignored", "",
+                  "floor: 3 matmuls for the SFT loss, 4 with per-token weights, at the measured matmul rate; "
+                  "x trl: time / trl head's time on the same rows; errors vs an fp32 head for the SFT loss.", "",
+                  "| head | impl | ms | x floor | x trl head | extra MiB | grad_h err vs fp32 | grad_w err vs fp32 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for shape in dict.fromkeys(r["shape"] for r in lp):
+            rs = [r for r in lp if r["shape"] == shape]
+            trl = next((r.get("ms") for r in rs if r["impl"] == "trl head"), None)
+            for r in rs:
+                if r.get("ms") is None:
+                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | |")
+                    continue
+                ge = (f"{r['gh_err_vs_fp32']:.2e} | {r['gw_err_vs_fp32']:.2e}" if "gh_err_vs_fp32" in r else " | ")
+                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+                             f"{r['ms'] / trl if trl else float('nan'):.2f} | {_mib(r)} | {ge} |")
     el = _rows("elementwise")
     if el:
         lines += ["", "## RMSNorm, SwiGLU, GeGLU, RoPE (bf16, forward+backward)", "",
@@ -1090,6 +1200,7 @@ def plots(path: Path):
 
 SECTIONS = {
     "ceilings": ceilings,
+    "logprob": lambda: logprob(),
     "flce": lambda: flce(),
     "softcap": lambda: flce(("gemma2-9b-softcap",), section="flce_softcap"),
     "acc": lambda: flce(("llama3-8b",), acc_variants=(True,), section="flce_acc"),
@@ -1185,7 +1296,7 @@ def main(argv=None):
              "flce": "flce", "softcap": "flce_softcap", "acc": "flce_acc", "lowmem": "flce_lowmem",
              "flce_lowmem": "flce_lowmem",
              "variants": "flce_variants", "profile": "flce_profile", "flce_sweep": "flce_sweep",
-             "flce_rows": "flce_rows", "flce_gemm": "flce_gemm", "flce_mib": "flce_mib"}
+             "flce_rows": "flce_rows", "flce_gemm": "flce_gemm", "flce_mib": "flce_mib", "logprob": "logprob"}
     for m in args.merge or []:
         old = json.loads(Path(m).read_text())
         skip = {rerun[x] for x in sections if x in rerun}

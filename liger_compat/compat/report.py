@@ -49,6 +49,7 @@ class Report:
     load_errors: list[str] = field(default_factory=list)
     scenarios: list[scenarios.ScenarioResult] | None = None
     distributed: dict[str, Any] | None = None  # compat.distributed.detect(): launcher, engine, warnings
+    heads: dict[str, str] = field(default_factory=dict)  # trl trainer -> the head that computes its loss
 
     # -- verdict ----------------------------------------------------------------------------
     @property
@@ -83,6 +84,7 @@ class Report:
             "load_errors": self.load_errors,
             "scenarios": None if self.scenarios is None else [s.to_dict() for s in self.scenarios],
             "distributed": self.distributed,
+            "heads": self.heads,
             "ok": self.ok,
         }
 
@@ -151,6 +153,9 @@ def format_text(r: Report) -> str:
     if r.families:
         out += ["", "Model families"]
         out += _table(["family", "state"], [[k, v] for k, v in r.families.items()])
+    if r.heads:
+        out += ["", "LM heads (what computes each trl trainer's loss)"]
+        out += _table(["trainer", "head"], [[k, v] for k, v in r.heads.items()], max_width=110)
     if r.distributed is not None:
         out += ["", "Distributed", f"  {r.distributed.get('summary', '')}"]
         if r.distributed.get("distributed"):
@@ -236,7 +241,19 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         load_errors=list(REGISTRY.load_errors),
         scenarios=scen,
         distributed=_distributed_section(),
+        heads=_heads(),
     )
+
+
+def _heads() -> dict[str, str]:
+    try:
+        from ..shims import trl_fused_lm_head
+    except ImportError:
+        return {}
+    try:
+        return trl_fused_lm_head.trainer_heads()
+    except Exception as exc:
+        return {"(error)": f"{type(exc).__name__}: {exc}"}
 
 
 def _tuning() -> dict[str, str]:

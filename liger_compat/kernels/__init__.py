@@ -3,6 +3,7 @@
 Public functional API:
 
 - :func:`fused_linear_cross_entropy` and :func:`cross_entropy` (``CrossEntropyOutput``)
+- :func:`fused_linear_logprobs` (``LogProbOutput``): per-token log-probs, entropy, top-1 and more of the LM head
 - :func:`rms_norm`, :func:`project_norm_output` (projections of its output, which is rebuilt in the backward)
 - :func:`swiglu`, :func:`geglu`, :func:`gated_project` (``down(act(gate) * up)``, activation rebuilt in the backward)
 - :func:`apply_rotary_pos_emb`
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from ._dispatch import HAS_TRITON, last_backend, use_backend
 from .loss import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy
+from .logprob import LogProbOutput, fused_linear_logprobs
 from .gated_mlp import gated_project, geglu, swiglu
 from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
@@ -27,6 +29,8 @@ __all__ = [
     "fused_linear_cross_entropy",
     "cross_entropy",
     "CrossEntropyOutput",
+    "fused_linear_logprobs",
+    "LogProbOutput",
     "rms_norm",
     "project_norm_output",
     "swiglu",

@@ -23,7 +23,7 @@ SHIM_MODULES: tuple[str, ...] = (
     "num_items_in_batch_labels",  # F5: gradient-accumulation token count from whichever label keys a batch has
     "trl_sft_token_accuracy",  # F1: SFTTrainer token accuracy / entropy from the fused forward, not logits
     "trainer_liger_switch",  # use_liger_kernel / use_liger turned off while liger_compat applies its kernels
-    "trl_fused_lm_head",  # trl 1.15+ add_fused_lm_head: trl's head on its path, reported by check()
+    "trl_fused_lm_head",  # trl 1.15+ add_fused_lm_head: trl's head scored by our fused log-prob kernel
     "trl_trainer_signatures",  # trl < 0.13 trainers called with compute_loss / log / get_batch_samples of 4.46+
 )
 

@@ -132,3 +132,25 @@ def ce_grad_terms(logits, target, gout, *, ignore_index=-100, reduction="mean", 
         elif reduction == "mean":
             c = c / max(int(valid.sum()), 1)
     return terms * c
+
+
+def logprobs64(hidden, weight, bias, target, *, temperature=1.0, softcap=None, logit_scale=1.0, ignore_index=-100):
+    """Per-row fields of the log-prob head in float64 from the inputs (differentiable):
+    ``(log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits)``, zeros on ignored rows."""
+    x = hidden.double() @ weight.double().T
+    if bias is not None:
+        x = x + bias.double()
+    x = x * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    z = x / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    valid = target != ignore_index
+    tgt = torch.where(valid, target, torch.zeros_like(target))
+    zero = torch.zeros((), dtype=torch.float64)
+    lp = torch.where(valid, logp.gather(1, tgt[:, None]).squeeze(1), zero)
+    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), zero)
+    top1 = valid & (z.argmax(-1) == tgt)
+    sq = torch.where(valid, torch.log((logp.exp() ** 2).sum(-1)), zero)
+    mean = torch.where(valid, z.mean(-1), zero)
+    return lp, ent, top1, sq, mean

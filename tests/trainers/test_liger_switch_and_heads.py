@@ -138,8 +138,9 @@ def test_sft_with_the_trainers_switch_on(tokenizer, tmp_path):
 
 
 def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path):
-    """trl's own fused head (1.15+ for every SFT run, 1.6 .. 1.14 with loss_type chunked_nll) computes the
-    loss; check() says so, and liger_compat's RMSNorm kernel still runs inside the decoder."""
+    """trl's own fused head (1.15+ for every SFT run, 1.6 .. 1.14 with loss_type chunked_nll) runs the
+    backbone; liger_compat's RMSNorm kernel runs inside the decoder, and check() says that liger_compat's
+    log-prob kernel scores the labels (trl 1.15+'s add_fused_lm_head; trl 1.6 .. 1.14's chunked function)."""
     trainer_cls, config_cls = trainer_or_skip("sft")
     extra = {}
     import trl.trainer.utils as tu
@@ -162,6 +163,7 @@ def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path):
     assert spy.call_count > 0, "liger_compat's RMSNorm did not run inside the decoder"
     rep = liger_compat.check()
     head = [c for c in rep.conflicts if c["what"] == "Qwen2ForCausalLM LM head"]
-    assert head and "trl" in head[0]["by"], rep.conflicts
     reason = next(s for s in rep.shims if s["id"] == "trl.fused_lm_head")["reason"]
     assert "Qwen2ForCausalLM" in reason and "in use" in reason, reason
+    assert not head, rep.conflicts
+    assert "liger_compat's fused log-prob kernel" in reason, reason

@@ -189,6 +189,8 @@ def trl_head_on(model: Any) -> bool:
     """Whether trl installed its own LM head (an instance-level forward from trl's code) on ``model``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     fwd = vars(base).get("forward")
+    # liger_compat's shim may wrap trl's head forward (to pass the kernel a gradient hint)
+    fwd = getattr(fwd, "_liger_compat_wraps", fwd)
     return fwd is not None and "/trl/" in code_file(fwd)
 
 

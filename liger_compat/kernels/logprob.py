@@ -1,0 +1,396 @@
+"""Fused linear log-probabilities: per-token statistics of ``softmax(hidden @ weight.T)`` without
+``[N, V]`` logits.
+
+``fused_linear_logprobs(hidden, weight, target)`` returns, per row, the log-probability of the
+target and on request the entropy, whether the target is the (first) argmax, ``log sum_v p_v^2``
+and the mean logit, of the distribution over ``z = softcap * tanh(logits * logit_scale / softcap)
+/ temperature`` (``logits = hidden @ weight.T + bias``; the softcap only when given). Rows are
+processed in chunks like :func:`~liger_compat.kernels.loss.fused_linear_cross_entropy`: one
+matmul makes a chunk's logits, the row kernel (Triton in ``_logprob_triton.py``, the torch
+reference :func:`lp_rows_torch` here) reduces them, and only one chunk of logits exists at a time.
+
+Backward takes arbitrary per-row upstream gradients of ``log_probs`` and ``entropy``: it
+recomputes each chunk's logits, turns them in place into ``d / d logits`` and makes that chunk's
+``grad_hidden`` rows and share of ``grad_weight`` (4 matmuls for forward and backward).
+``grad_mode="uniform"`` is for losses that weight every row's log-prob alike (a mean or sum of
+the log-probs, SFT): the forward then also forms the gradients of ``sum(log_probs)`` (3 matmuls
+in all), and the backward scales them when the upstream gradient is the same for every
+non-ignored row and no entropy gradient arrives; otherwise it recomputes as above, so the result
+is the same either way. ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` carry no gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, ContextManager, NamedTuple, Sequence
+
+import torch
+
+from . import _checks, _dispatch
+from .loss import FLCE_CHUNK_BYTES_CPU, _chunk_rows
+
+__all__ = ["fused_linear_logprobs", "LogProbOutput", "FIELDS", "lp_rows_torch"]
+
+#: per-token fields, in the order of :class:`LogProbOutput`
+FIELDS = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
+GRAD_MODES = ("recompute", "uniform")
+
+
+class LogProbOutput(NamedTuple):
+    """Per-row results (fp32, ``is_top1`` bool), each shaped like ``target``; a field not asked
+    for is ``None``. Every field is 0 (``False``) on rows whose target is ``ignore_index``."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    is_top1: torch.Tensor | None
+    log_sum_sq_probs: torch.Tensor | None
+    mean_logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class LPOptions:
+    ignore_index: int = -100
+    inv_t: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    entropy: bool = False
+    is_top1: bool = False
+    log_sum_sq: bool = False
+    mean_logits: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# the row kernel, torch reference
+# --------------------------------------------------------------------------------------------
+
+
+def _transform_torch(x: torch.Tensor, opt: LPOptions):
+    y = x.float() * opt.logit_scale
+    t = None
+    if opt.softcap is not None:
+        t = torch.tanh(y / opt.softcap)
+        y = opt.softcap * t
+    return y * opt.inv_t, t
+
+
+def lp_rows_torch(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None):
+    """Reference for the row kernel on ``logits[C, V]`` (the matmul's output, before the transform).
+
+    Without ``lse``: returns ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, lse)``
+    per row (fp32 / bool; fields not asked for in ``opt`` are ``None``; ignored rows 0). With
+    ``grad``: writes ``d (g_lp * log_probs + g_ent * entropy) / d logits`` into ``grad`` (which may
+    be ``logits`` itself); ``g_lp`` is a 0-d or ``[C]`` tensor, ``g_ent`` ``[C]``, either ``None``.
+    """
+    c, v = logits.shape
+    z, t = _transform_torch(logits, opt)
+    valid = (target != opt.ignore_index) & (target >= 0) & (target < v)
+    tgt = torch.where(valid, target, torch.zeros_like(target)).long()
+    stats = None
+    if lse is None:
+        lse = torch.logsumexp(z, dim=-1)
+        zero = torch.zeros((), dtype=torch.float32, device=z.device)
+        lp = torch.where(valid, z.gather(1, tgt[:, None]).squeeze(1) - lse, zero)
+        log_p = z - lse[:, None]
+        ent = sq = mean = top1 = None
+        if opt.entropy:
+            entropy = -(log_p.exp() * log_p).sum(-1)
+            ent = torch.where(valid, entropy, zero)
+        if opt.log_sum_sq:
+            sq = torch.where(valid, torch.logsumexp(2.0 * log_p, dim=-1), zero)
+        if opt.mean_logits:
+            mean = torch.where(valid, z.mean(-1), zero)
+        if opt.is_top1:
+            top1 = valid & (z.argmax(-1) == tgt)
+        stats = (lp, ent, sq, mean, top1, lse)
+    if grad is not None:
+        log_p = z - lse[:, None]
+        p = log_p.exp()
+        d = torch.zeros_like(z)
+        if g_lp is not None:
+            g = g_lp.float()
+            g = g[:, None] if g.dim() else g
+            d = d - g * p
+            d.scatter_add_(1, tgt[:, None], (g if g.dim() else g.reshape(1, 1)).expand(c, 1).contiguous())
+        if g_ent is not None:
+            d = d - g_ent.float()[:, None] * p * (log_p + entropy[:, None])
+        d = d * opt.inv_t
+        if t is not None:
+            d = d * (1.0 - t * t)
+        d = d * opt.logit_scale
+        d = d * valid[:, None].float()
+        grad.copy_(d)
+    return stats
+
+
+def _lp_rows(backend, *args, **kwargs):
+    if backend == "triton":
+        from ._logprob_triton import lp_rows_triton
+
+        return lp_rows_triton(*args, **kwargs)
+    return lp_rows_torch(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# the chunked passes
+# --------------------------------------------------------------------------------------------
+
+
+def _rows_per_chunk(n, v, h, elem, backend, device):
+    if device.type == "cpu":
+        return max(1, min(n, FLCE_CHUNK_BYTES_CPU // (4 * v)))
+    return _chunk_rows(n, v, h, elem, backend, device)
+
+
+def _valid_rows(target, opt, backend):
+    """Indices of the non-ignored rows (``None`` when that is all of them); one host sync."""
+    n = target.numel()
+    if n == 0:
+        return None
+    idx = (target != opt.ignore_index).nonzero().squeeze(1)
+    return None if idx.numel() == n else idx
+
+
+def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g_ent=None, lse=None, entropy=None):
+    """One chunked pass over the non-ignored rows ``idx`` (all rows when ``None``).
+
+    ``stats``: compute the per-row statistics (returns them, full length, zeros on ignored rows);
+    ``grads`` = (hidden, weight, bias) flags: compute those gradients for the upstream ``g_lp``
+    (0-d or [N]) / ``g_ent`` ([N]) with the row ``lse`` / ``entropy`` (from this pass when
+    ``stats``). Returns ``(stats or None, grad_hidden, grad_weight, grad_bias)``.
+    """
+    n, hdim = h.shape
+    v = w.shape[0]
+    dev = h.device
+    f32 = torch.float32
+    need_gh, need_gw, need_gb = grads
+    any_grad = need_gh or need_gw or need_gb
+    wc = w if w.dtype == cdt else w.to(cdt)
+    bc = None if b is None else (b if b.dtype == cdt else b.to(cdt))
+    m = n if idx is None else idx.numel()
+    rows = _rows_per_chunk(max(m, 1), v, hdim, torch.finfo(cdt).bits // 8, backend, dev)
+    out = None
+    if stats:
+        z = lambda: torch.zeros(n, dtype=f32, device=dev)  # noqa: E731
+        out = [z(), z() if opt.entropy else None, z() if opt.log_sum_sq else None,
+               z() if opt.mean_logits else None,
+               torch.zeros(n, dtype=torch.bool, device=dev) if opt.is_top1 else None, z()]
+    # every row of grad_hidden is written when no row is skipped; the first chunk writes grad_weight
+    gh = (torch.empty if idx is None else torch.zeros)((n, hdim), dtype=cdt, device=dev) if need_gh else None
+    # grad_weight sums every chunk's product: in fp32 on the torch path and for fp32 weights (e.g. an
+    # fp32 master copy under bf16 autocast), in the compute dtype otherwise (an fp32 copy of a bf16
+    # weight would be 2x the weight in extra memory)
+    acc_dtype = f32 if (backend == "torch" or w.dtype == f32) else cdt
+    gw = (torch.empty if acc_dtype == cdt and m else torch.zeros)((v, hdim), dtype=acc_dtype, device=dev) if need_gw else None
+    gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
+    buf = torch.empty((min(rows, max(m, 1)), v), dtype=cdt, device=dev)
+    wt = wc.t()
+    for start in range(0, m, rows):
+        end = min(m, start + rows)
+        if idx is None:
+            sl = slice(start, end)
+            hc, tc = h[sl], target[sl]
+        else:
+            sl = idx[start:end]
+            hc, tc = h.index_select(0, sl), target.index_select(0, sl)
+        if hc.dtype != cdt:
+            hc = hc.to(cdt)
+        logits = buf[: end - start]
+        if bc is not None:
+            torch.addmm(bc, hc, wt, out=logits)
+        else:
+            torch.mm(hc, wt, out=logits)
+        pick = lambda x: None if x is None else (x if x.dim() == 0 else x[sl])  # noqa: E731
+        ent_c = pick(entropy)
+        if stats:
+            st = _lp_rows(backend, logits, tc, opt)
+            for i, x in enumerate(st):
+                if x is not None:
+                    out[i][sl] = x
+            lse_c = st[5]
+            if st[1] is not None:
+                ent_c = st[1]
+        else:
+            lse_c = pick(lse)
+        if any_grad:
+            if g_ent is not None and ent_c is None:
+                raise RuntimeError("an entropy gradient needs the entropy; ask for it in want")
+            _lp_rows(backend, logits, tc, opt, grad=logits, g_lp=pick(g_lp), g_ent=pick(g_ent), lse=lse_c, entropy=ent_c)
+            d = logits
+            if need_gw:
+                if acc_dtype != d.dtype:
+                    gw += (d.t() @ hc).to(acc_dtype)
+                elif start == 0:
+                    torch.mm(d.t(), hc, out=gw)
+                else:
+                    gw.addmm_(d.t(), hc)
+            if need_gb:
+                gb += d.float().sum(0)
+            if need_gh:
+                if idx is None:
+                    torch.mm(d, wc, out=gh[sl])
+                else:
+                    gh.index_copy_(0, sl, d @ wc)
+        hc = tc = None
+    del buf
+    gh = None if gh is None else gh.to(h.dtype)
+    gw = None if gw is None else gw.to(w.dtype)
+    gb = None if gb is None else gb.to(b.dtype)
+    return out, gh, gw, gb
+
+
+def _is_uniform(g: torch.Tensor, idx) -> torch.Tensor | None:
+    """The common value of ``g`` over the rows ``idx`` (all when ``None``) as a 0-d tensor, or
+    ``None`` when the rows differ (one host sync)."""
+    gv = g if idx is None else g.index_select(0, idx)
+    if gv.numel() == 0:
+        return g.new_zeros(())
+    first = gv[0]
+    return first if bool((gv == first).all()) else None
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, b, target, opt, backend, cdt, grad_mode, backward_context):
+        ctx.set_materialize_grads(False)
+        ctx.backward_context = backward_context
+        idx = _valid_rows(target, opt, backend)
+        needs = tuple(ctx.needs_input_grad[:3])
+        needs = (needs[0], needs[1], needs[2] and b is not None)
+        ctx.opt, ctx.backend, ctx.cdt, ctx.needs, ctx.idx = opt, backend, cdt, needs, idx
+        ctx.unit = None
+        if grad_mode == "uniform" and any(needs):
+            out, gh, gw, gb = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=needs,
+                                    g_lp=torch.ones((), dtype=torch.float32, device=h.device))
+            ctx.unit = (gh, gw, gb)
+        else:
+            out, *_ = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=(False,) * 3)
+        lp, ent, sq, mean, top1, lse = out
+        ctx.save_for_backward(h, w, b, target, lse, ent)
+        extra = [x for x in (sq, mean, top1) if x is not None]
+        if extra:
+            ctx.mark_non_differentiable(*extra)
+        return lp, ent, top1, sq, mean
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, *_):
+        if not any(ctx.needs) or (g_lp is None and g_ent is None):
+            ctx.unit = None
+            return (None,) * 9
+        idx = ctx.idx
+        if ctx.unit is not None and g_ent is None:
+            c = _is_uniform(g_lp, idx)
+            if c is not None:
+                gh, gw, gb = ctx.unit
+                ctx.unit = None
+                if not bool(c == 1):  # in place: these buffers are the forward's own
+                    for g in (gh, gw, gb):
+                        if g is not None:
+                            g.mul_(c.to(g.dtype))
+                return gh, gw, gb, None, None, None, None, None, None
+        ctx.unit = None
+        h, w, b, target, lse, ent = ctx.saved_tensors
+        g_lp = None if g_lp is None else g_lp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        with (ctx.backward_context() if ctx.backward_context is not None else contextlib.nullcontext()):
+            _, gh, gw, gb = _pass(h, w, b, target, ctx.opt, ctx.backend, ctx.cdt, idx, stats=False,
+                                  grads=ctx.needs, g_lp=g_lp, g_ent=g_ent, lse=lse, entropy=ent)
+        return gh, gw, gb, None, None, None, None, None, None
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    want: Sequence[str] = FIELDS,
+    ignore_index: int = -100,
+    grad_mode: str = "recompute",
+    compute_dtype: torch.dtype | None = None,
+    backward_context: Callable[[], ContextManager] | None = None,
+) -> LogProbOutput:
+    """Per-row log-probabilities of ``target`` under ``hidden @ weight.T (+ bias)``, without
+    ``[N, V]`` logits, and the other fields of :class:`LogProbOutput` named in ``want``.
+
+    ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``target`` ``hidden.shape[:-1]`` (or flat)
+    class ids; rows whose target is ``ignore_index`` are skipped (all fields 0 there). The
+    distribution is over ``softcap * tanh(logits * logit_scale / softcap) / temperature``.
+    ``log_probs`` and ``entropy`` are differentiable in hidden, weight and bias with any upstream
+    gradient; ``grad_mode="uniform"`` forms the gradient of ``sum(log_probs)`` in the forward
+    (see the module docstring). ``compute_dtype`` (default: hidden's dtype) is the dtype of the
+    matmuls and of each chunk's logits (e.g. the autocast dtype); gradients come back in each
+    input's own dtype. ``backward_context``: called for a context manager the backward's
+    recomputation runs in (e.g. one that gathers a sharded head weight again).
+    """
+    _checks.tensor("hidden", hidden)
+    _checks.tensor("weight", weight)
+    _checks.tensor("target", target)
+    _checks.float_dtype("hidden", hidden)
+    _checks.float_dtype("weight", weight)
+    if bias is not None:
+        _checks.tensor("bias", bias)
+        _checks.float_dtype("bias", bias)
+    _checks.integer_target("target", target)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dimension [..., H]")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    hdim, v = hidden.shape[-1], weight.shape[0]
+    if weight.shape[1] != hdim:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
+    if v == 0:
+        raise ValueError("weight has 0 rows (vocabulary size 0)")
+    if bias is not None and tuple(bias.shape) != (v,):
+        raise ValueError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
+    rows_shape = tuple(hidden.shape[:-1])
+    n = math.prod(rows_shape)
+    if tuple(target.shape) != rows_shape and not (target.dim() == 1 and target.numel() == n):
+        raise ValueError(f"target has shape {tuple(target.shape)} but hidden needs {rows_shape} (or a flat [{n}])")
+    device = _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
+    temperature = float(temperature)
+    if not temperature > 0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    logit_scale = float(logit_scale)
+    if not math.isfinite(logit_scale):
+        raise ValueError(f"logit_scale must be a finite number, got {logit_scale}")
+    if isinstance(want, str):
+        want = (want,)
+    unknown = [f for f in want if f not in FIELDS]
+    if unknown:
+        raise ValueError(f"want names unknown fields {unknown}; choose from {FIELDS}")
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"grad_mode must be one of {GRAD_MODES}, got {grad_mode!r}")
+    if not torch.is_grad_enabled():
+        grad_mode = "recompute"  # nothing to form in the forward
+    cdt = hidden.dtype if compute_dtype is None else compute_dtype
+    _checks.float_dtype("compute_dtype", torch.empty((), dtype=cdt))
+    t1 = target.reshape(-1)
+    if t1.numel():
+        bad = ((t1 < 0) | (t1 >= v)) & (t1 != ignore_index)
+        if bool(bad.any()):
+            first = int(t1[bad][0])
+            raise _checks.TargetOutOfRangeError(
+                f"target holds {first}, outside the vocabulary [0, {v}) and not ignore_index={ignore_index}"
+            )
+    opt = LPOptions(
+        ignore_index=int(ignore_index), inv_t=1.0 / temperature,
+        softcap=None if softcap is None else float(softcap), logit_scale=logit_scale,
+        entropy="entropy" in want, is_top1="is_top1" in want,
+        log_sum_sq="log_sum_sq_probs" in want, mean_logits="mean_logits" in want,
+    )
+    backend = _dispatch.choose("fused_linear_logprobs", device)
+    h2 = hidden.reshape(-1, hdim)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    lp, ent, top1, sq, mean = _FusedLinearLogProbs.apply(
+        h2, weight, bias, t1, opt, backend, cdt, grad_mode, backward_context
+    )
+    view = lambda x: None if x is None else x.view(rows_shape)  # noqa: E731
+    return LogProbOutput(view(lp), view(ent), view(top1), view(sq), view(mean))
