@@ -38,6 +38,20 @@ MODEL_SPECS = {**MODELS, "tiny": dict(family="llama", hidden_size=64, intermedia
                                       tie_word_embeddings=False, rms_norm_eps=1e-5)}
 
 
+def _tokenizer():
+    """A word-level tokenizer with the special tokens SFTTrainer needs; the rows are token ids
+    already, so its vocabulary is never used to encode. Built here, not taken from liger_compat:
+    importing any part of the package patches the libraries, and the ``trl`` and
+    ``trl_liger_kernel`` runs must be unpatched."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<bos>", "<eos>"]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(specials)}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
 def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
     if impl == "trl_liger_compat":
         import liger_compat  # noqa: F401  (first import, as a user would)
@@ -49,8 +63,6 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
-
-    from liger_compat.shims import _tiny_text as tiny
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -66,7 +78,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(3, cfg.vocab_size, (bsz * (steps + warmup), seq), generator=g)
     ds = Dataset.from_dict({"input_ids": rows.tolist()})
-    tok = tiny.build_tokenizer()
+    tok = _tokenizer()
 
     times: list[float] = []
 
@@ -98,6 +110,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
         except torch.OutOfMemoryError:
             return dict(res, status="OOM")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    res["liger_compat_loaded"] = "liger_compat" in sys.modules
     step = statistics.median(times)
     res.update(status="ok", step_ms=step * 1e3, tokens_per_s=bsz * seq / step, steps_ms=[t * 1e3 for t in times],
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), first_loss=losses[0] if losses else None)

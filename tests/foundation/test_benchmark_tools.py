@@ -191,47 +191,28 @@ def test_trl_step_rejects_bad_arguments(capsys):
 
 @pytest.mark.slow
 def test_trl_step_times_native_and_patched_sft_with_the_same_loss():
-    """One CPU step of the tiny model through the benchmark's own SFTTrainer set-up: trl natively and
-    under liger_compat, the first logged loss the same, and the table built from both rows."""
+    """One CPU step of the tiny model through the benchmark's own SFTTrainer set-up: trl in a fresh
+    process that never loads liger_compat, and under liger_compat here; the first logged loss the
+    same, and the table built from both rows."""
     import inspect
+    import json
+    import subprocess
 
     trl = pytest.importorskip("trl")
     if "max_length" not in inspect.signature(trl.SFTConfig.__init__).parameters:
         pytest.skip(f"trl {trl.__version__}: SFTConfig has no max_length (the benchmark targets trl 0.20+)")
     from benchmarks import trl_step
-    from patch_helpers import native
 
-    with native():
-        base = trl_step._one("tiny", "2x16", "trl", steps=1, warmup=1)
+    p = subprocess.run([sys.executable, "-m", "benchmarks.trl_step", "--one", "tiny", "2x16", "trl", "--steps", "1",
+                        "--warmup", "1"], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, p.stderr[-2000:]
+    base = json.loads(lines[-1][len("RESULT "):])
+    assert base["liger_compat_loaded"] is False
     ours = trl_step._one("tiny", "2x16", "trl_liger_compat", steps=1, warmup=1)
+    assert ours["liger_compat_loaded"] is True
     assert base["status"] == ours["status"] == "ok", (base, ours)
     assert base["step_ms"] > 0 and ours["step_ms"] > 0
     assert math.isclose(base["first_loss"], ours["first_loss"], rel_tol=1e-3), (base["first_loss"], ours["first_loss"])
     md = trl_step._markdown([base, ours])
     assert "| tiny | 2x16 | trl | " in md and "| tiny | 2x16 | trl_liger_compat | " in md
-
-
-def test_lowmem_section_and_config_arguments(monkeypatch, tmp_path, capsys):
-    """``--sections ceilings,flce_lowmem`` and ``--lowmem-configs`` are understood before any GPU
-    is needed (here: none, so main returns 1 after parsing); bad configuration names are refused
-    with the valid ones listed."""
-    import torch
-    from benchmarks import kernels as K
-    from liger_compat.kernels._lowmem_triton import CONFIGS
-
-    for name in ("OUT", "NAME", "FLCE_CHUNK_SETTINGS", "FLCE_MIB_HEADS", "ROUNDS", "FLCE_GEMM_CHUNK", "LOWMEM_CONFIGS"):
-        monkeypatch.setattr(K, name, getattr(K, name))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "flce_lowmem" in K.SECTIONS and "llama3-8b-32k" in K.LOWMEM_HEADS
-    assert K.LOWMEM_HEADS["llama3-8b-32k"][0] == 32768
-    assert K.main(["--sections", "ceilings,flce_lowmem", "--out", str(tmp_path)]) == 1
-    assert K.LOWMEM_CONFIGS == ()
-    pair = "m128n128k64w8s3/m128n64k64w4s4"
-    assert K.main(["--sections", "flce_lowmem", "--lowmem-configs", f"{pair},m64n256k64w8s3", "--out", str(tmp_path)]) == 1
-    assert K.LOWMEM_CONFIGS == (pair, "m64n256k64w8s3")
-    assert K.main(["--sections", "flce_lowmem", "--lowmem-configs", "all", "--out", str(tmp_path)]) == 1
-    assert set(K.LOWMEM_CONFIGS) == (set(CONFIGS) - {"interpret"}) | set(K.LOWMEM_PAIRS)
-    for bad in ("m1n1", "m128n128k64w8s3/zz", "a/b/c", ","):
-        with pytest.raises(SystemExit):
-            K.main(["--sections", "flce_lowmem", "--lowmem-configs", bad, "--out", str(tmp_path)])
-        assert "--lowmem-configs" in capsys.readouterr().err
