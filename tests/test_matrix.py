@@ -394,6 +394,31 @@ def test_env_check_detects_that_the_pins_are_not_what_python_imports(tmp_path):
     assert not (tmp_path / "out" / results.ENV_FILE).exists()
 
 
+def test_env_check_checks_the_extras_by_their_installed_distribution(tmp_path, monkeypatch):
+    from liger_compat.compat import versions
+
+    cell = next(c for c in GRID.pinned if c.extras)
+    # pretend the pair and the extra pins are what is installed, but one extra at another release
+    have = {**cell.pins(), cell.extras[0][0]: "0.0.1"}
+    monkeypatch.setattr(results, "_dist_version", lambda name: have.get(name, versions.installed(name).raw))
+    import importlib
+
+    real_import = importlib.import_module
+
+    def fake_import(name, *a, **k):
+        mod = real_import(name, *a, **k)
+        if name in results.PACKAGES + results.EXTRA_PINS:
+            return type("M", (), {"__version__": have[name], "__file__": mod.__file__})
+        return mod
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    with pytest.raises(results.RecordError, match=f"{cell.extras[0][0]}: pinned {cell.extras[0][1]}, installed 0.0.1"):
+        results.env_check(cell, tmp_path / "out")
+    have[cell.extras[0][0]] = cell.extras[0][1]
+    env = results.env_check(cell, tmp_path / "out")
+    assert env["pins"] == cell.pins() and set(dict(cell.extras)) <= set(env["pins"])
+
+
 def test_env_check_passes_on_the_installed_pair_if_it_is_a_cell(tmp_path):
     from liger_compat.compat import versions
 
