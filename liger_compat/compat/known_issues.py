@@ -22,6 +22,9 @@ class KnownIssue(NamedTuple):
     upstream: str
     scenario: str | None = None
     notes: str = ""
+    #: package -> first release in which the issue no longer applies (an upstream fix); empty when
+    #: no release of the affected packages fixes it (liger_compat's shims are then the mitigation)
+    fixed_in: dict[str, str] = {}
 
     def applies(self, installed: dict[str, versions.PackageVersion] | None = None) -> bool:
         inst = installed or versions.all_installed()
@@ -40,6 +43,7 @@ class KnownIssue(NamedTuple):
             "mitigated_by": list(self.mitigated_by),
             "upstream": self.upstream,
             "scenario": self.scenario,
+            "fixed_in": dict(self.fixed_in),
         }
 
 
@@ -52,6 +56,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         mitigated_by=("trl.sft_token_accuracy",),
         upstream="trl 0.15 SFTTrainer.compute_loss logs mean_token_accuracy from outputs.logits[..., :-1, :]",
         scenario="F1",
+        fixed_in={"trl": "1.15.0"},  # trl 1.15 SFT trains through its own fused LM head (add_fused_lm_head)
     ),
     KnownIssue(
         id="F2",
@@ -70,6 +75,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         mitigated_by=("transformers.logits_to_keep",),
         upstream="transformers 4.49 renamed num_logits_to_keep -> logits_to_keep (PR #35757); trl GRPO passes logits_to_keep",
         scenario="F3",
+        fixed_in={"transformers": "4.49.0"},
     ),
     KnownIssue(
         id="F4",
@@ -88,6 +94,58 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         mitigated_by=("transformers.num_items_in_batch_labels", "transformers.renamed_kwargs", "trl.renamed_kwargs"),
         upstream="transformers 4.46 Trainer.get_batch_samples counts batch['labels']; trainers renamed tokenizer -> processing_class",
         scenario="F5",
+    ),
+)
+
+
+class KnownConflict(NamedTuple):
+    """A release range of a library that patches or wraps the same models (liger-kernel, unsloth,
+    cut-cross-entropy) which breaks next to some transformers / trl releases, and what coexists."""
+
+    id: str
+    package: str  #: distribution name
+    versions: str  #: the conflicting releases of ``package`` (specifier; "" = every release)
+    when: dict[str, str]  #: distribution -> specifier: the other side of the conflict
+    failure: str
+    coexists: tuple[str, ...]  #: requirements any one of which avoids the conflict
+    evidence: str
+
+    def applies(self, installed: dict[str, str | None]) -> bool:
+        """Whether the installed releases (distribution name -> version or None) conflict."""
+        have = installed.get(self.package)
+        if have is None or not versions.matches(have, self.versions):
+            return False
+        return all(installed.get(d) is not None and versions.matches(installed[d], spec) for d, spec in self.when.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "package": self.package, "versions": self.versions, "when": dict(self.when),
+                "failure": self.failure, "coexists": list(self.coexists), "evidence": self.evidence}
+
+
+#: read from the released wheels (see ``evidence``)
+KNOWN_CONFLICTS: tuple[KnownConflict, ...] = (
+    KnownConflict(
+        id="liger-kernel-llama-docstrings",
+        package="liger-kernel",
+        versions="<0.5.10",
+        when={"transformers": ">=4.52"},
+        failure="ImportError: cannot import name '_CONFIG_FOR_DOC' from transformers.models.llama.modeling_llama "
+                "(liger_kernel.transformers.model.llama)",
+        coexists=("liger-kernel>=0.5.10", "transformers<4.52"),
+        evidence="liger-kernel 0.5.9 liger_kernel/transformers/model/llama.py imports _CONFIG_FOR_DOC and "
+                 "LLAMA_INPUTS_DOCSTRING from modeling_llama; transformers 4.51.3 defines them, 4.52.4 does not; "
+                 "liger-kernel 0.5.10 imports neither",
+    ),
+    KnownConflict(
+        id="liger-fused-ce-under-trl-fused-head",
+        package="liger-kernel",
+        versions="",
+        when={"trl": ">=1.15.0"},
+        failure="SFTTrainer(use_liger_kernel=True) applies only liger's layer kernels; "
+                "liger_kernel_config={'fused_linear_cross_entropy': True} raises ValueError",
+        coexists=("trl<1.15.0",),
+        evidence="trl 1.15.0 sft_trainer.py raises when liger_kernel_config enables fused_linear_cross_entropy "
+                 "and forces it off otherwise (its own fused LM head, add_fused_lm_head); trl 1.14.2 has neither",
     ),
 )
 

@@ -50,6 +50,7 @@ class Report:
     scenarios: list[scenarios.ScenarioResult] | None = None
     distributed: dict[str, Any] | None = None  # compat.distributed.detect(): launcher, engine, warnings
     heads: dict[str, str] = field(default_factory=dict)  # trl trainer -> the head that computes its loss
+    advice: list[dict[str, Any]] = field(default_factory=list)  # compat.advice.advise()
 
     # -- verdict ----------------------------------------------------------------------------
     @property
@@ -85,6 +86,7 @@ class Report:
             "scenarios": None if self.scenarios is None else [s.to_dict() for s in self.scenarios],
             "distributed": self.distributed,
             "heads": self.heads,
+            "advice": self.advice,
             "ok": self.ok,
         }
 
@@ -167,6 +169,9 @@ def format_text(r: Report) -> str:
     if r.conflicts:
         out += ["", "Conflicts"]
         out += _table(["target", "patched by", "detail"], [[c["what"], c["by"], c["detail"]] for c in r.conflicts])
+    if r.advice:
+        out += ["", "Advice"]
+        out += [f"  - {a['kind']}: {a['text']}" for a in r.advice]
     if r.scenarios is not None:
         out += ["", "Scenarios (--deep)"]
         if r.scenarios:
@@ -211,7 +216,10 @@ def _matrix(installed: dict[str, versions.PackageVersion]) -> dict[str, Any]:
     except ImportError:
         return {"summary": "no version matrix in this build"}
     try:
-        return dict(verification_status(installed["transformers"].raw, installed["trl"].raw))
+        from .advice import installed_distributions
+
+        return dict(verification_status(installed["transformers"].raw, installed["trl"].raw,
+                                        extras=installed_distributions(installed)))
     except Exception as exc:
         return {"summary": f"matrix lookup failed: {type(exc).__name__}: {exc}"}
 
@@ -226,6 +234,8 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
     shim_list = [s.status() for s in REGISTRY.shims()]
     shim_states = {s["id"]: s["state"] for s in shim_list}
     st = _config.settings
+    issues = [_issue_status(i, shim_states, installed) for i in known_issues.KNOWN_ISSUES]
+    matrix = _matrix(installed)
     return Report(
         liger_compat_version=__version__,
         python=sys.version.split()[0],
@@ -234,14 +244,15 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         settings={"disabled": st.disabled, "kernels": sorted(st.kernels), "debug": st.debug, "source": dict(st.source),
                   "tuning": _tuning()},
         shims=shim_list,
-        issues=[_issue_status(i, shim_states, installed) for i in known_issues.KNOWN_ISSUES],
+        issues=issues,
         families=_families(),
-        matrix=_matrix(installed),
+        matrix=matrix,
         conflicts=[c.to_dict() for c in REGISTRY.conflicts],
         load_errors=list(REGISTRY.load_errors),
         scenarios=scen,
         distributed=_distributed_section(),
         heads=_heads(),
+        advice=_advice(installed, matrix, issues),
     )
 
 
@@ -254,6 +265,16 @@ def _heads() -> dict[str, str]:
         return trl_fused_lm_head.trainer_heads()
     except Exception as exc:
         return {"(error)": f"{type(exc).__name__}: {exc}"}
+
+
+def _advice(installed: dict[str, versions.PackageVersion], matrix: dict[str, Any],
+            issues: list[IssueStatus]) -> list[dict[str, Any]]:
+    try:
+        from . import advice
+
+        return advice.advise(advice.installed_distributions(installed), matrix, issues)
+    except Exception as exc:  # advice never breaks the report
+        return [{"kind": "error", "subject": "advice", "text": f"advice failed: {type(exc).__name__}: {exc}"}]
 
 
 def _tuning() -> dict[str, str]:

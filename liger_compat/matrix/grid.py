@@ -23,6 +23,8 @@ except ImportError:  # pragma: no cover - Python 3.10
 PACKAGES = ("transformers", "trl")
 #: extra distributions pinned per cell, besides the pair itself
 EXTRA_PINS = ("accelerate", "datasets")
+#: distributions a cell may add under ``extras`` (libraries that patch or wrap the same models)
+OPTIONAL_PINS = ("peft", "liger-kernel", "cut-cross-entropy", "unsloth")
 
 
 class GridError(ValueError):
@@ -38,10 +40,22 @@ class Boundary:
     version: str
     what: str
     evidence: str
+    #: a regression confined to these releases (empty: every release from ``version`` on)
+    only: tuple[str, ...] = ()
 
     def before(self, cell: "Cell") -> bool:
-        """Whether a pinned cell is on the old side of this change (the newest cell is on neither)."""
+        """Whether a pinned cell is on the old side of this change (the newest cell is on neither).
+
+        For a boundary with ``only``, "before" means on none of the affected releases."""
+        if self.only:
+            return not self.has(cell.release(self.package))
         return cell.release(self.package) < Version(self.version)
+
+    def has(self, release: Version) -> bool:
+        """Whether a release of ``package`` shows the change."""
+        if self.only:
+            return any(release == Version(v) for v in self.only)
+        return release >= Version(self.version)
 
 
 @dataclass(frozen=True)
@@ -61,13 +75,15 @@ class Cell:
     why: str
     labels: tuple[str, ...] = ()
     newest: bool = False
+    #: (distribution, release) of optional libraries installed beside the pair (peft, liger-kernel ...)
+    extras: tuple[tuple[str, str], ...] = ()
 
     def pins(self) -> dict[str, str]:
         """The exact releases this cell installs; empty for the newest cell."""
         if self.newest:
             return {}
         return {"transformers": self.transformers, "trl": self.trl,  # type: ignore[dict-item]
-                "accelerate": self.accelerate, "datasets": self.datasets}
+                "accelerate": self.accelerate, "datasets": self.datasets, **dict(self.extras)}
 
     def release(self, package: str) -> Version:
         if self.newest:
@@ -75,7 +91,8 @@ class Cell:
         return Version(self.pins()[package])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, **self.pins(), "newest": self.newest, "labels": list(self.labels), "why": self.why}
+        return {"name": self.name, **self.pins(), "newest": self.newest, "labels": list(self.labels), "why": self.why,
+                "extras": dict(self.extras)}
 
 
 @dataclass(frozen=True)
@@ -99,18 +116,39 @@ class Grid:
     def labelled(self, label: str) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if label in c.labels)
 
-    def find(self, transformers: str | None, trl: str | None) -> Cell | None:
+    def find(self, transformers: str | None, trl: str | None,
+             extras: dict[str, str | None] | None = None) -> Cell | None:
         """The cell pinning exactly these releases (``4.48.3.dev0`` counts as ``4.48.3``).
 
+        ``extras`` (distribution -> installed release or None) picks between cells of the same
+        pair: a cell with extras matches only when each of them is installed at its pin; a
+        cell without extras matches whatever else is installed. The most specific match wins.
         Only pinned cells: the newest cell has no release numbers of its own (see
         :func:`liger_compat.matrix.status.verification_status` for matching its recorded run)."""
         t, r = _release(transformers), _release(trl)
         if t is None or r is None:
             return None
-        for c in self.pinned:
-            if Version(c.transformers) == t and Version(c.trl) == r:
-                return c
-        return None
+        have = extras or {}
+        found = [c for c in self.pinned
+                 if Version(c.transformers) == t and Version(c.trl) == r
+                 and all(_release(have.get(d)) == Version(v) for d, v in c.extras)]
+        return max(found, key=lambda c: len(c.extras), default=None)
+
+    def isolating(self, boundary: Boundary) -> list[tuple[Cell, Cell]]:
+        """Pairs of pinned cells (before, at or after) across which ``boundary`` is the only
+        boundary of the grid that changes sides, so that a failure on one and not the other
+        points to that change alone (boundaries of the same release count as one change)."""
+        pairs = []
+        for a in self.pinned:
+            if not boundary.before(a):
+                continue
+            for b in self.pinned:
+                if boundary.before(b) or a.extras != b.extras:
+                    continue
+                if all(o.before(a) == o.before(b) for o in self.boundaries
+                       if (o.package, o.version, o.only) != (boundary.package, boundary.version, boundary.only)):
+                    pairs.append((a, b))
+        return pairs
 
     def uncovered(self) -> list[str]:
         """Boundaries without a pinned cell on each side; empty when the grid is well-formed.
@@ -120,8 +158,9 @@ class Grid:
         for b in self.boundaries:
             sides = {b.before(c) for c in self.pinned}
             if sides != {True, False}:
-                side = "before" if False in sides else "at or after"
-                out.append(f"{b.id} ({b.package} {b.version}): no cell {side} it")
+                side = ("before" if False in sides else "at or after") if not b.only else \
+                    ("on one of " + ", ".join(b.only) if True in sides else "on none of " + ", ".join(b.only))
+                out.append(f"{b.id} ({b.package} {b.version}): no cell {side}" + ("" if b.only else " it"))
         return out
 
 
@@ -173,10 +212,20 @@ def parse(data: dict[str, Any]) -> Grid:
         pkg = _req(b, "package", where)
         if pkg not in PACKAGES:
             raise GridError(f"{where}: package must be one of {PACKAGES}, got {pkg!r}")
-        boundaries.append(Boundary(bid, pkg, _version(b, "version", where), _req(b, "what", where), _req(b, "evidence", where)))
+        version = _version(b, "version", where)
+        only = b.get("only", [])
+        if not isinstance(only, list):
+            raise GridError(f"{where}: only must be a list of releases")
+        only = tuple(_version({"only": v}, "only", where) for v in only)
+        if only and (min(only, key=Version) != version):
+            raise GridError(f"{where}: version must be the first release listed in only")
+        unknown = set(b) - {"id", "package", "version", "what", "evidence", "only"}
+        if unknown:
+            raise GridError(f"{where}: unknown field(s) {sorted(unknown)}")
+        boundaries.append(Boundary(bid, pkg, version, _req(b, "what", where), _req(b, "evidence", where), only))
     cells = []
     seen_c: set[str] = set()
-    seen_pair: set[tuple[str, str]] = set()
+    seen_pair: set[tuple[Any, ...]] = set()
     for i, c in enumerate(data.get("cell", [])):
         where = f"cell #{i + 1}"
         name = _req(c, "name", where)
@@ -192,8 +241,15 @@ def parse(data: dict[str, Any]) -> Grid:
         newest = c.get("newest", False)
         if not isinstance(newest, bool):
             raise GridError(f"{where}: field 'newest' must be true or false, got {newest!r}")
+        extras = c.get("extras", {})
+        if not isinstance(extras, dict):
+            raise GridError(f"{where}: extras must be a table of distribution = \"release\"")
+        for dist in extras:
+            if dist not in OPTIONAL_PINS:
+                raise GridError(f"{where}: extras may pin {', '.join(OPTIONAL_PINS)}, not {dist!r}")
+        extra_pins = tuple((d, _version(extras, d, f"{where} extras")) for d in sorted(extras))
         if newest:
-            pinned = sorted(k for k in (*PACKAGES, *EXTRA_PINS) if k in c)
+            pinned = sorted(k for k in (*PACKAGES, *EXTRA_PINS) if k in c) + (["extras"] if extras else [])
             if pinned:
                 raise GridError(f"{where}: a newest cell installs the newest releases and pins nothing; "
                                 f"remove {', '.join(pinned)}")
@@ -203,12 +259,13 @@ def parse(data: dict[str, Any]) -> Grid:
                         why=_req(c, "why", where), labels=tuple(labels), newest=True)
         else:
             cell = Cell(name=name, **{k: _version(c, k, where) for k in (*PACKAGES, *EXTRA_PINS)},
-                        why=_req(c, "why", where), labels=tuple(labels))
-            pair = (cell.transformers, cell.trl)
+                        why=_req(c, "why", where), labels=tuple(labels), extras=extra_pins)
+            pair = (cell.transformers, cell.trl, extra_pins)
             if pair in seen_pair:
-                raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]} is already a cell")
+                more = f" with extras {dict(extra_pins)}" if extra_pins else ""
+                raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]}{more} is already a cell")
             seen_pair.add(pair)
-        unknown = set(c) - {"name", "labels", "why", "newest", *PACKAGES, *EXTRA_PINS}
+        unknown = set(c) - {"name", "labels", "why", "newest", "extras", *PACKAGES, *EXTRA_PINS}
         if unknown:
             raise GridError(f"{where}: unknown field(s) {sorted(unknown)}")
         cells.append(cell)

@@ -53,11 +53,13 @@ def table(grid: Grid, verified: dict[str, Any], current: dict[str, str | None] |
         "A cell is *verified* when its recorded run passed on the code as it is now (same content fingerprint "
         "of the package and the tests); a run recorded at another state of the code is *stale*. "
         "The `newest` cell pins nothing: it installs the newest release of every dependency when it runs "
-        "(shown: the releases of its recorded run). CI (`.ci/run`) runs the cells labelled `ci` after the main "
-        "suite: " + ", ".join(f"`{c.name}`" for c in grid.labelled("ci")) + ".",
+        "(shown: the releases of its recorded run). *also installed*: libraries pinned beside the pair to test "
+        "coexistence with them. CI (`.ci/run`) runs the cells labelled `ci` (column CI), chosen by boundary, after "
+        "the main suite: " + ", ".join(f"`{c.name}`" for c in grid.labelled("ci")) + ".",
         "",
-        "| transformers | trl | accelerate | datasets | state | passed | failed | skipped | run on @ commit | tox env |",
-        "|---|---|---|---|---|---:|---:|---:|---|---|",
+        "| transformers | trl | accelerate | datasets | also installed | state | passed | failed | skipped "
+        "| run on @ commit | CI | tox env |",
+        "|---|---|---|---|---|---|---:|---:|---:|---|---|---|",
     ]
     for c in grid.cells:
         r = cells.get(c.name)
@@ -65,8 +67,10 @@ def table(grid: Grid, verified: dict[str, Any], current: dict[str, str | None] |
         nums = ([str(r["passed"]), str(r["failed"] + r["errors"]), str(r["skipped"]),
                  str(r.get("date", ""))[:10] + (f" @ {commit[:7]}" if commit else "")]
                 if r else ["", "", "", ""])
-        rows.append("| " + " | ".join(_versions(c, r)) + f" | {_state(r, now)} | "
-                    + " | ".join(nums) + f" | `{c.name}` |")
+        extras = ", ".join(f"{d} {v}" for d, v in c.extras) or "-"
+        ci = "yes" if "ci" in c.labels else ""
+        rows.append("| " + " | ".join(_versions(c, r)) + f" | {extras} | {_state(r, now)} | "
+                    + " | ".join(nums) + f" | {ci} | `{c.name}` |")
     return "\n".join(rows)
 
 

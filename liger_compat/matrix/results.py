@@ -29,7 +29,8 @@ from .grid import EXTRA_PINS, PACKAGES, Cell, Grid, _release
 
 SCHEMA = 1
 #: distributions whose versions env-check records besides the pinned ones
-RECORDED = ("torch", "triton", "tokenizers", "huggingface-hub", "numpy", "peft", "pytest",
+RECORDED = ("torch", "triton", "tokenizers", "huggingface-hub", "numpy", "peft", "liger-kernel",
+            "cut-cross-entropy", "unsloth", "pytest",
             "wrapt", "packaging", "hypothesis", "pytest-xdist", "safetensors")
 ENV_FILE = "env.json"
 JUNIT_FILE = "junit.xml"
@@ -120,6 +121,10 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
         want = cell.pins()[pkg]
         if _release(got) != _release(want) or _release(meta) != _release(want):
             problems.append(f"{pkg}: pinned {want}, imported {got} (metadata {meta}) from {where}")
+    for dist, want in ([] if cell.newest else cell.extras):
+        meta = _dist_version(dist)
+        if _release(meta) != _release(want):
+            problems.append(f"{dist}: pinned {want}, installed {meta or 'nothing'}")
     import torch
 
     torch_where = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))

@@ -83,7 +83,8 @@ def _releases(cell: Cell, recorded: dict[str, Any]) -> tuple[str, str] | None:
 
 def verification_status(transformers_raw: str | None, trl_raw: str | None,
                         grid: Grid | None = None, verified: dict[str, Any] | None = None,
-                        current: dict[str, str | None] | None = None) -> dict[str, Any]:
+                        current: dict[str, str | None] | None = None,
+                        extras: dict[str, str | None] | None = None) -> dict[str, Any]:
     """Where the installed pair stands in the version matrix.
 
     Keys: ``summary`` (one line), ``state`` (``verified``, ``stale``, ``failing``, ``not run``,
@@ -97,6 +98,9 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     cells before stale ones at equal distance; None when nothing passed yet), ``installed``,
     ``grid_cells``, ``recorded_cells``, ``fingerprint`` (the compared fingerprints).
 
+    ``extras`` (distribution -> installed version) lets a cell that pins peft / liger-kernel ...
+    match when those are installed at its pins (see :meth:`Grid.find`).
+
     ``current`` defaults to the fingerprint of the installed package (tests are not installed,
     so ``check()`` compares the package part only).
     """
@@ -104,7 +108,7 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     verified = verified if verified is not None else load_verified()
     now = current if current is not None else fingerprint.current()
     recorded: dict[str, Any] = verified.get("cells", {})
-    cell = grid.find(transformers_raw, trl_raw) or _newest_match(grid, recorded, transformers_raw, trl_raw)
+    cell = grid.find(transformers_raw, trl_raw, extras) or _newest_match(grid, recorded, transformers_raw, trl_raw)
     results = recorded.get(cell.name) if cell else None
     state = cell_state(results, now) if cell else "not a cell"
     ok = state == "verified"
@@ -161,3 +165,51 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     else:
         out["summary"] = f"{pair} is not a grid cell{near}"
     return out
+
+
+def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, verified: dict[str, Any] | None = None,
+                  current: dict[str, str | None] | None = None, limit: int = 2,
+                  only_verified: bool = False) -> list[dict[str, Any]]:
+    """The cells with a passing recorded run nearest to the installed releases, and the pins that
+    would put the user on each.
+
+    ``installed``: distribution name -> installed version or None (transformers, trl, accelerate,
+    datasets and any optional library of the grid). The installed pair's own cell is left out; a
+    cell with ``extras`` counts only when each of them is installed (in whatever release: the
+    pins then name the cell's). Verified cells (a passing run of this very code) come before
+    stale ones (left out with ``only_verified``), then by :func:`distance`, then in grid order. Each entry: ``cell``, ``state``
+    (``verified`` / ``stale``), ``distance``, ``transformers``, ``trl``, ``pins`` (distribution ->
+    release, only those that differ from what is installed) and ``command`` (a pip line).
+    """
+    grid = grid or load_grid()
+    verified = verified if verified is not None else load_verified()
+    now = current if current is not None else fingerprint.current()
+    recorded: dict[str, Any] = verified.get("cells", {})
+    t_raw, r_raw = installed.get("transformers"), installed.get("trl")
+    if t_raw is None:
+        return []
+    own = grid.find(t_raw, r_raw, installed) or _newest_match(grid, recorded, t_raw, r_raw)
+    found = []
+    for i, c in enumerate(grid.cells):
+        res = recorded.get(c.name)
+        rel = _releases(c, recorded)
+        if c is own or not passing(res) or rel is None:
+            continue
+        if any(installed.get(d) is None for d, _ in c.extras):
+            continue
+        if c.newest:
+            got = res.get("versions") or {}
+            want = {k: got.get(k) for k in ("transformers", "trl", "accelerate", "datasets")}
+            want = {k: v for k, v in want.items() if v}
+        else:
+            want = c.pins()
+        pins = {k: v for k, v in want.items() if _release(installed.get(k)) != _release(v)}
+        state = cell_state(res, now)
+        if only_verified and state != "verified":
+            continue
+        found.append(((state != "verified", _distance(t_raw, r_raw, *rel), i),
+                      {"cell": c.name, "state": state, "distance": _distance(t_raw, r_raw, *rel),
+                       "transformers": rel[0], "trl": rel[1], "pins": pins,
+                       "command": "pip install " + " ".join(f"{k}=={v}" for k, v in pins.items()) if pins else ""}))
+    found.sort(key=lambda x: x[0])
+    return [entry for _, entry in found[:limit]]

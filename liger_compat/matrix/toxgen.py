@@ -69,7 +69,8 @@ def render(grid: Grid) -> str:
     ]
     for c in grid.cells:
         why = c.why.replace("{", "(").replace("}", ")").replace("\n", " ")
-        what = "newest releases, unpinned" if c.newest else f"transformers {c.transformers} + trl {c.trl}"
+        what = "newest releases, unpinned" if c.newest else f"transformers {c.transformers} + trl {c.trl}" + "".join(
+            f" + {d} {v}" for d, v in c.extras)
         lines += [f"[testenv:{c.name}]", f"description = {what}: {why}"]
         if c.labels:
             lines += [f"labels = {', '.join(c.labels)}"]

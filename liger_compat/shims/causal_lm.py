@@ -34,15 +34,22 @@ The wrapper (a plain function on the class that ``torch.compile`` traces, ``_pat
   The result is the family's native output class with ``logits=None`` and an extra
   ``token_accuracy`` (``out.token_accuracy`` and ``out["token_accuracy"]``: 0-d fraction of
   non-ignored shifted label positions whose argmax is the label, computed inside the kernel).
-  With ``return_dict=False`` the set fields come back as a tuple (``ModelOutput.to_tuple`` drops
-  None ones): the loss first, no logits entry, no token_accuracy. In eval mode it is the native
-  tuple, the loss then the logits.
+  With ``return_dict=False`` the set fields come back as a tuple in the native order, the loss
+  first and None where the logits would be (``ModelOutput.to_tuple``, and since transformers 4.51
+  ``@can_return_tuple``, drop None fields: without the placeholder every later field would sit one
+  position left of where the native tuple has it), no token_accuracy. In eval mode it is the
+  native tuple, the loss then the logits.
 * Logits together with a fused loss in training: pass ``return_logits=True`` to the forward, or set
   ``LIGER_COMPAT_RETURN_LOGITS=1``; the logits are then computed (honouring ``logits_to_keep``)
   in addition to the fused loss.
 
-``logits_to_keep`` / ``num_logits_to_keep``: an int (keep the last k positions, 0 = all) or a
-1-D index tensor, under either name. With labels, the labels must cover the kept positions.
+``logits_to_keep`` / ``num_logits_to_keep``: an int (keep the last k positions, 0 = all), a 1-D
+index tensor, or (transformers 5.21 ``slice_logits_to_keep``) a 2-D integer ``(batch, k)`` tensor of
+positions per sample or a bool ``(batch, seq)`` mask whose kept positions flatten to
+``(num_true, vocab)`` logits, under either name and on every release (before 5.21 the native
+forward cannot slice a 2-D tensor: the decoder and head below it run instead). With labels, the
+labels must cover the kept positions (``(batch, k)``, or ``(num_true,)`` for a mask: shifted by one
+along that flat sequence, as transformers' loss shifts them).
 """
 
 from __future__ import annotations
@@ -56,8 +63,8 @@ from .. import _config
 from . import conflicts, families
 from ._patching import PatchSet, call_below, unwrap
 from ._registry import REGISTRY, register
-from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_ours, keep_positions, normalize_keep, pop_keep,
-                             stable_key)
+from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_2d, is_ours, keep_positions, native_slices_2d,
+                             normalize_keep, pop_keep, stable_key)
 
 try:  # runs the fused loss inside lm_head's forward when FSDP / ZeRO-3 shard the head
     from . import distributed as _distributed
@@ -173,7 +180,7 @@ def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
     if kw.get("labels") is None or _reads_logits(instance):
         # no labels (DPO, GRPO, generate) or evaluation / prediction with labels (Trainer.evaluate hands
         # the logits to compute_metrics): what the native forward returns, loss included
-        if _native_takes(known, keep) or not _usable(instance, fam):
+        if (_native_takes(known, keep) and (not is_2d(keep) or native_slices_2d(wrapped))) or not _usable(instance, fam):
             return _call_native(wrapped, kw, known, has_keep, keep)
         return _decoder_and_head(instance, fam, kw, keep, want_logits=True, accuracy=False)
     if not _usable(instance, fam):
@@ -244,10 +251,26 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     else:
         out = mo.CausalLMOutputWithPast(**fields)
     if not return_dict:
-        return out.to_tuple()
+        return _as_tuple(out)
     if token_accuracy is not None and accuracy:
         out["token_accuracy"] = token_accuracy
     return out
+
+
+def _as_tuple(out: Any) -> tuple:
+    """``return_dict=False``: the set fields in the output class's order, as ``to_tuple`` gives
+    them, except that a skipped ``logits`` keeps its place as None. ``to_tuple`` drops None fields,
+    and since transformers 4.51 (``@can_return_tuple``) so does the native forward, whose logits
+    are never None; without the placeholder every field after the loss would move one position
+    left (``out[1]`` the cache instead of the logits)."""
+    from dataclasses import fields
+
+    items = []
+    for f in fields(out):
+        v = getattr(out, f.name, None)
+        if v is not None or (f.name == "logits" and out.get("loss") is not None):
+            items.append(v)
+    return tuple(items)
 
 
 def _plain_head(model: Any) -> Any:

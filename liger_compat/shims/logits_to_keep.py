@@ -12,6 +12,13 @@ the two names and renames the other. A 1-D index tensor given to a forward that 
 int is served by computing all logits and selecting the rows (correct, not memory-efficient; the
 fused forward of :mod:`liger_compat.shims.causal_lm` avoids that for the families it knows).
 The forward's signature is left as it is (``inspect.signature`` still shows the native one).
+
+transformers 5.21 (``modeling_utils.slice_logits_to_keep``) also takes a 2-D tensor: integer
+``(batch, k)`` positions per sample, or a bool ``(batch, seq)`` mask whose kept positions flatten
+to ``(num_true, ...)``. :func:`normalize_keep` accepts both and :func:`keep_positions` selects
+exactly what that function selects, so the fused forward honours them on every release; before
+5.21 a native forward indexes ``hidden_states[:, keep, :]`` with them (a wrong shape or an
+IndexError), which :func:`native_slices_2d` tells apart.
 """
 
 from __future__ import annotations
@@ -100,12 +107,15 @@ def normalize_keep(keep: Any) -> Any:
     import torch
 
     if isinstance(keep, torch.Tensor):
-        if keep.dim() == 0 and not keep.is_floating_point():
+        if keep.dim() == 0 and not keep.is_floating_point() and keep.dtype != torch.bool:
             return int(keep)
-        if keep.dim() != 1 or keep.is_floating_point() or keep.dtype == torch.bool:
+        ok = (keep.dim() == 1 and not keep.is_floating_point() and keep.dtype != torch.bool) or (
+            keep.dim() == 2 and not keep.is_floating_point() and not keep.is_complex())
+        if not ok:
             raise ValueError(
-                f"{NEW} must be an int or a 1-D integer tensor of positions, got a tensor of shape "
-                f"{tuple(keep.shape)} and dtype {keep.dtype}"
+                f"{NEW} must be an int, a 1-D integer tensor of positions, a 2-D integer (batch, k) tensor "
+                f"of positions or a 2-D bool (batch, seq) mask, got a tensor of shape {tuple(keep.shape)} "
+                f"and dtype {keep.dtype}"
             )
         return keep
     if isinstance(keep, bool):
@@ -120,12 +130,48 @@ def normalize_keep(keep: Any) -> Any:
 
 
 def keep_positions(t: Any, keep: Any, dim: int = 1) -> Any:
-    """Select the kept positions of ``t`` along ``dim`` (int: the last ``keep``; 0: all)."""
+    """Select the kept positions of ``t`` along ``dim`` (int: the last ``keep``; 0: all; 1-D
+    tensor: these positions; 2-D tensor, ``dim`` 1 only: integer ``(batch, k)`` positions per
+    sample, or a bool ``(batch, seq)`` mask whose selected rows flatten to ``(num_true, ...)``)."""
     if isinstance(keep, int):
         if keep == 0:
             return t
         return t.narrow(dim, max(t.shape[dim] - keep, 0), min(keep, t.shape[dim]))
-    return t.index_select(dim, keep.to(t.device))
+    if keep.dim() == 1:
+        return t.index_select(dim, keep.to(t.device))
+    if dim != 1:
+        raise ValueError(f"a 2-D {NEW} selects along the sequence dimension (1), not {dim}")
+    import torch
+
+    if keep.dtype == torch.bool:
+        if tuple(keep.shape) != tuple(t.shape[:2]):
+            raise ValueError(f"a bool {NEW} mask must have the (batch, seq) shape {tuple(t.shape[:2])}, "
+                             f"got {tuple(keep.shape)}")
+        return t[keep.to(t.device)]
+    if keep.shape[0] != t.shape[0]:
+        raise ValueError(f"a 2-D integer {NEW} must have one row per sample ({t.shape[0]}), got shape "
+                         f"{tuple(keep.shape)}")
+    idx = keep.to(t.device).reshape(*keep.shape, *([1] * (t.dim() - 2)))
+    return torch.take_along_dim(t, idx, dim=1)
+
+
+def is_2d(keep: Any) -> bool:
+    """Whether ``keep`` is a 2-D tensor (per-sample positions or a bool mask)."""
+    return not isinstance(keep, int) and keep.dim() == 2
+
+
+_slices_2d: dict[Any, bool] = {}
+
+
+def native_slices_2d(forward: Any) -> bool:
+    """Whether a native ``*ForCausalLM.forward`` slices with ``slice_logits_to_keep`` (transformers
+    5.21+), which is what honours a 2-D ``logits_to_keep``: probed from the names its code uses."""
+    key = stable_key(forward)
+    hit = _slices_2d.get(key)
+    if hit is None:
+        code = getattr(unwrap(forward), "__code__", None)
+        hit = _slices_2d[key] = bool(code is not None and "slice_logits_to_keep" in code.co_names)
+    return hit
 
 
 # --------------------------------------------------------------------------------------------
