@@ -207,7 +207,7 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     if fam.moe:
         output_router_logits = kw.get("output_router_logits")
         if output_router_logits is None:
-            output_router_logits = bool(getattr(config, "output_router_logits", False))
+            output_router_logits = bool(getattr(_text_config(config), "output_router_logits", False))
         kw["output_router_logits"] = output_router_logits
     if "return_dict" in dec_names:
         kw["return_dict"] = True
@@ -228,28 +228,25 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
         router_logits = getattr(dec_out, "router_logits", None)
         balance = getattr(sys.modules.get(fam.module), "load_balancing_loss_func", None)
         if router_logits is not None and balance is not None:
+            text = _text_config(config)
             aux_loss = balance(
                 router_logits,
-                getattr(model, "num_experts", getattr(config, "num_local_experts", None)),
-                getattr(model, "num_experts_per_tok", getattr(config, "num_experts_per_tok", None)),
+                _first_attr((model, "num_experts"), (text, "num_experts"), (text, "num_local_experts")),
+                _first_attr((model, "num_experts_per_tok"), (text, "num_experts_per_tok")),
                 kw.get("attention_mask"),
             )
             if loss is not None:
-                coef = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0))
+                coef = _first_attr((model, "router_aux_loss_coef"), (text, "router_aux_loss_coef")) or 0.0
                 loss = loss + coef * aux_loss.to(loss.device)
 
-    mo = _outputs_module()
-    fields = dict(
-        loss=loss,
-        logits=logits,
-        past_key_values=getattr(dec_out, "past_key_values", None),
-        hidden_states=getattr(dec_out, "hidden_states", None),
-        attentions=getattr(dec_out, "attentions", None),
-    )
+    fields = dict(loss=loss, logits=logits)
     if fam.moe:
-        out = mo.MoeCausalLMOutputWithPast(aux_loss=aux_loss, router_logits=getattr(dec_out, "router_logits", None), **fields)
-    else:
-        out = mo.CausalLMOutputWithPast(**fields)
+        fields["aux_loss"] = aux_loss
+    cls, names = _output_class(fam)
+    for name in names:  # everything else the decoder returned under the output's field names
+        if name not in fields:
+            fields[name] = getattr(dec_out, name, None)
+    out = cls(**fields)
     if not return_dict:
         return _as_tuple(out)
     if token_accuracy is not None and accuracy:
@@ -288,10 +285,35 @@ def _plain_head(model: Any) -> Any:
     return inner
 
 
+def _text_config(config: Any) -> Any:
+    """The language model's config (``config.text_config`` of a vision-language model, else itself)."""
+    get = getattr(config, "get_text_config", None)
+    if get is not None:
+        try:
+            return get()
+        except TypeError:  # pragma: no cover - older signature
+            pass
+    return getattr(config, "text_config", config)
+
+
+def _first_attr(*pairs: tuple[Any, str]) -> Any:
+    for obj, name in pairs:
+        v = getattr(obj, name, None)
+        if v is not None:
+            return v
+    return None
+
+
 def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None, float | None]:
-    cfg = model.config
+    """``(softcap, divisor)``: final logits = softcap * tanh(h W^T / divisor / softcap). A family's
+    multiplier m is returned as the divisor 1 / m (logits are ``lm_head(h) * m`` natively)."""
+    cfg = _text_config(model.config)
     softcap = getattr(cfg, fam.softcap_attr, None) if fam.softcap_attr else None
     divisor = getattr(cfg, fam.logit_divisor_attr, None) if fam.logit_divisor_attr else None
+    if fam.logit_multiplier_attr:
+        mult = getattr(cfg, fam.logit_multiplier_attr, None)
+        if mult is not None and mult != 1:
+            divisor = (1.0 if divisor is None else divisor) / mult
     return softcap, divisor
 
 
@@ -305,6 +327,54 @@ def _logits(model: Any, fam: families.Family, hidden: Any) -> Any:
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
+
+
+_output_classes: dict[str, tuple[Any, tuple[str, ...]]] = {}
+
+
+def _annotated_output(mod: Any, fam: families.Family) -> Any:
+    """The ``ModelOutput`` class in the return annotation of the native forward (``tuple |
+    Gemma4CausalLMOutputWithPast``; a string under postponed annotations), or None."""
+    import dataclasses
+    import re
+    import typing
+
+    head = getattr(mod, fam.causal_lm, None) if mod is not None else None
+    fwd = vars(head).get("forward") if head is not None else None
+    if fwd is None:
+        return None
+    try:
+        ann = inspect.signature(unwrap(fwd)).return_annotation
+    except (TypeError, ValueError):
+        return None
+    if isinstance(ann, str):
+        found = [getattr(mod, n, None) or getattr(_outputs_module(), n, None)
+                 for n in re.findall(r"\w*OutputWithPast\w*", ann)]
+    else:
+        found = list(typing.get_args(ann)) or [ann]
+    for c in found:
+        if isinstance(c, type) and dataclasses.is_dataclass(c) and "loss" in {f.name for f in dataclasses.fields(c)}:
+            return c
+    return None
+
+
+def _output_class(fam: families.Family) -> tuple[Any, tuple[str, ...]]:
+    """The output class the family's native forward returns and its field names: the modeling
+    module's own ``*CausalLMOutputWithPast`` for vision-language models (it carries ``rope_deltas``,
+    ``image_hidden_states`` ...), else ``(Moe)CausalLMOutputWithPast``. Cached per family."""
+    hit = _output_classes.get(fam.name)
+    if hit is not None:
+        return hit
+    import dataclasses
+
+    mo = _outputs_module()
+    mod = sys.modules.get(fam.module)
+    cls = _annotated_output(mod, fam)
+    if cls is None:
+        cls = mo.MoeCausalLMOutputWithPast if fam.moe else mo.CausalLMOutputWithPast
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    _output_classes[fam.name] = (cls, names)
+    return cls, names
 
 
 def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: int) -> Any:
@@ -420,13 +490,20 @@ _modeling_outputs: Any = None
 
 
 def _patch_module(module: Any) -> None:
-    fam = families.BY_MODULE.get(module.__name__)
-    if fam is None or _patches is None:
+    if _patches is None:
         return
+    for fam in families.ALL_BY_MODULE.get(module.__name__, ()):
+        _patch_family(module, fam)
+
+
+def _patch_family(module: Any, fam: families.Family) -> None:
     _outputs_module()  # while not tracing
     cls = getattr(module, fam.causal_lm, None)
     if cls is None:
         _left_alone[fam.name] = f"{module.__name__} has no {fam.causal_lm}"
+        return
+    if fam.native_reason:
+        _left_alone[fam.name] = fam.native_reason
         return
     current = vars(cls).get("forward")
     if current is None:
@@ -441,6 +518,7 @@ def _patch_module(module: Any) -> None:
         return
     _left_alone.pop(fam.name, None)
     _fill_caches(module, fam, cls, current)
+    _output_class(fam)
     _patches.wrap(cls, "forward", _fused_forward, traceable=True)
 
 

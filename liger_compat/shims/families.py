@@ -51,6 +51,10 @@ class Family(NamedTuple):
     softcap_attr: str | None = None  # config attribute: final logits = c * tanh(logits / c)
     logit_divisor_attr: str | None = None  # config attribute: final logits = logits / d
     moe: bool = False  # router aux loss, MoeCausalLMOutputWithPast
+    logit_multiplier_attr: str | None = None  # config attribute: final logits = logits * m
+    head_class: str | None = None  # the class patched, when not <prefix>ForCausalLM
+    vision: bool = False  # a vision-language *ForConditionalGeneration: pixel inputs reach the decoder
+    native_reason: str | None = None  # the generic forward cannot honour the family: left native, says why
 
     @property
     def module(self) -> str:
@@ -58,7 +62,7 @@ class Family(NamedTuple):
 
     @property
     def causal_lm(self) -> str:
-        return f"{self.prefix}ForCausalLM"
+        return self.head_class or f"{self.prefix}ForCausalLM"
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -75,10 +79,80 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", "Phi3", "phi3", "4.40", mlp_layout="fused_gate_up"),
     Family("olmo2", "Olmo2", "olmo2", "4.47"),
     Family("granite", "Granite", "granite", "4.45", logit_divisor_attr="logits_scaling"),
+    # text families added after the first eleven: quirks, where any, in the same fields
+    Family("ministral", "Ministral", "ministral", "4.57"),
+    Family("ministral3", "Ministral3", "ministral3", "5.0"),
+    Family("nemotron", "Nemotron", "nemotron", "4.44"),  # LayerNorm1P and a relu^2 MLP: native modules
+    Family("smollm3", "SmolLM3", "smollm3", "4.54"),
+    Family("olmo3", "Olmo3", "olmo3", "4.57"),
+    Family("glm4", "Glm4", "glm4", "4.51", mlp_layout="fused_gate_up"),
+    Family("glm4_moe", "Glm4Moe", "glm4_moe", "4.54"),
+    Family("exaone4", "Exaone4", "exaone4", "4.54"),
+    Family("hunyuan_v1_dense", "HunYuanDenseV1", "hunyuan_v1_dense", "4.57"),
+    Family("hunyuan_v1_moe", "HunYuanMoEV1", "hunyuan_v1_moe", "4.57"),
+    Family("qwen3_moe", "Qwen3Moe", "qwen3_moe", "4.51", moe=True),
+    Family("qwen3_next", "Qwen3Next", "qwen3_next", "4.57", rms_offset=1.0, moe=True),
+    Family("gpt_oss", "GptOss", "gpt_oss", "4.55", moe=True),
+    Family("llama4_text", "Llama4", "llama4", "4.51"),
+    Family("deepseek_v2", "DeepseekV2", "deepseek_v2", "4.56"),
+    Family("deepseek_v3", "DeepseekV3", "deepseek_v3", "4.54"),
+    Family("deepseek_v4", "DeepseekV4", "deepseek_v4", "5.0", moe=True),
+    Family("falcon_h1", "FalconH1", "falcon_h1", "4.53", logit_multiplier_attr="lm_head_multiplier"),
+    Family("cohere", "Cohere", "cohere", "4.40", logit_multiplier_attr="logit_scale"),
+    Family("cohere2", "Cohere2", "cohere2", "4.48", logit_multiplier_attr="logit_scale"),
+    Family("gemma3n_text", "Gemma3n", "gemma3n", "4.53", rms_offset=0.0, rms_casting="gemma", mlp_act="gelu_tanh",
+           softcap_attr="final_logit_softcapping"),
+    Family("gemma4_text", "Gemma4", "gemma4", "5.0", rms_casting="gemma", mlp_act="gelu_tanh",
+           softcap_attr="final_logit_softcapping"),
+    Family("mllama_text", "Mllama", "mllama", "4.45"),
+    Family("qwen3_5_text", "Qwen3_5", "qwen3_5", "5.0", rms_offset=1.0),
+    Family("qwen3_5_moe_text", "Qwen3_5Moe", "qwen3_5_moe", "5.0", rms_offset=1.0, moe=True),
+    # vision-language: <Prefix>ForConditionalGeneration with the same model / lm_head layout; the
+    # decoder (``self.model``) takes the pixel inputs, merges the image features and returns the
+    # hidden states, the head and the loss are the generic ones
+    Family("llava", "Llava", "llava", "4.36", head_class="LlavaForConditionalGeneration", vision=True),
+    Family("mistral3", "Mistral3", "mistral3", "4.52", head_class="Mistral3ForConditionalGeneration", vision=True),
+    Family("qwen2_vl", "Qwen2VL", "qwen2_vl", "4.45", head_class="Qwen2VLForConditionalGeneration", vision=True),
+    Family("qwen2_5_vl", "Qwen2_5_VL", "qwen2_5_vl", "4.49", head_class="Qwen2_5_VLForConditionalGeneration",
+           vision=True),
+    Family("qwen3_vl", "Qwen3VL", "qwen3_vl", "4.57", head_class="Qwen3VLForConditionalGeneration", vision=True),
+    Family("qwen3_vl_moe", "Qwen3VLMoe", "qwen3_vl_moe", "4.57", head_class="Qwen3VLMoeForConditionalGeneration",
+           vision=True, moe=True),
+    Family("qwen3_5", "Qwen3_5", "qwen3_5", "5.0", rms_offset=1.0, head_class="Qwen3_5ForConditionalGeneration",
+           vision=True),
+    Family("qwen3_5_moe", "Qwen3_5Moe", "qwen3_5_moe", "5.0", rms_offset=1.0, moe=True,
+           head_class="Qwen3_5MoeForConditionalGeneration", vision=True),
+    Family("gemma3_vlm", "Gemma3", "gemma3", "4.50", rms_offset=1.0, rms_casting="gemma", mlp_act="gelu_tanh",
+           head_class="Gemma3ForConditionalGeneration", vision=True),
+    Family("gemma3n", "Gemma3n", "gemma3n", "4.53", rms_casting="gemma", mlp_act="gelu_tanh",
+           softcap_attr="final_logit_softcapping", head_class="Gemma3nForConditionalGeneration", vision=True),
+    Family("gemma4", "Gemma4", "gemma4", "5.0", rms_casting="gemma", mlp_act="gelu_tanh",
+           softcap_attr="final_logit_softcapping", head_class="Gemma4ForConditionalGeneration", vision=True),
+    Family("paligemma", "PaliGemma", "paligemma", "4.41", softcap_attr="final_logit_softcapping",
+           head_class="PaliGemmaForConditionalGeneration", vision=True),
+    Family("mllama", "Mllama", "mllama", "4.45", head_class="MllamaForConditionalGeneration", vision=True),
+    Family("internvl", "InternVL", "internvl", "4.52", head_class="InternVLForConditionalGeneration", vision=True),
+    Family("smolvlm", "SmolVLM", "smolvlm", "4.50", head_class="SmolVLMForConditionalGeneration", vision=True),
+    Family("idefics3", "Idefics3", "idefics3", "4.46", head_class="Idefics3ForConditionalGeneration", vision=True),
+    Family("glm4v", "Glm4v", "glm4v", "4.56", head_class="Glm4vForConditionalGeneration", vision=True),
+    Family("glm4v_moe", "Glm4vMoe", "glm4v_moe", "4.56", head_class="Glm4vMoeForConditionalGeneration", vision=True,
+           moe=True),
+    Family("muse_glimmer", "MuseGlimmer", "muse_glimmer", "5.0", head_class="MuseGlimmerForConditionalGeneration",
+           vision=True, softcap_attr="final_logit_softcapping", logit_multiplier_attr="output_multiplier"),
+    Family("llama4", "Llama4", "llama4", "4.51", head_class="Llama4ForConditionalGeneration", vision=True,
+           native_reason="its language model computes the full logits and the loss is taken from them outside "
+                         "(no model / lm_head pair under the wrapper); Llama4ForCausalLM is fused"),
 )
 
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
-BY_MODULE: dict[str, Family] = {f.module: f for f in FAMILIES}
+#: modeling module -> its first family (the module-wide quirks: RMSNorm offset and casting, MLP activation)
+BY_MODULE: dict[str, Family] = {}
+#: modeling module -> every family whose head class lives there (Gemma3ForCausalLM, Gemma3ForConditionalGeneration)
+ALL_BY_MODULE: dict[str, tuple[Family, ...]] = {}
+for _f in FAMILIES:
+    BY_MODULE.setdefault(_f.module, _f)
+    ALL_BY_MODULE[_f.module] = ALL_BY_MODULE.get(_f.module, ()) + (_f,)
+del _f
 
 
 _family_cache: dict[type, Family | None] = {}
@@ -92,9 +166,11 @@ def family_of(cls: type) -> Family | None:
         pass
     found = None
     for klass in getattr(cls, "__mro__", ()):
-        fam = BY_MODULE.get(getattr(klass, "__module__", ""))
-        if fam is not None and klass.__name__ == fam.causal_lm:
-            found = fam
+        for fam in ALL_BY_MODULE.get(getattr(klass, "__module__", ""), ()):
+            if klass.__name__ == fam.causal_lm:
+                found = fam
+                break
+        if found is not None:
             break
     try:
         _family_cache[cls] = found
@@ -140,7 +216,7 @@ def all_modeling_modules() -> list[str]:
 
 
 def family_modules() -> list[str]:
-    return [f.module for f in FAMILIES]
+    return list(ALL_BY_MODULE)
 
 
 class ModelingWatcher:

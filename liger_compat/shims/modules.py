@@ -135,7 +135,9 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     fam = families.BY_MODULE.get(type(m).__module__)
     offset = fam.rms_offset if fam else 0.0
     first = fam.rms_casting if fam else "llama"
-    order = [first] + [c for c in _CASTINGS if c != first]
+    # the table's mode first; the other offset too (Qwen3-Next / Qwen3.5 store w - 1 as Gemma does)
+    castings = [first] + [c for c in _CASTINGS if c != first]
+    order = [(offset, c) for c in castings] + [(1.0 - offset, c) for c in castings]
     eps = _rms_eps(m)
     g = torch.Generator().manual_seed(1234)
     probe = (torch.randn(4, x.shape[-1], generator=g) * 3).to(device=x.device, dtype=x.dtype)
@@ -144,13 +146,13 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     with torch.no_grad():
         ref = native(probe).float()
         scale = ref.abs().max().clamp(min=1e-6)
-        for casting in order:  # the inputs passed the kernel's checks (_rms_checks) before this
-            y = kernels.rms_norm(probe, m.weight, eps, offset=offset, casting=casting)
+        for off, casting in order:  # the inputs passed the kernel's checks (_rms_checks) before this
+            y = kernels.rms_norm(probe, m.weight, eps, offset=off, casting=casting)
             if y.shape != ref.shape:
                 continue
             err = float(((y.float() - ref).abs().max() / scale).item())
             if err < best_err:
-                best, best_err = (offset, casting), err
+                best, best_err = (off, casting), err
     tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 1e-2
     result: tuple[float, str] | str
     if best is not None and best_err <= tol:
@@ -285,9 +287,55 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         _checks.same_dtype(gate=gate, up=up)
         _checks.same_device(gate=gate, up=up)
 
-    return _guarded(kernel_name, _refusal(checks),
+    refusal = _refusal(checks)
+    if refusal is None and not _mlp_matches(wrapped, instance, x, project_in, down_proj, kind):
+        return wrapped(*args)
+    return _guarded(kernel_name, refusal,
                     lambda: kernels.gated_project(gate, up, down_proj, activation=kind, inplace_backward=True),
                     lambda: down_proj(act(gate) * up))[0]
+
+
+#: (class, input dtype) -> whether ``down(act(gate) * up)`` reproduces the class's forward
+_mlp_verdicts: dict[tuple[Any, Any], bool] = {}
+
+
+def _probe_tol(dtype: Any) -> float:
+    import torch
+
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _close(a: Any, b: Any, dtype: Any) -> bool:
+    a, b = a.float(), b.float()
+    if a.shape != b.shape:
+        return False
+    scale = b.abs().max().clamp(min=1e-6)
+    return bool(((a - b).abs().max() / scale).item() <= _probe_tol(dtype))
+
+
+def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[Any, Any]], down_proj: Any,
+                 kind: str) -> bool:
+    """The structural probe of a gated MLP: its native forward and the gated kernel on this input,
+    once per class and dtype. A class whose forward does more than ``down(act(gate) * up)`` (Falcon-H1's
+    gate / down multipliers, a clamped SwiGLU) fails it and keeps its native forward."""
+    key = (type(m), x.dtype)
+    hit = _mlp_verdicts.get(key)
+    if hit is not None or _compiling():
+        return True if hit is None else hit
+    import torch
+
+    from .. import kernels
+
+    with torch.no_grad():
+        probe = x.detach()[..., :8, :] if x.dim() >= 2 else x.detach()
+        ref = native(probe)
+        gate, up = project_in(probe)
+        got = kernels.gated_project(gate.contiguous(), up.contiguous(), down_proj, activation=kind)
+    ok = isinstance(ref, torch.Tensor) and _close(got, ref, x.dtype)
+    if not ok:
+        log.warning("liger_compat: %s keeps its native forward: it is not down(%s(gate) * up)", type(m).__name__, kind)
+    _mlp_verdicts[key] = ok
+    return ok
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,16 +418,42 @@ def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, An
             if not _broadcasts_into(tuple(shape[:-1]), t.shape[:-1]):
                 raise ValueError(f"cos of shape {tuple(cos.shape)} does not broadcast against {name}")
 
-    res, used_kernel = _guarded(_ROPE, _refusal(checks), lambda: kernels.apply_rotary_pos_emb(
-        q, k, cos, sin, position_ids=position_ids, unsqueeze_dim=unsqueeze_dim), lambda: wrapped(*args, **kwargs))
-    if not used_kernel:
-        return res
-    q_out, k_out = res
-    if cos.dtype != q.dtype:
-        # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
-        want = _rope_out_dtype(wrapped, unwrap(wrapped), q, cos, a, unsqueeze_dim)
-        q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
-    return q_out, k_out
+    refusal = _refusal(checks)
+    key = (unwrap(wrapped), q.shape[-1], rot, cos.dim(), unsqueeze_dim, q.dtype, cos.dtype)
+    verdict = _rope_verdicts.get(key)
+    if verdict is False:
+        return wrapped(*args, **kwargs)
+
+    def run_kernel() -> tuple[Any, Any]:
+        q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin, position_ids=position_ids,
+                                                    unsqueeze_dim=unsqueeze_dim)
+        if cos.dtype != q.dtype:
+            # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
+            want = _rope_out_dtype(wrapped, unwrap(wrapped), q, cos, a, unsqueeze_dim)
+            q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
+        return q_out, k_out
+
+    if verdict is None and refusal is None and not _compiling():
+        # the structural probe: the native function and the kernel on this call's inputs, once per
+        # function and shapes. gpt-oss rotates halves with a half-width cos, GLM-4 / Cohere / DeepSeek
+        # rotate interleaved pairs: those fail it and keep the native function.
+        import torch
+
+        with torch.no_grad():
+            ref = wrapped(*args, **kwargs)
+            got = run_kernel()
+        ok = (isinstance(ref, tuple) and len(ref) == 2
+              and all(_close(g_, r_, q.dtype) and g_.dtype == r_.dtype for g_, r_ in zip(got, ref)))
+        _rope_verdicts[key] = ok
+        if not ok:
+            log.warning("liger_compat: %s.%s keeps its native code: the rotary kernel does not reproduce it",
+                        getattr(unwrap(wrapped), "__module__", "?"), _ROPE_FN)
+            return wrapped(*args, **kwargs)
+    return _guarded(_ROPE, refusal, run_kernel, lambda: wrapped(*args, **kwargs))[0]
+
+
+#: (native function, head dim, rotary dim, cos rank, unsqueeze_dim, dtypes) -> kernel reproduces it
+_rope_verdicts: dict[tuple[Any, ...], bool] = {}
 
 
 _rope_dtypes: dict[tuple[Any, Any, Any], tuple[Any, Any]] = {}
@@ -593,6 +667,15 @@ def describe(fam: families.Family, module: Any) -> str:
     for shim in (_NORMS, _MLPS, _ROPES):
         ok, text = shim.describe(module)
         (done if ok else other).append(text)
+    # what the structural probes turned down on the calls so far (native code kept there)
+    name = module.__name__
+    refused = sorted({k[0].__name__ for k, ok in list(_mlp_verdicts.items()) if not ok and k[0].__module__ == name})
+    refused += sorted({f"{_ROPE_FN} (not the kernel's rotation)" for k, ok in list(_rope_verdicts.items())
+                       if not ok and getattr(k[0], "__module__", None) == name})
+    refused += sorted({k[0].__name__ for k, v in list(_rms_modes.items())
+                       if isinstance(v, str) and k[0].__module__ == name})
+    if refused:
+        other.append("native after probe: " + ", ".join(refused))
     return ", ".join(done + other)
 
 

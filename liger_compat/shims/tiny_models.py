@@ -42,6 +42,48 @@ EXTRA: dict[str, dict[str, Any]] = {
     "gemma": dict(hidden_activation="gelu_pytorch_tanh"),
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2),
     "phi3": dict(original_max_position_embeddings=128),
+    # MoE families: few small experts, the router loss on where the family has one
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, output_router_logits=True,
+                      router_aux_loss_coef=0.02),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                       output_router_logits=True, router_aux_loss_coef=0.02, partial_rotary_factor=0.5,
+                       layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_conv_kernel_dim=4),
+    "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                             shared_expert_intermediate_size=24, output_router_logits=True, router_aux_loss_coef=0.02,
+                             layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                             linear_conv_kernel_dim=4),
+    "deepseek_v4": dict(n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=16, q_lora_rank=16,
+                        index_n_heads=2, index_head_dim=8, index_topk=4, hc_mult=2, head_dim=16,
+                        partial_rotary_factor=0.5, sliding_window=8, mlp_layer_types=["hash_moe", "moe"],
+                        layer_types=["sliding_attention", "sliding_attention"], output_router_logits=True,
+                        router_aux_loss_coef=0.02),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, partial_rotary_factor=0.5),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
+    "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
+                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                        v_head_dim=8, head_dim=8, n_group=1, topk_group=1, num_key_value_heads=4),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
+                        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                        v_head_dim=8, head_dim=8, n_group=1, topk_group=1, num_key_value_heads=4),
+    "llama4_text": dict(num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=48, interleave_moe_layer_step=2,
+                        no_rope_layers=[1, 0], attention_chunk_size=8),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
+                      mamba_chunk_size=16, lm_head_multiplier=0.5, embedding_multiplier=2.0),
+    "cohere": dict(logit_scale=0.5),
+    "cohere2": dict(logit_scale=0.5, sliding_window=8),
+    "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
+                         sliding_window=8, final_logit_softcapping=3.0, vocab_size_per_layer_input=96,
+                         hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2,
+                         activation_sparsity_pattern=[0.0, 0.0], intermediate_size=48),
+    "gemma4_text": dict(final_logit_softcapping=3.0, sliding_window=8),
 }
 
 _CONFIG_CLASSES = {"gemma3": ("Gemma3TextConfig",)}
@@ -62,12 +104,16 @@ def modeling_module(family: str | Family):
 def config_for(family: str | Family, **overrides: Any):
     fam = BY_NAME[family] if isinstance(family, str) else family
     modeling_module(fam)
+    mod = modeling_module(fam)
     cfg_mod = importlib.import_module(f"transformers.models.{fam.module_name}.configuration_{fam.module_name}")
     cls = None
     for cls_name in _CONFIG_CLASSES.get(fam.name, (f"{fam.prefix}Config",)):
         cls = getattr(cfg_mod, cls_name, None)
         if cls is not None:
             break
+    head_cfg = getattr(getattr(mod, fam.causal_lm, None), "config_class", None)
+    if isinstance(head_cfg, type) and fam.name not in _CONFIG_CLASSES:
+        cls = head_cfg  # Llama4ForCausalLM -> Llama4TextConfig, Gemma3nForCausalLM -> Gemma3nTextConfig ...
     if cls is None:
         raise FamilyUnavailable(f"no config class for {fam.name} in {cfg_mod.__name__}")
     kw = dict(BASE)
@@ -103,7 +149,12 @@ def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any
     cls = getattr(mod, fam.causal_lm, None)
     if cls is None:
         raise FamilyUnavailable(f"{mod.__name__} has no {fam.causal_lm}")
-    cfg = config_for(fam, **overrides)
+    if fam.vision:
+        from . import tiny_vlms
+
+        cfg = tiny_vlms.config_for(fam, {**BASE, **EXTRA.get(fam.name, {})}, **overrides)
+    else:
+        cfg = config_for(fam, **overrides)
     torch.manual_seed(seed)
     model = cls(cfg)
     randomize(model, seed=seed, init_std=init_std, perturb_norms=perturb_norms)
