@@ -83,7 +83,11 @@ EXTRA: dict[str, dict[str, Any]] = {
                          sliding_window=8, final_logit_softcapping=3.0, vocab_size_per_layer_input=96,
                          hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2,
                          activation_sparsity_pattern=[0.0, 0.0], intermediate_size=48),
-    "gemma4_text": dict(final_logit_softcapping=3.0, sliding_window=8),
+    "gemma4_text": dict(final_logit_softcapping=3.0, sliding_window=8, vocab_size_per_layer_input=96,
+                        hidden_size_per_layer_input=8),
+    # vision-language models: these go to the text config
+    "gemma4": dict(final_logit_softcapping=3.0),
+    "paligemma": dict(final_logit_softcapping=3.0),
 }
 
 _CONFIG_CLASSES = {"gemma3": ("Gemma3TextConfig",)}
@@ -158,5 +162,10 @@ def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any
     torch.manual_seed(seed)
     model = cls(cfg)
     randomize(model, seed=seed, init_std=init_std, perturb_norms=perturb_norms)
+    if fam.vision:
+        with torch.no_grad():  # Mllama's cross-attention gates start at 0 (tanh(0): the image has no effect)
+            for name, p in model.named_parameters():
+                if name.endswith("_gate") and p.dim() <= 1 and not p.any():
+                    p.fill_(0.5)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval()

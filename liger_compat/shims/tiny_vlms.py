@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 #: special token ids inside the tiny vocabulary; text tokens are drawn from [3, TEXT_MAX)
 IMAGE, START, END, VIDEO = 95, 94, 93, 92
-TEXT_MAX = 90
+TEXT_MAX = 88
 
 
 def _text(base: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -24,8 +24,20 @@ def _text(base: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return out
 
 
-def _mrope(kind: str, section: list[int], **extra: Any) -> dict[str, Any]:
+def _mrope(t: dict[str, Any], partial: float = 1.0, **extra: Any) -> dict[str, Any]:
+    """M-RoPE parameters whose sections (temporal, height, width) cover the rotary half of the head."""
+    head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    half = int(head_dim * partial) // 2
+    hw = half * 3 // 8
+    section = [half - 2 * hw, hw, hw]
+    if partial != 1.0:
+        extra["partial_rotary_factor"] = partial
     return dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=section, **extra))
+
+
+def _out(t: dict[str, Any], vision: dict[str, Any], key: str = "out_hidden_size") -> dict[str, Any]:
+    """The vision tower's output width set to the language model's hidden size."""
+    return dict(vision, **{key: t["hidden_size"]})
 
 
 # -- vision towers ----------------------------------------------------------------------------
@@ -71,36 +83,36 @@ SPECS: dict[str, Spec] = {
         text_config=_text(t, model_type="mistral"), image_token_index=IMAGE, spatial_merge_size=2,
         vision_feature_layer=-1), "image_sizes", 4),
     "qwen2_vl": Spec(lambda t: dict(
-        vision_config=_QWEN2_VISION, text_config=_text(t, **_mrope("default", [2, 1, 1])),
+        vision_config=_out(t, _QWEN2_VISION, "hidden_size"), text_config=_text(t, **_mrope(t)),
         image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "qwen2_5_vl": Spec(lambda t: dict(
-        vision_config=_QWEN25_VISION, text_config=_text(t, **_mrope("default", [2, 1, 1])),
+        vision_config=_out(t, _QWEN25_VISION), text_config=_text(t, **_mrope(t)),
         image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "qwen3_vl": Spec(lambda t: dict(
-        vision_config=_QWEN3_VISION, text_config=_text(t, **_mrope("default", [2, 1, 1], mrope_interleaved=True)),
+        vision_config=_out(t, _QWEN3_VISION), text_config=_text(t, **_mrope(t, mrope_interleaved=True)),
         image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "qwen3_vl_moe": Spec(lambda t: dict(
-        vision_config=_QWEN3_VISION,
-        text_config=_text(t, **_MOE, **_mrope("default", [2, 1, 1], mrope_interleaved=True)),
+        vision_config=_out(t, _QWEN3_VISION),
+        text_config=_text(t, **_MOE, **_mrope(t, mrope_interleaved=True)),
         image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "qwen3_5": Spec(lambda t: dict(
-        vision_config=_QWEN3_VISION,
-        text_config=_text(t, **_LINEAR_ATTN, **_mrope("default", [2, 1, 1], mrope_interleaved=True)),
+        vision_config=_out(t, _QWEN3_VISION),
+        text_config=_text(t, **_LINEAR_ATTN, **_mrope(t, mrope_interleaved=True)),
         image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "qwen3_5_moe": Spec(lambda t: dict(
-        vision_config=_QWEN3_VISION,
+        vision_config=_out(t, _QWEN3_VISION),
         text_config=_text(t, **_LINEAR_ATTN, **_MOE, shared_expert_intermediate_size=24,
-                          **_mrope("default", [2, 1, 1], mrope_interleaved=True)),
+                          **_mrope(t, mrope_interleaved=True)),
         image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "glm4v": Spec(lambda t: dict(
-        vision_config=_GLM4V_VISION,
-        text_config=_text(t, **_mrope("default", [1, 1, 0], partial_rotary_factor=0.5)),
+        vision_config=_out(t, _GLM4V_VISION),
+        text_config=_text(t, **_mrope(t, 0.5)),
         image_token_id=IMAGE, image_start_token_id=START, image_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "glm4v_moe": Spec(lambda t: dict(
-        vision_config=_GLM4V_VISION,
+        vision_config=_out(t, _GLM4V_VISION),
         text_config=_text(t, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1,
                           n_group=1, topk_group=1, n_shared_experts=1, output_router_logits=True,
-                          router_aux_loss_coef=0.02, **_mrope("default", [1, 1, 0], partial_rotary_factor=0.5)),
+                          router_aux_loss_coef=0.02, **_mrope(t, 0.5)),
         image_token_id=IMAGE, image_start_token_id=START, image_end_token_id=END, video_token_id=VIDEO), "grid", 4),
     "gemma3_vlm": Spec(lambda t: dict(
         vision_config=_SIGLIP,
@@ -124,7 +136,30 @@ SPECS: dict[str, Spec] = {
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                            image_size=16, patch_size=4),
         text_config=_text(t, model_type="llama"), image_token_id=IMAGE, scale_factor=2), "tiles", 4),
+    "gemma4": Spec(lambda t: dict(
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                           position_embedding_size=16),
+        text_config=_text(t, model_type="gemma4_text", sliding_window=8, hidden_size_per_layer_input=8,
+                          vocab_size_per_layer_input=t["vocab_size"]),
+        audio_config=None, image_token_id=IMAGE, boi_token_id=START, eoi_token_id=END, video_token_id=VIDEO,
+        audio_token_id=91, boa_token_id=90, eoa_token_index=89), "patches", 4),
+    "muse_glimmer": Spec(lambda t: dict(
+        vision_config=dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, num_attention_heads=4, num_hidden_layers=1,
+                           hidden_size=32, intermediate_size=48, max_position_embeddings=16),
+        text_config=_text(t, sliding_window=8, final_logit_softcapping=3.0, output_multiplier=0.5),
+        out_hidden_size=128, projector_hidden_size=32, image_token_id=IMAGE, video_token_id=VIDEO),
+        "grid", 4),
+    "mllama": Spec(lambda t: dict(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_global_layers=1, attention_heads=4,
+                           intermediate_size=48, vision_output_dim=64, intermediate_layers_indices=[0],
+                           image_size=16, patch_size=8, max_num_tiles=1, supported_aspect_ratios=[[1, 1]]),
+        text_config=_text(t, cross_attention_layers=[1]), image_token_index=IMAGE), "cross_attention", 1),
 }
+
+
+#: families of the table without a tiny config here, and why
+_NO_SPEC = {"gemma3n": "its vision tower is a timm MobileNet (timm is not a dependency of the tests)"}
 
 
 def config_for(fam: Any, text_base: dict[str, Any], **text_overrides: Any):
@@ -132,7 +167,8 @@ def config_for(fam: Any, text_base: dict[str, Any], **text_overrides: Any):
 
     spec = SPECS.get(fam.name)
     if spec is None:
-        raise FamilyUnavailable(f"no tiny vision-language config for {fam.name}")
+        why = _NO_SPEC.get(fam.name, "")
+        raise FamilyUnavailable(f"no tiny vision-language config for {fam.name}{': ' + why if why else ''}")
     mod = modeling_module(fam)
     head = getattr(mod, fam.causal_lm, None)
     cls = getattr(head, "config_class", None)
@@ -159,7 +195,9 @@ def inputs(model: Any, b: int = 2, t: int = 24, seed: int = 0, ignore_frac: floa
     fam = family_of(type(model))
     spec = SPECS[fam.name]
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, TEXT_MAX, (b, t), generator=g)
+    vocab = model.config.get_text_config().vocab_size
+    lo, hi = (IMAGE + 1, vocab) if vocab > 4 * IMAGE else (3, TEXT_MAX)  # text ids clear of the special ones
+    ids = torch.randint(lo, hi, (b, t), generator=g)
     n = spec.tokens
     image = torch.zeros(b, t, dtype=torch.bool)
     if spec.layout == "grid":
@@ -173,11 +211,26 @@ def inputs(model: Any, b: int = 2, t: int = 24, seed: int = 0, ignore_frac: floa
     kw: dict[str, Any] = {}
     if spec.layout == "grid":
         vc = cfg.vision_config
-        side = 2 * vc.spatial_merge_size  # a 4 x 4 patch grid, merged 2 x 2: four tokens
-        per = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        merge = getattr(vc, "spatial_merge_size", None) or getattr(vc, "merge_size", 2)
+        temporal = getattr(vc, "temporal_patch_size", None) or getattr(vc, "patch_temporal", 2)
+        side = 2 * merge  # a 4 x 4 patch grid, merged 2 x 2: four tokens
+        per = getattr(vc, "in_channels", 3) * temporal * vc.patch_size ** 2
         kw["pixel_values"] = torch.randn(b * side * side, per, generator=g)
         kw["image_grid_thw"] = torch.tensor([[1, side, side]] * b)
         if "mm_token_type_ids" in _decoder_params(model):  # transformers 5.2x: M-RoPE reads them
+            kw["mm_token_type_ids"] = image.long()
+    elif spec.layout == "cross_attention":  # Mllama: one tile per image, attended from every later token
+        size = cfg.vision_config.image_size
+        kw["pixel_values"] = torch.randn(b, 1, 1, 3, size, size, generator=g)
+        kw["aspect_ratio_ids"] = torch.ones(b, 1, dtype=torch.long)
+        kw["aspect_ratio_mask"] = torch.ones(b, 1, 1, dtype=torch.long)
+        kw["cross_attention_mask"] = (torch.arange(t) >= 3).long().view(1, t, 1, 1).expand(b, t, 1, 1).clone()
+    elif spec.layout == "patches":  # Gemma 4: flattened patches of a 4 x 4 grid with their (x, y), pooled 2 x 2
+        p = cfg.vision_config.patch_size
+        kw["pixel_values"] = torch.randn(b, 16, 3 * p * p, generator=g)
+        xy = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(16, 2)
+        kw["image_position_ids"] = xy.expand(b, 16, 2).clone()
+        if "mm_token_type_ids" in _decoder_params(model):
             kw["mm_token_type_ids"] = image.long()
     elif spec.layout == "tiles":
         size = cfg.vision_config.image_size
