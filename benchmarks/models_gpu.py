@@ -1,5 +1,6 @@
-"""GPU check of the model shims: per decoder family, at a realistic small size, a bf16
-training step patched vs native with the same weights.
+"""GPU check of the model shims: per family of the table (decoders and vision-language
+``*ForConditionalGeneration``), at a realistic small language-model size, a bf16 training step
+patched vs native with the same weights.
 
     python -m benchmarks.models_gpu [--families llama,qwen2,...] [--batch 2] [--seq 2048]
                                     [--hidden 1024] [--layers 2] [--vocab 128256] [--out DIR] [--name models_gpu]
@@ -17,8 +18,11 @@ For each family it reports
 
 Writes ``<name>.json`` and ``<name>.md`` (``--name``, default ``models_gpu``) under ``--out`` (default
 benchmarks/results), each naming the command that regenerates it.
-Families the installed transformers lacks are listed as skipped. Needs CUDA; runs the Triton
-kernels through ``liger_compat.kernels``.
+Families the installed transformers lacks (or without a tiny config) are listed as skipped, and
+families the table leaves native as such, with the reason. Vision-language models keep their tiny
+vision tower (one image of four placeholder tokens per sample, ``liger_compat.shims.tiny_vlms``);
+the language model gets the sizes below. Needs CUDA; runs the Triton kernels through
+``liger_compat.kernels``.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from pathlib import Path
 import torch
 
 import liger_compat
-from liger_compat.shims.families import FAMILIES
-from liger_compat.shims.tiny_models import FamilyUnavailable, build
+from liger_compat.shims import tiny_vlms
+from liger_compat.shims.families import BY_NAME, FAMILIES
+from liger_compat.shims.tiny_models import EXTRA, FamilyUnavailable, build
 
 
 def log(*a):
@@ -73,30 +78,60 @@ def make_model(family: str, args, dtype):
     if family in ("gemma2", "gemma3"):
         # sdpa has no attention soft-cap: keep the final-logit soft-cap (the fused loss's quirk) only
         overrides.update(final_logit_softcapping=30.0, attn_logit_softcapping=None, query_pre_attn_scalar=64)
+    extra = EXTRA.get(family, {})
+    # the tiny test configs' MoE / hybrid widths scaled with the hidden size
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp"):
+        if key in extra:
+            overrides[key] = args.hidden // 2
+    if "vocab_size_per_layer_input" in extra or family in ("gemma4", "gemma3n_text"):
+        overrides.update(vocab_size_per_layer_input=args.vocab, hidden_size_per_layer_input=64)
+    if "sliding_window" in extra or family in ("cohere2", "gpt_oss", "gemma4", "gemma4_text", "muse_glimmer"):
+        overrides["sliding_window"] = args.seq
+    if "qk_rope_head_dim" in extra:  # MLA: head dims follow head_dim
+        overrides.update(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, kv_lora_rank=args.hidden // 4,
+                         num_key_value_heads=heads)
+    if "linear_key_head_dim" in extra or family in ("qwen3_5", "qwen3_5_moe"):
+        overrides.update(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=max(heads // 2, 1),
+                         linear_num_value_heads=heads)
+    if "mamba_d_ssm" in extra:
+        overrides.update(mamba_d_ssm=args.hidden, mamba_n_heads=heads, mamba_d_head=64, mamba_d_state=64,
+                         mamba_chunk_size=256)
+    if family == "paligemma":
+        # a sliding window on its Gemma 1 text config makes PaliGemma (5.23) build a per-layer-type
+        # mask mapping that the Gemma 1 decoder does not take
+        del overrides["sliding_window"]
+    if family == "deepseek_v4":
+        overrides.update(o_lora_rank=args.hidden // 4, q_lora_rank=args.hidden // 4, index_head_dim=64,
+                         index_topk=min(args.seq, 512), head_dim=64, sliding_window=args.seq)
     model = build(family, seed=0, init_std=0.02, device=args.device, dtype=dtype, **overrides)
-    model.config._attn_implementation = "sdpa"
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        cfg._attn_implementation = "sdpa"
     return model.train()
 
 
-def batch(model, args):
+def batch(model, args, family: str):
+    """``(inputs, labels)``: random ids (10% of the labels ignored); a vision-language model gets one
+    tiny image per sample through :func:`tiny_vlms.inputs`."""
+    if BY_NAME[family].vision:
+        return tiny_vlms.inputs(model, b=args.batch, t=args.seq, seed=1, ignore_frac=0.1)
     g = torch.Generator().manual_seed(1)
     v = model.config.vocab_size
     ids = torch.randint(3, v, (args.batch, args.seq), generator=g)
     labels = ids.clone()
     labels[torch.rand(ids.shape, generator=g) < 0.1] = -100
-    return ids.to(args.device), labels.to(args.device)
+    return dict(input_ids=ids.to(args.device)), labels.to(args.device)
 
 
-def step(model, ids, labels):
+def step(model, kw, labels):
     """One forward + backward; returns (loss, grads, extra peak bytes (0 off CUDA), output)."""
-    cuda = ids.is_cuda
+    cuda = labels.is_cuda
     model.zero_grad(set_to_none=True)
     gc.collect()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out = model(**kw, labels=labels, use_cache=False)
     out.loss.backward()
     peak = 0
     if cuda:
@@ -106,18 +141,18 @@ def step(model, ids, labels):
     return out.loss.detach().float(), grads, peak, out
 
 
-def timed(model, ids, labels, iters: int):
+def timed(model, kw, labels, iters: int):
     times = []
     for _ in range(iters + 1):
         model.zero_grad(set_to_none=True)
-        if not ids.is_cuda:
+        if not labels.is_cuda:
             t0 = time.perf_counter()
-            model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+            model(**kw, labels=labels, use_cache=False).loss.backward()
             times.append((time.perf_counter() - t0) * 1e3)
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        model(**kw, labels=labels, use_cache=False).loss.backward()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -131,27 +166,33 @@ def rel(a: dict, b: dict) -> float:
 
 
 def run_family(family: str, args) -> dict:
-    row: dict = {"family": family}
+    fam = BY_NAME.get(family)
+    row: dict = {"family": family, "vision": bool(fam and fam.vision)}  # also on skipped / error rows
+    if fam is None:
+        return {**row, "skipped": "not in the family table"}
+    if fam.native_reason:
+        return {**row, "skipped": f"native forward: {fam.native_reason}"}
     try:
         model = make_model(family, args, torch.float32)
     except FamilyUnavailable as exc:
         return {**row, "skipped": str(exc)}
-    ids, labels = batch(model, args)
+    kw, labels = batch(model, args, family)
     with native():
-        truth_loss, truth_grads, _, _ = step(model, ids, labels)
+        truth_loss, truth_grads, _, _ = step(model, kw, labels)
         model.to(torch.bfloat16)
-        n_loss, n_grads, n_peak, n_out = step(model, ids, labels)
+        kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
+        n_loss, n_grads, n_peak, n_out = step(model, kw, labels)
         with torch.no_grad():
             shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
             valid = shift != -100
             n_acc = float(((n_out.logits.argmax(-1) == shift) & valid).sum() / valid.sum())
         del n_out
-        n_ms = timed(model, ids, labels, args.iters)
-    p_loss, p_grads, p_peak, p_out = step(model, ids, labels)
+        n_ms = timed(model, kw, labels, args.iters)
+    p_loss, p_grads, p_peak, p_out = step(model, kw, labels)
     p_acc = float(p_out.token_accuracy)
     assert p_out.logits is None, "fused forward returned logits with labels"
     del p_out
-    p_ms = timed(model, ids, labels, args.iters)
+    p_ms = timed(model, kw, labels, args.iters)
     row.update(
         params_m=sum(p.numel() for p in model.parameters()) / 1e6,
         loss_fp32=float(truth_loss),
@@ -180,11 +221,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "| family | loss err native / ours | grad err native / ours | peak GiB native / ours | ms native / ours | acc logits / fused |",
            "|---|---|---|---|---|---|"]
     for r in rows:
+        name = r["family"] + (" (VL)" if r.get("vision") else "")
         if "skipped" in r or "error" in r:
-            out.append(f"| {r['family']} | {r.get('skipped') or r.get('error')} | | | | |")
+            out.append(f"| {name} | {r.get('skipped') or r.get('error')} | | | | |")
             continue
         out.append(
-            f"| {r['family']} | {r['loss_err_native']:.2e} / {r['loss_err_patched']:.2e} "
+            f"| {name} | {r['loss_err_native']:.2e} / {r['loss_err_patched']:.2e} "
             f"| {r['grad_err_native']:.2e} / {r['grad_err_patched']:.2e} "
             f"| {r['peak_gib_native']:.2f} / {r['peak_gib_patched']:.2f} "
             f"| {r['ms_native']:.1f} / {r['ms_patched']:.1f} "
@@ -222,7 +264,8 @@ def main(argv=None) -> int:
             row = run_family(family, args)
         except Exception as exc:  # one family failing must not hide the others
             traceback.print_exc()
-            row = {"family": family, "error": f"{type(exc).__name__}: {exc}"}
+            row = {"family": family, "vision": bool(family in BY_NAME and BY_NAME[family].vision),
+                   "error": f"{type(exc).__name__}: {exc}"}
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

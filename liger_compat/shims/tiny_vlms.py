@@ -120,9 +120,9 @@ SPECS: dict[str, Spec] = {
                           hidden_activation="gelu_pytorch_tanh"),
         mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END), "token_types", 4),
     "paligemma": Spec(lambda t: dict(
-        vision_config=dict(_SIGLIP, projection_dim=32),
+        vision_config=dict(_SIGLIP, projection_dim=t["hidden_size"]),
         text_config=_text(t, model_type="gemma", hidden_activation="gelu_pytorch_tanh"),
-        image_token_index=IMAGE, projection_dim=32, hidden_size=32), "prefix", 16),
+        image_token_index=IMAGE, projection_dim=t["hidden_size"], hidden_size=t["hidden_size"]), "prefix", 16),
     "internvl": Spec(lambda t: dict(
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
                            image_size=[16, 16], patch_size=[4, 4]),
