@@ -1,18 +1,29 @@
-"""The decoder families the model shims know, their quirks, and where transformers keeps them.
+"""The model families the model shims know, their quirks, and where transformers keeps them.
 
 Upstream: transformers ``models/<family>/modeling_<family>.py`` (4.45 .. 5.x). Every family is a
-``<Prefix>ForCausalLM`` with a decoder at ``self.model`` and a head at ``self.lm_head``; what
-differs between them is small and listed here, not re-implemented per family:
+``<Prefix>ForCausalLM`` (or, for vision-language models, a ``<Prefix>ForConditionalGeneration``)
+with a decoder at ``self.model`` and a head at ``self.lm_head``; what differs between them is small
+and listed here, not re-implemented per family. Without the table a family trains on the native
+loss path, materialising ``[B, T, V]`` logits, and nothing says so:
 
 * RMSNorm: Gemma 1/2/3 store ``w - 1`` and multiply by ``1 + w`` (offset 1) and compute in fp32
   throughout; the others normalise in fp32, cast back, then multiply (Llama casting). OLMo2
   changed its casting between releases, so the casting is confirmed numerically per class
   (:mod:`liger_compat.shims.modules`), the table only gives the expected offset.
-* final logits: Gemma 2/3 soft-cap them (``config.final_logit_softcapping``), Granite divides
-  them by ``config.logits_scaling``.
-* MLP: SiLU-gated everywhere except Gemma (tanh GELU); Phi3 fuses gate and up into one
+* final logits: Gemma 2/3/4, PaliGemma and Muse Glimmer soft-cap them (``final_logit_softcapping``),
+  Granite divides them by ``logits_scaling``, Cohere (``logit_scale``), Falcon-H1
+  (``lm_head_multiplier``) and Muse Glimmer (``output_multiplier``) multiply them; the attributes
+  are read from the language model's config (``config.get_text_config()``).
+* MLP: SiLU-gated everywhere except the Gemmas (tanh GELU); Phi3 and GLM-4 fuse gate and up into one
   ``gate_up_proj``; Mixtral's experts (before transformers 5) name them ``w1``/``w3``/``w2``.
-* Mixtral adds the router load-balancing loss when ``output_router_logits``.
+  Which MLP / RMSNorm / rotary function our kernels reproduce is decided by the structural probes
+  of :mod:`liger_compat.shims.modules`, not by this table.
+* MoE families with a router load-balancing loss (Mixtral, Qwen3-MoE, Qwen3-Next, gpt-oss,
+  DeepSeek-V4, Qwen3-VL-MoE, GLM-4V-MoE, Qwen3.5-MoE) add it when ``output_router_logits``.
+* vision-language models (``vision``): the decoder takes the pixel inputs and merges the image
+  features itself, so the head and the loss are the generic ones.
+* ``native_reason``: a family the generic forward cannot serve (Llama 4's vision-language model
+  takes the loss from its language model's full logits) stays native and the report says why.
 
 Embedding scaling (Gemma's ``sqrt(hidden_size)``, Granite's ``embedding_multiplier``) happens
 inside the decoder, which the fused forward calls unchanged, so it needs no entry.

@@ -17,8 +17,13 @@ that the fused kernels replace. What changed across releases and is handled here
   transformers 5 Mixtral has fused expert tensors (no per-expert MLP module: left native).
 
 Modules are found structurally (classes named ``*RMSNorm`` / ``*MLP`` of the family's modeling
-module with the right attributes; an activation recognised as SiLU or tanh-GELU); patches go on
-the classes, so existing instances are covered. ``liger_compat.apply(model=...)`` additionally
+module with the right attributes; an activation recognised as SiLU or tanh-GELU) and confirmed
+numerically: on its first call per class (RMSNorm: per dtype, both weight offsets; gated MLP: per
+input dtype) or per rotary function and shapes, the native code and the kernel run on the same
+input and a mismatch keeps the native code for good (logged, and listed by the report as "native
+after probe"). That is what keeps gpt-oss's half-split rotation with half-width cos, GLM-4's /
+Cohere's interleaved rotary, Falcon-H1's MLP multipliers and any later variation correct without a
+table entry. Patches go on the classes, so existing instances are covered. ``liger_compat.apply(model=...)`` additionally
 patches RMSNorm and MLP *instances* of classes outside the families (remote-code models) that pass
 the same structural and numeric checks, and reports instances whose forward another library
 replaced (liger-kernel instance patching, ``kernels.kernelize``).
@@ -251,11 +256,13 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         return wrapped(*args, **kwargs)
     found = mlp_layout(instance)
     if found is None:
+        _not_gated(instance)
         return wrapped(*args)
     layout, projs, act = found
     kind = activation_kind(act)
     fam = families.BY_MODULE.get(type(instance).__module__)
     if kind is None or (fam is not None and fam.mlp_act != kind):
+        _not_gated(instance)
         return wrapped(*args)
     from .. import kernels
 
@@ -295,8 +302,16 @@ def _mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
                     lambda: down_proj(act(gate) * up))[0]
 
 
-#: (class, input dtype) -> whether ``down(act(gate) * up)`` reproduces the class's forward
+#: (class, input dtype) -> whether ``down(act(gate) * up)`` reproduces the class's forward; (class,
+#: None) -> False for an ``*MLP`` class that is no gated MLP of ours (gpt-oss's router and experts,
+#: Nemotron's relu^2 MLP): recorded for the report
 _mlp_verdicts: dict[tuple[Any, Any], bool] = {}
+
+
+def _not_gated(m: Any) -> None:
+    key = (type(m), None)
+    if key not in _mlp_verdicts and not _compiling():
+        _mlp_verdicts[key] = False
 
 
 def _probe_tol(dtype: Any) -> float:

@@ -76,7 +76,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     "llama4_text": dict(num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=48, interleave_moe_layer_step=2,
                         no_rope_layers=[1, 0], attention_chunk_size=8),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
-                      mamba_chunk_size=16, lm_head_multiplier=0.5, embedding_multiplier=2.0),
+                      mamba_chunk_size=16, lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.5, 2.0]),
     "cohere": dict(logit_scale=0.5),
     "cohere2": dict(logit_scale=0.5, sliding_window=8),
     "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],

@@ -143,3 +143,27 @@ def test_the_report_lists_every_family_of_the_table():
     assert set(ALL) <= set(states)
     for name in ALL:
         assert states[name], name
+
+
+@pytest.mark.parametrize("family, refused", [
+    ("gpt_oss", "apply_rotary_pos_emb"),  # halves rotated with a half-width cos
+    ("glm4", "apply_rotary_pos_emb"),  # interleaved pairs, partial
+    ("cohere", "apply_rotary_pos_emb"),  # interleaved pairs
+    ("falcon_h1", "FalconH1MLP"),  # gate / down multipliers
+    ("gpt_oss", "GptOssMLP"),  # router and experts, no gated MLP module
+    ("llama", None),  # everything is the kernels'
+])
+def test_structural_probes_keep_what_the_kernels_do_not_reproduce_native(family, refused):
+    """The probes compare native code and kernel on the first call: a mismatch keeps the native
+    code (the parity tests above hold because of it) and the report names what was kept."""
+    model, kw, labels = _model_and_batch(family, seed=35)
+    with torch.no_grad():
+        out = model(**kw, labels=labels)
+        with native():
+            ref = model(**kw, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, **LOSS_TOL)
+    state = family_states()[family]
+    if refused is None:
+        assert "native after probe" not in state, state
+    else:
+        assert "native after probe: " in state and refused in state.split("native after probe: ", 1)[1], state
