@@ -575,7 +575,7 @@ def describe(fam: families.Family, module: Any) -> str:
         return f"native forward ({fam.causal_lm} missing)"
     current = vars(cls).get("forward")
     if current is not None and is_ours(current, _fused_forward):
-        return "fused forward"
+        return "fused forward (vision-language)" if fam.vision else "fused forward"
     if fam.name in _left_alone:
         return f"native forward ({_left_alone[fam.name]})"
     owner = conflicts.foreign_owner(current) if current is not None else None

@@ -307,6 +307,8 @@ def family_states() -> dict[str, str]:
         if mod is None:
             if importlib.util.find_spec is not None and not _module_exists(fam.module):
                 out[fam.name] = f"not in transformers {tf} (added in {fam.since})"
+            elif fam.native_reason:
+                out[fam.name] = f"native forward ({fam.native_reason})"
             else:
                 out[fam.name] = "waiting (patched when its modeling module is imported)"
             continue

@@ -30,12 +30,20 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def _model_and_batch(family: str, seed: int):
-    model = tiny(family)
-    if BY_NAME[family].vision:
-        kw, labels = tiny_vlms.inputs(model, seed=seed)
-    else:
-        ids, labels = random_batch(model, seed=seed)
-        kw = dict(input_ids=ids)
+    """The family's tiny model (train mode) and a batch. The tiny configs are written against
+    transformers 5.23; where the unpatched model itself cannot be built or run on them (an older
+    release with other config fields), the family is skipped with that error."""
+    try:
+        model = tiny(family)
+        if BY_NAME[family].vision:
+            kw, labels = tiny_vlms.inputs(model, seed=seed)
+        else:
+            ids, labels = random_batch(model, seed=seed)
+            kw = dict(input_ids=ids)
+        with native(), torch.no_grad():
+            model(**kw, labels=labels)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
+        pytest.skip(f"the unpatched {family} model does not run on its tiny config here: {type(exc).__name__}: {exc}")
     return model, kw, labels
 
 
