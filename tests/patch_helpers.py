@@ -17,3 +17,10 @@ def native():
         yield
     finally:
         liger_compat.apply()
+
+
+#: the families the detailed contract tests (tests/models/test_causal_lm.py, test_modules.py, the
+#: Trainer evaluate / predict test) run on; every family of the table gets the parity tests of
+#: tests/models/test_families.py
+CORE_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
+                 "granite")

@@ -12,12 +12,8 @@ import torch
 
 from liger_compat.shims.families import FAMILIES
 from liger_compat.shims.tiny_models import FamilyUnavailable, build
-from patch_helpers import native  # noqa: F401  (re-exported to the model tests)
+from patch_helpers import CORE_FAMILIES, native  # noqa: F401  (re-exported to the model tests)
 
-#: the families the detailed contract tests of test_causal_lm.py run on; every family of the table
-#: (text and vision-language) gets the parity tests of test_families.py
-CORE_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
-                 "granite")
 FAMILY_NAMES = [f.name for f in FAMILIES if f.name in CORE_FAMILIES]
 
 
@@ -63,4 +59,4 @@ def manual_accuracy(logits, labels, ignore_index=-100):
     return ((logits.argmax(-1) == shift) & valid).sum().float() / valid.sum().float()
 
 
-__all__ = ["FAMILY_NAMES", "native", "tiny", "random_batch", "grads", "manual_loss", "manual_accuracy"]
+__all__ = ["CORE_FAMILIES", "FAMILY_NAMES", "native", "tiny", "random_batch", "grads", "manual_loss", "manual_accuracy"]

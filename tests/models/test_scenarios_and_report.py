@@ -72,7 +72,7 @@ def test_family_states_cover_every_family():
         elif fam.name in CORE_FAMILIES:
             assert state.startswith("fused forward; rms_norm"), state
         else:
-            assert state.startswith("fused forward; "), state
+            assert state.startswith("fused forward"), state
 
 
 def test_a_causal_lm_outside_the_table_keeps_its_forward_and_gets_the_name_translation():
