@@ -448,6 +448,9 @@ def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, An
             q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
         return q_out, k_out
 
+    if verdict is None and _compiling() and _rope_fn_verdicts.get(unwrap(wrapped)) is False:
+        # no eager call probed these shapes, and the function failed the probe of its patch time
+        return wrapped(*args, **kwargs)
     if verdict is None and refusal is None and not _compiling():
         # the structural probe: the native function and the kernel on this call's inputs, once per
         # function and shapes. gpt-oss rotates halves with a half-width cos, GLM-4 / Cohere / DeepSeek
@@ -469,6 +472,33 @@ def _rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, An
 
 #: (native function, head dim, rotary dim, cos rank, unsqueeze_dim, dtypes) -> kernel reproduces it
 _rope_verdicts: dict[tuple[Any, ...], bool] = {}
+#: native function -> whether it reproduces the kernel on a synthetic full-width call, probed when
+#: its module is patched: the answer torch.compile uses when it traces shapes no eager call probed
+_rope_fn_verdicts: dict[Any, bool] = {}
+
+
+def _probe_rope_function(fn: Any) -> None:
+    import torch
+
+    from .. import kernels
+
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
+    angles = torch.randn(1, 3, 4, generator=g)
+    results = []
+    # a full-width cos (Llama's layout) and a half-width one (partial rotary, or gpt-oss's halves)
+    for cos, sin in ((torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)),
+                     (torch.cat([angles[..., :2].cos()] * 2, -1), torch.cat([angles[..., :2].sin()] * 2, -1)),
+                     (angles.cos(), angles.sin())):
+        try:
+            with torch.no_grad():
+                ref = fn(q, k, cos, sin)
+                got = kernels.apply_rotary_pos_emb(q, k, cos, sin)
+        except Exception:  # a call this function does not take (4.x position_ids lookups): no answer
+            continue
+        results.append(all(_close(a, b, torch.float32) for a, b in zip(got, ref)))
+    if results:
+        _rope_fn_verdicts[fn] = all(results)
 
 
 _rope_dtypes: dict[tuple[Any, Any, Any], tuple[Any, Any]] = {}
@@ -590,6 +620,8 @@ def _patch_rope(self: _ModuleShim, module: Any) -> None:
         self.left_alone[module.__name__] = f"{_ROPE_FN} has an unknown signature {tuple(params)}"
         return
     _rope_params(unwrap(current))  # cached now, not while torch.compile traces the first call
+    if unwrap(current) not in _rope_fn_verdicts:
+        _probe_rope_function(unwrap(current))
     self.patches.wrap(module, _ROPE_FN, _rope_forward, traceable=True)
     self.patched.setdefault(module.__name__, []).append(_ROPE_FN)
 

@@ -175,3 +175,23 @@ def test_structural_probes_keep_what_the_kernels_do_not_reproduce_native(family,
         assert "native after probe" not in state, state
     else:
         assert "native after probe: " in state and refused in state.split("native after probe: ", 1)[1], state
+
+
+@pytest.mark.parametrize("family, kernel_expected", [("gpt_oss", False), ("glm4", False), ("cohere", False),
+                                                     ("llama", True)])
+def test_rotary_functions_are_judged_at_patch_time_for_traced_first_calls(family, kernel_expected, monkeypatch):
+    """Under torch.compile the per-shape probe cannot run (the tracer sees no values): a first call
+    traced before any eager call takes the verdict of the synthetic probe made when the modeling
+    module was patched. Simulated here: the tracer flag forced on, the per-shape verdicts empty."""
+    from liger_compat.shims import modules
+
+    model, kw, labels = _model_and_batch(family, seed=36)
+    with native(), torch.no_grad():
+        ref = model(**kw, labels=labels).loss
+    monkeypatch.setattr(modules, "_rope_verdicts", {})
+    monkeypatch.setattr(modules, "_compiling", lambda: True)
+    kernels.last_backend.clear()
+    with torch.no_grad():
+        out = model(**kw, labels=labels).loss
+    assert ("rope" in kernels.last_backend) == kernel_expected, sorted(kernels.last_backend)
+    torch.testing.assert_close(out, ref, **LOSS_TOL)
