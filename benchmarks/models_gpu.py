@@ -258,6 +258,19 @@ def main(argv=None) -> int:
     meta = dict(transformers=transformers.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 batch=args.batch, seq=args.seq, hidden=args.hidden, layers=args.layers, vocab=args.vocab)
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from benchmarks import _results
+
+    cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
+
+    def write() -> str:  # after every family, so a run cut short keeps what it measured
+        (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
+        md = _results.md_line(cmd) + markdown(rows, meta)
+        (out / f"{args.name}.md").write_text(md + "\n")
+        return md
+
+    md = ""
     for family in [f.strip() for f in args.families.split(",") if f.strip()]:
         t0 = time.perf_counter()
         try:
@@ -272,15 +285,8 @@ def main(argv=None) -> int:
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         log(json.dumps(row))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from benchmarks import _results
-
-    cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
-    (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
-    md = _results.md_line(cmd) + markdown(rows, meta)
-    (out / f"{args.name}.md").write_text(md + "\n")
-    log(md)
+        md = write()
+    log(md or "no family")
     bad = [r["family"] for r in rows if "error" in r or
            ("grad_err_patched" in r and r["grad_err_patched"] > 2 * r["grad_err_native"] + 1e-2)]
     if bad:
