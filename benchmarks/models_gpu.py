@@ -170,8 +170,8 @@ def run_family(family: str, args) -> dict:
     row: dict = {"family": family, "vision": bool(fam and fam.vision)}  # also on skipped / error rows
     if fam is None:
         return {**row, "skipped": "not in the family table"}
-    if fam.native_reason:
-        return {**row, "skipped": f"native forward: {fam.native_reason}"}
+    if fam.why_native():
+        return {**row, "skipped": f"native forward: {fam.why_native()}"}
     try:
         model = make_model(family, args, torch.float32)
     except FamilyUnavailable as exc:

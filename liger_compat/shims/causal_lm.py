@@ -502,8 +502,8 @@ def _patch_family(module: Any, fam: families.Family) -> None:
     if cls is None:
         _left_alone[fam.name] = f"{module.__name__} has no {fam.causal_lm}"
         return
-    if fam.native_reason:
-        _left_alone[fam.name] = fam.native_reason
+    if fam.why_native():
+        _left_alone[fam.name] = fam.why_native()
         return
     current = vars(cls).get("forward")
     if current is None:

@@ -128,7 +128,8 @@ def _assert_matches(loss, model, ref_loss, ref_grads, tol=F32_TOL):
 
 #: what fullgraph compilation raises on a graph break: an unsupported construct, or a guard on a
 #: data-dependent value (Mixtral's expert routing ``.nonzero().tolist()`` on transformers 4.52)
-_GRAPH_BREAKS = (torch._dynamo.exc.Unsupported, torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
+_GRAPH_BREAKS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                 torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode)
 
 
 def _skip_if_native_breaks_too(model, ids, labels, family):

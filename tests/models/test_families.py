@@ -20,9 +20,9 @@ from liger_compat.shims.logits_to_keep import is_ours
 from model_helpers import grads, manual_accuracy, native, random_batch, tiny
 
 ALL = [f.name for f in FAMILIES]
-FUSED = [f.name for f in FAMILIES if not f.native_reason]
-NATIVE = [f.name for f in FAMILIES if f.native_reason]
-VISION = [f.name for f in FAMILIES if f.vision and not f.native_reason]
+FUSED = [f.name for f in FAMILIES if not f.why_native()]
+NATIVE = [f.name for f in FAMILIES if f.why_native()]
+VISION = [f.name for f in FAMILIES if f.vision and not f.why_native()]
 
 #: fp32 on both sides: the loss is a sum of a few hundred terms, the gradients pass a few matmuls
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -143,7 +143,7 @@ def test_families_the_generic_forward_cannot_honour_stay_native_and_say_why(fami
 
     cls = getattr(modeling_module(fam), fam.causal_lm)
     assert not is_ours(vars(cls)["forward"], causal_lm._fused_forward)
-    assert family_states()[family].startswith(f"native forward ({fam.native_reason})")
+    assert family_states()[family].startswith(f"native forward ({fam.why_native()})")
 
 
 def test_the_report_lists_every_family_of_the_table():
@@ -195,3 +195,12 @@ def test_rotary_functions_are_judged_at_patch_time_for_traced_first_calls(family
         out = model(**kw, labels=labels).loss
     assert ("rope" in kernels.last_backend) == kernel_expected, sorted(kernels.last_backend)
     torch.testing.assert_close(out, ref, **LOSS_TOL)
+
+
+def test_a_family_stays_native_before_the_release_it_was_checked_on():
+    fam = next(f for f in FAMILIES if f.fused_from)
+    older = f"{fam.fused_from.split('.')[0]}.{int(fam.fused_from.split('.')[1]) - 1}.0"
+    assert fam.why_native(fam.fused_from) is None
+    reason = fam.why_native(older)
+    assert reason and fam.fused_from in reason and older in reason
+    assert all(f.why_native("99.0") == f.native_reason for f in FAMILIES)

@@ -67,8 +67,8 @@ def test_family_states_cover_every_family():
             assert states[fam.name].startswith(f"not in transformers {tf}"), states[fam.name]
             continue
         state = family_states()[fam.name]
-        if fam.native_reason:  # the table says why the generic forward is not used: the report says it too
-            assert state.startswith(f"native forward ({fam.native_reason})"), state
+        if fam.why_native():  # the table says why the generic forward is not used: the report says it too
+            assert state.startswith(f"native forward ({fam.why_native()})"), state
         elif fam.name in CORE_FAMILIES:
             assert state.startswith("fused forward; rms_norm"), state
         else:

@@ -13,7 +13,10 @@ from trainer_helpers import (assert_logs_close, comparable_keys, fresh_model, ma
                              tokenizer_kwarg, train_logs, trainer_or_skip, trl_head_on)
 
 def words_reward(completions, **kwargs):
-    return [float(len(str(c).split())) for c in completions]
+    """Depends on the words themselves, not only on their count: completions are all cut at the same
+    length, and a reward with zero spread makes every advantage zero, leaving a gradient of pure
+    rounding noise that Adam scales up to full steps (natively ~1e-8, patched exactly 0)."""
+    return [float(sum(map(ord, str(c))) % 7) for c in completions]
 
 
 class _KeepRecorder:
@@ -61,6 +64,8 @@ def test_grpo_logits_to_keep_and_metrics(family, tokenizer, tmp_path):
     native_logs, patched_logs = train_logs(nat), train_logs(pat)
     keys = comparable_keys(native_logs)
     assert_logs_close(native_logs, patched_logs, keys, rtol=1e-3, atol=1e-4)
+    spread = [log["reward_std"] for log in native_logs if "reward_std" in log]
+    assert not spread or max(spread) > 0, spread  # the advantages, and so the gradients, are not all zero
 
     asked = [c for c in rec.calls if c[0] is not None]
     if trl_head_on(pat.model):
