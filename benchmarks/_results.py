@@ -52,3 +52,22 @@ def write(out: str | Path, name: str, data, markdown: str, cmd: str) -> None:
     markdown = md_line(cmd) + markdown
     (out / f"{name}.md").write_text(markdown)
     print(markdown)
+
+
+def table_rows(rows: list[dict], impls, ncols: int):
+    """For a results table with one row per (model, shape, impl): ``(line, None, None)`` for a row
+    whose status is not ok (the status in the step column, ``ncols`` columns), else ``(None, row,
+    {impl: row})`` with the other implementations of the same (model, shape); rows ordered by
+    (model, shape) as first seen, then as in ``impls``."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["model"], r["shape"]), {})[r["impl"]] = r
+    for (m, s), d in by.items():
+        for impl in impls:
+            r = d.get(impl)
+            if r is None:
+                continue
+            if r.get("status") != "ok":
+                yield f"| {m} | {s} | {impl} | {r.get('status')} |" + " |" * (ncols - 4), None, None
+            else:
+                yield None, r, d

@@ -209,25 +209,18 @@ def _markdown(rows: list[dict]) -> str:
     lines += ["| model | batch x seq | impl | step ms | tokens/s | x native tokens/s | x liger-kernel tokens/s | peak GiB | "
               "x liger-kernel peak | first loss |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    key = lambda r: (r["model"], r["shape"])  # noqa: E731
-    by = {}
-    for r in rows:
-        by.setdefault(key(r), {})[r["impl"]] = r
-    for (m, s), d in by.items():
+    for failed, r, d in _results.table_rows(rows, IMPLS, 10):
+        if failed:
+            lines.append(failed)
+            continue
+        m, s, impl = r["model"], r["shape"], r["impl"]
         nat, lk = d.get("native", {}), d.get("liger_kernel", {})
-        for impl in IMPLS:
-            r = d.get(impl)
-            if r is None:
-                continue
-            if r.get("status") != "ok":
-                lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | | |")
-                continue
-            xn = (f"{r['tokens_per_s'] / nat['tokens_per_s']:.2f}" if nat.get("status") == "ok"
-                  else "native OOM" if nat else "-")
-            xt = (f"{r['tokens_per_s'] / lk['tokens_per_s']:.3f}" if lk.get("status") == "ok" else "-")
-            xm = (f"{r['peak_gib'] / lk['peak_gib']:.3f}" if lk.get("status") == "ok" else "-")
-            lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xn} | {xt} | "
-                         f"{r['peak_gib']:.2f} | {xm} | {r['first_loss']:.4f} |")
+        xn = (f"{r['tokens_per_s'] / nat['tokens_per_s']:.2f}" if nat.get("status") == "ok"
+              else "native OOM" if nat else "-")
+        xt = (f"{r['tokens_per_s'] / lk['tokens_per_s']:.3f}" if lk.get("status") == "ok" else "-")
+        xm = (f"{r['peak_gib'] / lk['peak_gib']:.3f}" if lk.get("status") == "ok" else "-")
+        lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xn} | {xt} | "
+                     f"{r['peak_gib']:.2f} | {xm} | {r['first_loss']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -132,23 +132,17 @@ def _markdown(rows: list[dict]) -> str:
     lines += ["Median step after the warm-up steps, each implementation in a fresh process.", "",
               "| model | batch x seq | impl | step ms | tokens/s | x trl tokens/s | x trl + liger-kernel tokens/s | "
               "peak GiB | x trl peak | first loss |", "|---|---|---|---|---|---|---|---|---|---|"]
-    by: dict = {}
-    for r in rows:
-        by.setdefault((r["model"], r["shape"]), {})[r["impl"]] = r
-    for (m, s), d in by.items():
+    for failed, r, d in _results.table_rows(rows, IMPLS, 10):
+        if failed:
+            lines.append(failed)
+            continue
+        m, s, impl = r["model"], r["shape"], r["impl"]
         base, lk = d.get("trl", {}), d.get("trl_liger_kernel", {})
-        for impl in IMPLS:
-            r = d.get(impl)
-            if r is None:
-                continue
-            if r.get("status") != "ok":
-                lines.append(f"| {m} | {s} | {impl} | {r.get('status')} | | | | | | |")
-                continue
-            ratio = lambda other, key: (f"{r[key] / other[key]:.2f}" if other.get("status") == "ok" else "-")  # noqa: E731
-            loss = f"{r['first_loss']:.4f}" if r.get("first_loss") is not None else "-"
-            lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-                         f"{ratio(base, 'tokens_per_s')} | {ratio(lk, 'tokens_per_s')} | {r['peak_gib']:.2f} | "
-                         f"{ratio(base, 'peak_gib')} | {loss} |")
+        ratio = lambda other, key: (f"{r[key] / other[key]:.2f}" if other.get("status") == "ok" else "-")  # noqa: E731
+        loss = f"{r['first_loss']:.4f}" if r.get("first_loss") is not None else "-"
+        lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{ratio(base, 'tokens_per_s')} | {ratio(lk, 'tokens_per_s')} | {r['peak_gib']:.2f} | "
+                     f"{ratio(base, 'peak_gib')} | {loss} |")
     return "\n".join(lines) + "\n"
 
 
