@@ -151,8 +151,11 @@ def test_sft_eval_between_training_steps_matches_native(family, tokenizer, tmp_p
     eval_ds = tiny.dataset(tiny.sft_rows(6, seed=1))
 
     def build_trainer(model):
+        # loss_type="nll": trl 1.10-1.14 default to "chunked_nll", whose own head returns no logits
+        # to evaluation natively either (trl's heads are tested in test_trl_head.py)
         args = make_config(config_cls, tmp_path, max_seq_length=32, max_length=32, dataset_text_field="text",
-                           packing=False, eval_strategy="steps", evaluation_strategy="steps", eval_steps=1)
+                           packing=False, eval_strategy="steps", evaluation_strategy="steps", eval_steps=1,
+                           loss_type="nll")
         return trainer_cls(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                            compute_metrics=compute_metrics, **tokenizer_kwarg(trainer_cls, tokenizer))
 
