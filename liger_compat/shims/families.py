@@ -53,6 +53,11 @@ from .._log import log
 
 
 
+#: vision-language families were checked against the native model from transformers 5.0 (on 4.51,
+#: LLaVA, Mistral3 and Gemma 3's fused loss differed): before it they stay native
+VISION_FUSED_FROM = "5.0"
+
+
 class Family(NamedTuple):
     name: str
     prefix: str  # class-name prefix: "Qwen2" -> Qwen2ForCausalLM, Qwen2RMSNorm, Qwen2MLP
@@ -76,13 +81,13 @@ class Family(NamedTuple):
         installed one), or None when the fused forward serves it."""
         if self.native_reason:
             return self.native_reason
-        if self.fused_from:
+        floor = self.fused_from or (VISION_FUSED_FROM if self.vision else None)
+        if floor:
             from ..compat.versions import matches
 
             tf = transformers_version or _installed_transformers()
-            if tf and not matches(tf, f">={self.fused_from}"):
-                return (f"the fused forward matches the native one from transformers {self.fused_from}; "
-                        f"not on {tf}")
+            if tf and not matches(tf, f">={floor}"):
+                return f"the fused forward matches the native one from transformers {floor}; not on {tf}"
         return None
 
     @property

@@ -77,6 +77,12 @@ def test_fused_loss_and_gradients_equal_native(family):
 
 @pytest.mark.parametrize("family", FUSED)
 def test_labels_free_and_eval_give_native_logits_and_honour_logits_to_keep(family):
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("4.52"):
+        pytest.skip(f"transformers {transformers.__version__}: the native forwards differ in how they take "
+                    "logits_to_keep (tests/models/test_causal_lm.py covers these releases)")
     model, kw, labels = _model_and_batch(family, seed=32)
     with native(), torch.no_grad():
         full = model(**kw).logits
@@ -139,9 +145,13 @@ def test_vision_inputs_reach_the_language_model_through_the_fused_forward(family
 @pytest.mark.parametrize("family", NATIVE)
 def test_families_the_generic_forward_cannot_honour_stay_native_and_say_why(family):
     fam = BY_NAME[family]
-    from liger_compat.shims.tiny_models import modeling_module
+    from liger_compat.shims.tiny_models import FamilyUnavailable, modeling_module
 
-    cls = getattr(modeling_module(fam), fam.causal_lm)
+    try:
+        module = modeling_module(fam)
+    except FamilyUnavailable as exc:
+        pytest.skip(str(exc))
+    cls = getattr(module, fam.causal_lm)
     assert not is_ours(vars(cls)["forward"], causal_lm._fused_forward)
     assert family_states()[family].startswith(f"native forward ({fam.why_native()})")
 
