@@ -1,6 +1,6 @@
 """Test knobs shared by the kernel tests.
 
-The same test modules run twice: in the normal session on the torch reference, and in a
+The same test modules run twice: in a normal pytest run on the torch reference, and in a
 subprocess with ``TRITON_INTERPRET=1`` (see ``test_interpret.py``) where the dispatch must pick
 the Triton path. ``LIGER_COMPAT_TEST_EXAMPLES`` caps hypothesis examples in that subprocess.
 """

@@ -1,7 +1,7 @@
 """The low-memory mode of fused_linear_cross_entropy (no stored logits) against float64 torch.
 
 Under ``TRITON_INTERPRET=1`` (``test_interpret.py`` re-runs this module so) the low-memory
-Triton kernels run and the tests assert that they did; in the normal session the dispatch has
+Triton kernels run and the tests assert that they did; in a normal pytest run the dispatch has
 only the torch reference, which always runs in chunks, and the same comparisons check that
 ``mode="lowmem"`` falls back to it. Shapes are small and not multiples of the interpreter's
 tiles (16 rows, 32 columns, 16 of the hidden dimension).
