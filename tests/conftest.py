@@ -17,6 +17,54 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 
+def _trl_head_kernels_interpreted_on_cpu() -> None:
+    """Make the unpatched trl 1.15.0 computable on this CPU machine, as a reference.
+
+    trl 1.15.0's fused LM head launches its Triton kernels on CPU tensors (``RuntimeError: 0 active
+    drivers``; trl 1.16.0 checks the device first: known issue ``trl-head-on-cpu``), so every test
+    comparing a patched trainer with the unpatched one would have no native side. Triton decides
+    between compiled and interpreted kernels when a ``@triton.jit`` function is defined, so trl's
+    kernel modules are imported here once with ``TRITON_INTERPRET=1``: the native reference then runs
+    trl's own kernels, unchanged, through Triton's CPU interpreter. liger_compat's kernels are not
+    affected (they choose their path on every call). ``tests/trainers/test_trl_head_on_cpu.py`` proves
+    the failure itself in a fresh process.
+    """
+    from importlib import metadata
+
+    try:
+        if metadata.version("trl") != "1.15.0":
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except (metadata.PackageNotFoundError, ImportError):
+        return
+    import importlib
+
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        # Triton's own jit-decorated library functions (tl.sum, ...) are called from trl's kernels, so
+        # they are defined in the same mode (this module runs before anything imports Triton; nothing
+        # in a CPU test session runs compiled Triton code)
+        for name in ("triton.language.standard", "triton.experimental.gluon.language",
+                     "trl.kernels.chunked_logprob", "trl.kernels.logprob_entropy", "trl.kernels.chunked_divergence"):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                if name.startswith("trl."):
+                    raise
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_trl_head_kernels_interpreted_on_cpu()
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -164,12 +164,10 @@ def test_ci_subset_covers_oldest_newest_and_the_4_48_to_4_50_window():
     assert len(ci) <= 12
     b = next(x for x in GRID.boundaries if x.id == "can-return-tuple")
     assert any(x in ci and y in ci for x, y in GRID.isolating(b)), "CI runs both sides of can-return-tuple"
-    # trl 1.15.0's head runs Triton on CPU tensors natively: its cells (the isolating pairs of these two
-    # boundaries) stay outside CI, which still runs a cell on each side of both
-    for bid in ("trl-fused-lm-head", "logits-to-keep-2d"):
+    b = next(x for x in GRID.boundaries if x.id == "trl-fused-lm-head")
+    assert any(x in ci and y in ci for x, y in GRID.isolating(b)), "CI runs both sides of trl's own head"
+    for bid in ("trl-fused-lm-head", "logits-to-keep-2d"):  # (and a cell on each side of the 2-D rename)
         b = next(x for x in GRID.boundaries if x.id == bid)
-        assert any(x in ci and y in ci for x, y in GRID.isolating(b)) or not any(
-            x in ci for pair in GRID.isolating(b) for x in pair if x.trl == "1.15.0"), bid
         version = lambda c: Version(getattr(c, b.package) if not c.newest else "999")  # noqa: E731
         assert any(version(c) < Version(b.version) for c in ci) and any(version(c) >= Version(b.version) for c in ci), bid
     assert any(c.extras for c in ci), "the cell with peft and liger-kernel runs in CI"

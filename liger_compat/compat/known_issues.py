@@ -25,8 +25,15 @@ class KnownIssue(NamedTuple):
     #: package -> first release in which the issue no longer applies (an upstream fix); empty when
     #: no release of the affected packages fixes it (liger_compat's shims are then the mitigation)
     fixed_in: dict[str, str] = {}
+    #: the failure needs training on CPU tensors: where a CUDA device is visible it does not apply
+    cpu_only: bool = False
 
-    def applies(self, installed: dict[str, versions.PackageVersion] | None = None) -> bool:
+    def applies(self, installed: dict[str, versions.PackageVersion] | None = None,
+                cuda: bool | None = None) -> bool:
+        """Whether the installed releases are in every ``affects`` range (and, for a ``cpu_only``
+        issue, ``cuda`` is not True; None: unknown, the versions alone decide)."""
+        if self.cpu_only and cuda:
+            return False
         inst = installed or versions.all_installed()
         for lib, spec in self.affects.items():
             pv = inst.get(lib) or versions.installed(lib)
@@ -44,6 +51,7 @@ class KnownIssue(NamedTuple):
             "upstream": self.upstream,
             "scenario": self.scenario,
             "fixed_in": dict(self.fixed_in),
+            "cpu_only": self.cpu_only,
         }
 
 
@@ -94,6 +102,20 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         mitigated_by=("transformers.num_items_in_batch_labels", "transformers.renamed_kwargs", "trl.renamed_kwargs"),
         upstream="transformers 4.46 Trainer.get_batch_samples counts batch['labels']; trainers renamed tokenizer -> processing_class",
         scenario="F5",
+    ),
+    KnownIssue(
+        id="trl-head-on-cpu",
+        title="trl 1.15.0's fused LM head launches Triton kernels on CPU tensors",
+        failure="RuntimeError: 0 active drivers ([]). There should only be one. (every SFT / DPO / GRPO / KTO / "
+                "RLOO training step on CPU)",
+        affects={"trl": "==1.15.0"},
+        mitigated_by=("trl.fused_lm_head",),
+        upstream="trl 1.15.0 trainer/utils.py add_fused_lm_head scores through trl.kernels.chunked_logprob's "
+                 "Triton kernels on whatever device the model is on; trl 1.16.0 falls back to torch off CUDA / XPU",
+        notes="liger_compat's head shim scores trl's head with its own fused log-prob kernel, which runs the "
+              "torch implementation on CPU tensors",
+        fixed_in={"trl": "1.16.0"},
+        cpu_only=True,
     ),
 )
 

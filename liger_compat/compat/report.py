@@ -187,8 +187,8 @@ def format_text(r: Report) -> str:
 
 
 def _issue_status(issue: known_issues.KnownIssue, shim_states: dict[str, str],
-                  installed: dict[str, versions.PackageVersion]) -> IssueStatus:
-    applies = issue.applies(installed)
+                  installed: dict[str, versions.PackageVersion], cuda: bool | None = None) -> IssueStatus:
+    applies = issue.applies(installed, cuda=cuda)
     states = {sid: shim_states.get(sid, "not registered") for sid in issue.mitigated_by}
     # "waiting": the shim applies when its trigger module is imported; "not needed": its
     # feature probe found the installed library already behaves
@@ -234,13 +234,14 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
     shim_list = [s.status() for s in REGISTRY.shims()]
     shim_states = {s["id"]: s["state"] for s in shim_list}
     st = _config.settings
-    issues = [_issue_status(i, shim_states, installed) for i in known_issues.KNOWN_ISSUES]
+    dev = _device.detect()
+    issues = [_issue_status(i, shim_states, installed, cuda=dev.cuda_available) for i in known_issues.KNOWN_ISSUES]
     matrix = _matrix(installed)
     return Report(
         liger_compat_version=__version__,
         python=sys.version.split()[0],
         versions={k: v.raw for k, v in installed.items()},
-        device=_device.detect().to_dict(),
+        device=dev.to_dict(),
         settings={"disabled": st.disabled, "kernels": sorted(st.kernels), "debug": st.debug, "source": dict(st.source),
                   "tuning": _tuning()},
         shims=shim_list,

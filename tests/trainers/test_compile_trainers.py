@@ -12,8 +12,8 @@ import torch
 
 from liger_compat.shims import _tiny_text as tiny
 
-from trainer_helpers import (assert_logs_close, fresh_model, make_config, run_native_and_patched, tokenizer_kwarg,
-                             train_logs, trainer_or_skip)
+from trainer_helpers import (assert_logs_close, fresh_model, make_config, native_head_interpreted,
+                             run_native_and_patched, tokenizer_kwarg, train_logs, trainer_or_skip)
 
 class _OpsOnly:
     """Counts the real implementations' calls of the fused loss's chunked pass and the RMSNorm
@@ -103,13 +103,20 @@ def test_trainer_torch_compile_matches_native(tokenizer, tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_sft_trainer_torch_compile_matches_native(family, tokenizer, tmp_path, monkeypatch):
     """trl >= 1.15 scores the labels with its own fused head (``add_fused_lm_head``), so our loss is
-    not on this path there; the decoder's kernels are, as ops."""
+    not on this path there; the decoder's kernels are, as ops. Where the unpatched trl's head runs
+    through Triton's interpreter (trl 1.15.0 on CPU, which cannot run it otherwise), the native
+    reference trains eagerly."""
     trainer_cls, config_cls = trainer_or_skip("sft")
     ds = tiny.dataset(tiny.sft_rows(8))
+    builds = []
 
     def build(model):
+        compile_args = _compile_args()
+        if not builds and native_head_interpreted():  # the first build is the native run
+            compile_args = {"max_steps": compile_args["max_steps"]}  # (a backend alone turns compiling on)
+        builds.append(model)
         args = make_config(config_cls, tmp_path, max_seq_length=32, max_length=32, dataset_text_field="text",
-                           packing=False, **_compile_args())
+                           packing=False, **compile_args)
         return trainer_cls(model=model, args=args, train_dataset=ds, **tokenizer_kwarg(trainer_cls, tokenizer))
 
     ops = _OpsOnly(monkeypatch)
@@ -119,4 +126,4 @@ def test_sft_trainer_torch_compile_matches_native(family, tokenizer, tmp_path, m
     keys = [k for k in ("loss", "mean_token_accuracy", "entropy") if k in native_logs[0]]
     assert_logs_close(native_logs, patched_logs, keys)
     assert ops.norms >= 3 * 5
-    assert _graphs() >= 2
+    assert _graphs() >= (1 if native_head_interpreted() else 2)

@@ -71,15 +71,21 @@ def train_logs(trainer: Any) -> list[dict[str, float]]:
     return [dict(h) for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
 
 
-def assert_logs_close(native_logs, patched_logs, keys, rtol=2e-4, atol=2e-5):
+def assert_logs_close(native_logs, patched_logs, keys, rtol=2e-4, atol=2e-5, later_rtol=1e-3):
+    """Step 0 logs at ``rtol`` (same weights: only the kernels' float32 rounding differs); later steps at
+    ``later_rtol``: Adam normalises each update by the gradient's running RMS, so an entry whose
+    gradient is near zero moves by up to the learning rate on a float32 rounding difference, and the
+    runs drift apart by more than the kernels' own error (observed: 2.5e-4 relative in the step-1
+    entropy with lr 0.05; a wrong loss or a gradient off by a scale is off by far more)."""
     assert len(native_logs) == len(patched_logs) > 0, (native_logs, patched_logs)
     for step, (a, b) in enumerate(zip(native_logs, patched_logs)):
+        tol = rtol if step == 0 else max(rtol, later_rtol)
         for key in keys:
             assert key in a, f"native run did not log {key!r} at step {step}: {sorted(a)}"
             assert key in b, f"patched run did not log {key!r} at step {step}: {sorted(b)}"
             va, vb = float(a[key]), float(b[key])
             assert math.isfinite(vb), (key, step, vb)
-            assert math.isclose(va, vb, rel_tol=rtol, abs_tol=atol), f"step {step} {key}: native {va} != patched {vb}"
+            assert math.isclose(va, vb, rel_tol=tol, abs_tol=atol), f"step {step} {key}: native {va} != patched {vb}"
 
 
 def fresh_model(family: str, tokenizer: Any, seed: int = 0):
@@ -141,6 +147,18 @@ def _skip_if_signature_drift(trainer: Any, exc: BaseException) -> None:
     if f"{type(trainer).__name__}." in reason and re.search(SIGNATURE_DRIFT, str(exc)):
         pytest.skip(f"no native run to compare with: {type(trainer).__name__} of this trl cannot train on this "
                     f"transformers natively ({type(exc).__name__}: {exc}); see test_trainer_signatures")
+
+
+def native_head_interpreted() -> bool:
+    """Whether the unpatched trl's fused LM head runs through Triton's CPU interpreter in this session
+    (trl 1.15.0 without CUDA: see ``tests/conftest.py``), which torch.compile cannot trace."""
+    import torch
+    from importlib import metadata
+
+    try:
+        return metadata.version("trl") == "1.15.0" and not torch.cuda.is_available()
+    except metadata.PackageNotFoundError:
+        return False
 
 
 def run_native_and_patched(build, base_model, recorder=None):
