@@ -9,16 +9,17 @@ A shim is a small unit that adapts one upstream behaviour. It declares
   :func:`liger_compat._import_hooks.when_imported` so the order of imports does not matter,
 * ``target``: what it patches, in words (``"Qwen2ForCausalLM.forward"``),
 * ``versions``: a ``packaging`` specifier on ``library`` where it applies (empty: all),
-* ``probe(module)``: a feature probe run on the imported trigger module; returns ``None``
-  when the shim is needed, else the reason it is not (``"forward already accepts
-  logits_to_keep"``),
 * ``upstream``: the upstream change or issue it answers, ``fixes``: known-issue ids,
+  ``description``: one line saying what it does (shown in ``check --json``),
 * ``kernels``: the kernels it routes to; it is skipped when none of them is enabled,
 * ``_apply(module, patches)`` / optional ``_revert()``: the work; every attribute change goes
-  through ``patches`` (a :class:`~liger_compat.shims._patching.PatchSet`) so revert is exact,
+  through ``patches`` (a :class:`~liger_compat.shims._patching.PatchSet`) so revert is exact;
+  a shim that finds the installed library already behaving records ``"not needed: ..."`` in
+  what it returns, and one that finds another library's patch reports it with
+  :meth:`Registry.report_conflict` and leaves the target alone,
 * optional ``apply_to_model(model, patches)``: instance-level patching for ``apply(model=...)``.
 
-A shim that raises while probing or applying is marked ``failed`` with the reason and the
+A shim that raises while applying is marked ``failed`` with the reason and the
 library keeps its native behaviour: the import never breaks.
 """
 
@@ -45,12 +46,11 @@ class State(str, enum.Enum):
     FAILED = "failed"
     DISABLED = "disabled"  # by LIGER_COMPAT_DISABLE / configure / kernel selection
     REVERTED = "reverted"
-    CONFLICT = "conflict"  # another library patched the target first; left alone
 
 
 class Shim(Record):
     _fields = ("id", "library", "trigger", "target", "upstream", "versions", "fixes", "kernels", "description",
-               "probe", "_apply", "_revert", "apply_to_model", "conflict", "state", "reason", "patches",
+               "_apply", "_revert", "apply_to_model", "state", "reason", "patches",
                "model_patches")
 
     def __init__(
@@ -64,11 +64,9 @@ class Shim(Record):
         fixes: tuple[str, ...] = (),
         kernels: tuple[str, ...] = (),
         description: str = "",
-        probe: Callable[[Any], str | None] | None = None,
         _apply: Callable[[Any, PatchSet], None] | None = None,
         _revert: Callable[[], None] | None = None,
         apply_to_model: Callable[[Any, PatchSet], bool] | None = None,
-        conflict: Callable[[Any], str | None] | None = None,
         state: State = State.WAITING,
         reason: str = "",
         patches: PatchSet | None = None,
@@ -83,12 +81,9 @@ class Shim(Record):
         self.fixes = fixes
         self.kernels = kernels
         self.description = description
-        self.probe = probe
         self._apply = _apply
         self._revert = _revert
         self.apply_to_model = apply_to_model
-        #: conflict detector run before applying: returns a description of a foreign patch or None
-        self.conflict = conflict
         # runtime state, owned by the registry
         self.state = state
         self.reason = reason
@@ -106,6 +101,7 @@ class Shim(Record):
             "fixes": list(self.fixes),
             "upstream": self.upstream,
             "kernels": list(self.kernels),
+            "description": self.description,
         }
 
 
@@ -203,17 +199,6 @@ class Registry:
                 shim.reason = f"{shim.library} {lib.raw} is outside {shim.versions}"
                 return
             try:
-                if shim.probe is not None:
-                    why_not = shim.probe(module)
-                    if why_not:
-                        shim.state, shim.reason = State.NOT_NEEDED, why_not
-                        return
-                if shim.conflict is not None:
-                    foreign = shim.conflict(module)
-                    if foreign:
-                        shim.state, shim.reason = State.CONFLICT, foreign
-                        self.report_conflict(shim.target, foreign, f"{shim.id} left the target alone")
-                        return
                 shim._apply(module, shim.patches)
             except Exception as exc:
                 errors = shim.patches.revert()  # leave nothing half-applied
@@ -267,7 +252,7 @@ class Registry:
                 shim.model_patches.clear()
                 if shim.state == State.APPLIED:
                     errors += self._revert_one(shim, "liger_compat.revert()")
-                elif shim.state in (State.WAITING, State.FAILED, State.NOT_NEEDED, State.CONFLICT):
+                elif shim.state in (State.WAITING, State.FAILED, State.NOT_NEEDED):
                     shim.state, shim.reason = State.REVERTED, "liger_compat.revert()"
         return errors
 
