@@ -66,10 +66,7 @@ from ._registry import REGISTRY, register
 from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_2d, is_ours, keep_positions, native_slices_2d,
                              normalize_keep, pop_keep, stable_key)
 
-try:  # runs the fused loss inside lm_head's forward when FSDP / ZeRO-3 shard the head
-    from . import distributed as _distributed
-except ImportError:  # pragma: no cover - a build without it: ordinary heads only
-    _distributed = None
+from . import distributed as _distributed  # the fused loss inside lm_head's call (FSDP / ZeRO-3 shards)
 from ..compat.scenarios import Context, Skip, scenario
 
 
@@ -276,7 +273,7 @@ def _plain_head(model: Any) -> Any:
     import torch
 
     head = model.lm_head
-    inner = _distributed.head_module(head) if _distributed is not None else head
+    inner = _distributed.head_module(head)
     if not isinstance(inner, torch.nn.Linear) or type(inner).forward is not torch.nn.Linear.forward:
         return None
     w = inner.weight
@@ -406,17 +403,8 @@ def _autocast_dtype(hidden: Any) -> Any:
     return None
 
 
-def _compute_dtype(hidden: Any, weight: Any) -> Any:
-    auto = _autocast_dtype(hidden)
-    if auto is not None:
-        return auto
-    return weight.dtype if hidden.dtype != weight.dtype else hidden.dtype
-
-
 def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: dict[str, Any]) -> tuple[Any, Any]:
     import torch
-
-    from .. import kernels
 
     ignore_index = int(loss_kw.get("ignore_index", -100))
     num_items = loss_kw.get("num_items_in_batch")
@@ -429,21 +417,13 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     if divisor is not None:
         h = h / divisor  # (h W^T) / d == (h / d) W^T without a bias
     opts = dict(ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items, return_token_accuracy=True)
-    if _distributed is not None:
-        # the weight as the sharding engine (if any) gathers it, inside lm_head's own call. The
-        # dtype is autocast's, or else the gathered weight's: under FSDP2 mixed precision the
-        # shard read here is fp32 while the gathered weight is param_dtype (bf16, say)
-        auto = _autocast_dtype(h)
-        with torch.autocast(h.device.type, enabled=False):
-            res = _distributed.fused_head_loss(model.lm_head, h if auto is None else h.to(auto), target,
-                                               dtype=auto, **opts)
-        return res.loss, res.token_accuracy
-    dtype = _compute_dtype(h, inner.weight)
-    b = inner.bias
+    # the weight as the sharding engine (if any) gathers it, inside lm_head's own call. The dtype is
+    # autocast's, or else the gathered weight's: under FSDP2 mixed precision the shard read here is
+    # fp32 while the gathered weight is param_dtype (bf16, say)
+    auto = _autocast_dtype(h)
     with torch.autocast(h.device.type, enabled=False):
-        res = kernels.fused_linear_cross_entropy(
-            h.to(dtype), inner.weight.to(dtype), target, bias=None if b is None else b.to(dtype), **opts
-        )
+        res = _distributed.fused_head_loss(model.lm_head, h if auto is None else h.to(auto), target,
+                                           dtype=auto, **opts)
     return res.loss, res.token_accuracy
 
 
