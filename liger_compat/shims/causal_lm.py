@@ -55,7 +55,6 @@ along that flat sequence, as transformers' loss shifts them).
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from typing import Any
 
@@ -79,13 +78,12 @@ _KERNEL = "fused_linear_cross_entropy"
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 #: keyword arguments of ours, removed before anything native sees the call
 RETURN_LOGITS = "return_logits"
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def _want_logits(flag: Any) -> bool:
     if flag is not None:
         return bool(flag)
-    return os.environ.get("LIGER_COMPAT_RETURN_LOGITS", "").strip().lower() in _TRUE
+    return _config.return_logits()
 
 
 # --------------------------------------------------------------------------------------------
