@@ -40,7 +40,8 @@ The wrapper (a plain function on the class that ``torch.compile`` traces, ``_pat
   position left of where the native tuple has it), no token_accuracy. In eval mode it is the
   native tuple, the loss then the logits.
 * Logits together with a fused loss in training: pass ``return_logits=True`` to the forward, or set
-  ``LIGER_COMPAT_RETURN_LOGITS=1``; the logits are then computed (honouring ``logits_to_keep``)
+  ``LIGER_COMPAT_RETURN_LOGITS=1`` before the import (or call ``liger_compat.configure(return_logits=True)``);
+  the logits are then computed (honouring ``logits_to_keep``)
   in addition to the fused loss.
 
 ``logits_to_keep`` / ``num_logits_to_keep``: an int (keep the last k positions, 0 = all), a 1-D
