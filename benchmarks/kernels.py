@@ -451,13 +451,14 @@ def logprob(names=("llama3-8b", "qwen2-7b", "llama3.2-1b")):
 
 
 def _set_flce(rows=None, mib=None, variant="split", compact=True, logits="auto"):
-    from liger_compat.kernels import _ce_triton
-    from liger_compat.kernels import loss as loss_mod
+    """Set the chunk size and return the other knobs as keyword arguments of
+    ``fused_linear_cross_entropy`` (no arguments: the defaults)."""
+    from liger_compat import _config
 
     # ``rows``: that many rows per chunk exactly (the cap set from them; at V=128256);
     # ``mib``: the LIGER_COMPAT_FLCE_CHUNK_MB setting (None: unset, the rows default)
-    loss_mod.FLCE_CHUNK_MB = str(rows * 2 * 128256 / 2**20) if rows else ("" if mib is None else str(mib))
-    _ce_triton.CE_KERNEL_VARIANT, loss_mod.COMPACT_IGNORED, loss_mod.LOGITS_IMPL = variant, compact, logits
+    _config.settings.flce_chunk_mb = str(rows * 2 * 128256 / 2**20) if rows else ("" if mib is None else str(mib))
+    return dict(ce_variant=variant, compact_ignored=compact, logits_impl=logits)
 
 
 def flce_rows():
@@ -479,11 +480,11 @@ def flce_rows():
                 tt = t if ignored else t.clamp(min=0)
                 m = int((tt != -100).sum())
                 for cfg in configs:
-                    _set_flce(mib=4096, **cfg)
+                    knobs = _set_flce(mib=4096, **cfg)
                     rows = loss_mod._chunk_rows(m, v, hd, 2, "triton", h.device)
 
                     def step():
-                        return torch.autograd.grad(fused_linear_cross_entropy(h, w, tt), (h, w))
+                        return torch.autograd.grad(fused_linear_cross_entropy(h, w, tt, **knobs), (h, w))
 
                     label = ", ".join(f"{k}={x}" for k, x in cfg.items())
                     measure("flce_rows", f"{name} {'10% ignored' if ignored else 'no ignored'} ({m} rows)",
@@ -509,10 +510,10 @@ def flce_variants():
         dict(mib=62), dict(mib=62, logits="cublas"), dict(mib=128), dict(mib=256), dict(rows=4096, mib=2048),
     ]
     for cfg in configs:
-        _set_flce(**cfg)
+        knobs = _set_flce(**cfg)
 
         def step():
-            return torch.autograd.grad(fused_linear_cross_entropy(h, w, t), (h, w))
+            return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, **knobs), (h, w))
 
         rows = loss_mod._chunk_rows(n, v, hd, 2, "triton", h.device)
         label = "default" if not cfg else ", ".join(f"{k}={v}" for k, v in cfg.items())
@@ -734,7 +735,6 @@ def flce_gemm():
     CE passes it replaces, and the whole loss with each choice at every head. (cuBLASLt, two streams
     for the gradient matmuls and a Triton grad_weight kernel were tried here too: NOTES.md.)"""
     from liger_compat.kernels import _ce_triton, _logits_triton, fused_linear_cross_entropy
-    from liger_compat.kernels import loss as loss_mod
     from liger_compat.kernels.loss import CEOptions
 
     name, rows = FLCE_GEMM_CHUNK
@@ -802,21 +802,18 @@ def flce_gemm():
     torch.cuda.empty_cache()
     # the whole loss under each choice, every head
     floor_of = {}
-    try:
-        for name, (n, hd, v, softcap) in HEADS.items():
-            h, w, t = _flce_inputs(n, hd, v)
-            floor_of[name] = 6 * n * hd * v / (mt * 1e12) * 1e3
-            for logits_impl in ("cublas", "triton"):
-                loss_mod.LOGITS_IMPL = logits_impl
+    for name, (n, hd, v, softcap) in HEADS.items():
+        h, w, t = _flce_inputs(n, hd, v)
+        floor_of[name] = 6 * n * hd * v / (mt * 1e12) * 1e3
+        for logits_impl in ("cublas", "triton"):
 
-                def step():
-                    return torch.autograd.grad(fused_linear_cross_entropy(h, w, t, softcap=softcap), (h, w))
+            def step():
+                return torch.autograd.grad(
+                    fused_linear_cross_entropy(h, w, t, softcap=softcap, logits_impl=logits_impl), (h, w))
 
-                measure("flce_gemm_whole", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
-                        f"liger_compat, logits {logits_impl}", step, floor_ms=floor_of[name])
-            del h, w, t
-    finally:
-        loss_mod.LOGITS_IMPL = "auto"
+            measure("flce_gemm_whole", f"{name} N={n} H={hd} V={v}" + (" softcap=30" if softcap else ""),
+                    f"liger_compat, logits {logits_impl}", step, floor_ms=floor_of[name])
+        del h, w, t
 
 
 def flce_sweep():

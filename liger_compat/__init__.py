@@ -26,7 +26,8 @@ from .shims import REGISTRY as _REGISTRY
 from .shims import load_all as _load_all
 
 
-def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None) -> None:
+def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
+              return_logits: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -34,11 +35,16 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     fused_linear_cross_entropy``; shims whose kernels are deselected are reverted. ``debug=True``
     turns on input checks that need a host sync: targets outside the vocabulary then raise
     before the loss runs on the GPU, instead of being reported by the kernel after it.
+    ``return_logits=True`` makes the fused causal-LM loss return the logits too, unless a call
+    passes its own ``return_logits=`` (``LIGER_COMPAT_RETURN_LOGITS``).
     """
     s = _config.settings
     if kernels is not None:
         s.kernels = _config.parse_kernels(kernels)  # raises before anything changes
         s.source["kernels"] = "configure()"
+    if return_logits is not None:
+        s.return_logits = _config.parse_bool(return_logits, "return_logits")
+        s.source["return_logits"] = "configure()"
     if debug is not None:
         s.debug = bool(debug)
         s.source["debug"] = "configure()"

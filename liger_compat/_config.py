@@ -1,14 +1,20 @@
-"""Process-wide settings: which kernels are enabled and whether liger_compat is active.
+"""Process-wide settings, and the one place the package reads its environment variables.
 
-Read once from the environment (``LIGER_COMPAT_DISABLE``, ``LIGER_COMPAT_KERNELS``,
-``LIGER_COMPAT_DEBUG``, ``LIGER_COMPAT_FLCE_MODE``) and changed afterwards with
-:func:`liger_compat.configure` (the first three) or by assigning ``settings.flce_mode``.
-Kept free of heavy imports: importing ``liger_compat`` must not import torch.
+Every ``LIGER_COMPAT_*`` variable (:data:`SETTINGS`) is read once, at import, into :data:`settings`
+and changed afterwards with :func:`liger_compat.configure` (``enabled``, ``kernels``, ``debug``,
+``return_logits``) or by assigning the attribute (the kernel tuning values). The tuning values are
+kept as set and checked where they are used (:func:`flce_mode`, :func:`flce_chunk_mib`,
+:func:`flce_logits`, :func:`mlp_recompute_parts`), so a bad value never breaks the import: it
+raises a ``ValueError`` naming the variable and its allowed values when the kernel runs, and
+``check()`` reports it. ``TRITON_INTERPRET`` (Triton's own variable) is read on every call of
+:func:`triton_interpret`. Kept free of heavy imports: importing ``liger_compat`` must not import torch.
 """
 
 from __future__ import annotations
 
 import os
+
+from typing import Any, NamedTuple
 
 from ._record import Record
 
@@ -29,13 +35,63 @@ _ALIASES = {
     "rotary": "rope",
 }
 
-_TRUE = {"1", "true", "yes", "on"}
+#: The one spelling of on / off for every on-off variable (compared stripped and lower-cased).
+TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
+FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
 
 #: Values of ``LIGER_COMPAT_FLCE_MODE``: how the fused linear cross-entropy runs. ``chunked``: rows
 #: in chunks whose logits are stored (fastest; one chunk of logits in memory); ``lowmem``: no
 #: logits stored (at most 16 MiB extra); ``auto`` (default): chunked unless one chunk would not
 #: fit in the GPU's free memory.
 FLCE_MODES: tuple[str, ...] = ("auto", "chunked", "lowmem")
+#: Values of ``LIGER_COMPAT_FLCE_LOGITS``: how each chunk's logits are computed on the GPU.
+FLCE_LOGITS: tuple[str, ...] = ("auto", "cublas", "triton")
+#: What ``LIGER_COMPAT_MLP_RECOMPUTE`` can name.
+MLP_RECOMPUTE_PARTS: tuple[str, ...] = ("activation", "input")
+
+
+class Setting(NamedTuple):
+    """One environment variable of the package: the :class:`Settings` attribute it sets, its
+    value when unset (as the variable would spell it) and its allowed values in words."""
+
+    attr: str
+    env: str
+    default: str
+    allowed: str
+
+
+_ONOFF = f"on: {', '.join(TRUE_VALUES)}; off: {', '.join(v for v in FALSE_VALUES if v)} or empty"
+
+#: Every ``LIGER_COMPAT_*`` variable, in the order the report lists them.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("disabled", "LIGER_COMPAT_DISABLE", "0", _ONOFF),
+    Setting("kernels", "LIGER_COMPAT_KERNELS", "all",
+            f"all, none, or comma-separated names from {', '.join(ALL_KERNELS)}"),
+    Setting("debug", "LIGER_COMPAT_DEBUG", "0", _ONOFF),
+    Setting("return_logits", "LIGER_COMPAT_RETURN_LOGITS", "0", _ONOFF),
+    Setting("flce_mode", "LIGER_COMPAT_FLCE_MODE", "auto", ", ".join(FLCE_MODES)),
+    Setting("flce_chunk_mb", "LIGER_COMPAT_FLCE_CHUNK_MB", "", "a positive number of MiB, or empty"),
+    Setting("flce_logits", "LIGER_COMPAT_FLCE_LOGITS", "auto", ", ".join(FLCE_LOGITS)),
+    Setting("mlp_recompute", "LIGER_COMPAT_MLP_RECOMPUTE", "1",
+            f"1, 0, or comma-separated names from {', '.join(MLP_RECOMPUTE_PARTS)}"),
+)
+_BY_ATTR = {s.attr: s for s in SETTINGS}
+
+#: Every environment variable the package reads: its own and Triton's interpreter switch.
+ENV_VARS: tuple[str, ...] = tuple(s.env for s in SETTINGS) + ("TRITON_INTERPRET",)
+
+
+def parse_bool(value: object, name: str) -> bool:
+    """``value`` (a string from the environment, or a bool) as on / off; ``ValueError`` naming
+    ``name`` and the allowed spellings for anything else."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in TRUE_VALUES:
+        return True
+    if text in FALSE_VALUES:
+        return False
+    raise ValueError(f"{name} must be on or off ({_ONOFF}), got {value!r}")
 
 
 def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) -> frozenset[str]:
@@ -65,38 +121,48 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 
 class Settings(Record):
-    _fields = ("disabled", "kernels", "debug", "flce_mode", "source")
+    _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
+               "mlp_recompute", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
-                 source: dict[str, str] | None = None, flce_mode: str = "auto") -> None:
+                 source: dict[str, str] | None = None, flce_mode: str = "auto", return_logits: bool = False,
+                 flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1") -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
-        #: ``LIGER_COMPAT_FLCE_MODE`` as set (checked when the fused loss runs: :func:`flce_mode`)
+        #: the fused loss returns the logits too (``LIGER_COMPAT_RETURN_LOGITS``); a call's
+        #: ``return_logits=`` overrides it
+        self.return_logits = return_logits
+        # the kernel tuning values, as set; checked where they are used (:func:`flce_mode` etc.)
         self.flce_mode = flce_mode
-        #: where a setting came from, for the report
+        self.flce_chunk_mb = flce_chunk_mb
+        self.flce_logits = flce_logits
+        self.mlp_recompute = mlp_recompute
+        #: where a setting came from, for the report (absent: the default)
         self.source: dict[str, str] = {} if source is None else source
 
 
-def _from_env() -> Settings:
+def _from_env(environ: Any = None) -> Settings:
+    env = os.environ if environ is None else environ
     s = Settings()
-    if os.environ.get("LIGER_COMPAT_DISABLE", "").strip().lower() in _TRUE:
-        s.disabled = True
-        s.source["disabled"] = "LIGER_COMPAT_DISABLE"
-    env_kernels = os.environ.get("LIGER_COMPAT_KERNELS")
-    if env_kernels is not None:
-        try:
-            s.kernels = parse_kernels(env_kernels)
-            s.source["kernels"] = "LIGER_COMPAT_KERNELS"
-        except ValueError as exc:  # a bad env var must not break the import
-            s.source["kernels"] = f"default (ignored LIGER_COMPAT_KERNELS: {exc})"
-    if os.environ.get("LIGER_COMPAT_DEBUG", "").strip().lower() in _TRUE:
-        s.debug = True
-        s.source["debug"] = "LIGER_COMPAT_DEBUG"
-    mode = os.environ.get("LIGER_COMPAT_FLCE_MODE")
-    if mode is not None and mode.strip():
-        s.flce_mode = mode.strip().lower()  # a bad value raises when the fused loss runs, not here
-        s.source["flce_mode"] = "LIGER_COMPAT_FLCE_MODE"
+    for spec in SETTINGS:
+        raw = env.get(spec.env)
+        if raw is None:
+            continue
+        if spec.attr in ("disabled", "debug", "return_logits", "kernels"):
+            # used at import or on every call: a bad value is reported and ignored, never breaks the import
+            try:
+                value: Any = parse_kernels(raw) if spec.attr == "kernels" else parse_bool(raw, spec.env)
+            except ValueError as exc:
+                s.source[spec.attr] = f"default ({exc}; ignored)"
+                continue
+        elif not raw.strip():
+            continue  # set but empty: the default
+        else:
+            # a bad value raises when the kernel runs, not here
+            value = raw.strip().lower() if spec.attr == "flce_mode" else raw
+        setattr(s, spec.attr, value)
+        s.source[spec.attr] = spec.env
     return s
 
 
@@ -116,3 +182,89 @@ def flce_mode() -> str:
         raise ValueError(
             f"LIGER_COMPAT_FLCE_MODE must be one of {', '.join(FLCE_MODES)}, got {settings.flce_mode!r}")
     return mode
+
+
+def flce_chunk_mib() -> float | None:
+    """``settings.flce_chunk_mb`` as a number of MiB (``None`` when unset); a ``ValueError`` naming
+    ``LIGER_COMPAT_FLCE_CHUNK_MB`` for anything but a positive number."""
+    value = str(settings.flce_chunk_mb).strip()
+    if not value:
+        return None
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = float("nan")
+    if not mib > 0 or mib == float("inf"):
+        raise ValueError(f"LIGER_COMPAT_FLCE_CHUNK_MB must be a positive number of MiB, "
+                         f"got {settings.flce_chunk_mb!r}")
+    return mib
+
+
+def check_flce_logits(value: object, name: str = "LIGER_COMPAT_FLCE_LOGITS") -> str:
+    """``value`` if it is one of :data:`FLCE_LOGITS`, else a ``ValueError`` naming ``name``."""
+    if value not in FLCE_LOGITS:
+        raise ValueError(f"{name} must be one of {', '.join(FLCE_LOGITS)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def flce_logits() -> str:
+    """``settings.flce_logits``, checked: one of :data:`FLCE_LOGITS`."""
+    return check_flce_logits(settings.flce_logits)
+
+
+def mlp_recompute_parts() -> frozenset[str]:
+    """The parts ``settings.mlp_recompute`` names (``1``/``all``: both, ``0``/``none``: neither);
+    a ``ValueError`` naming ``LIGER_COMPAT_MLP_RECOMPUTE`` for anything else."""
+    raw = settings.mlp_recompute
+    value = str(raw).strip().lower()
+    if value in TRUE_VALUES or value == "all":
+        return frozenset(MLP_RECOMPUTE_PARTS)
+    if value in FALSE_VALUES or value == "none":
+        return frozenset()
+    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+    if not parts <= set(MLP_RECOMPUTE_PARTS):
+        raise ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from "
+                         f"{', '.join(MLP_RECOMPUTE_PARTS)}; got {raw!r}")
+    return parts
+
+
+def return_logits() -> bool:
+    """``settings.return_logits``: whether the fused loss returns the logits when the call does not say."""
+    return bool(settings.return_logits)
+
+
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET`` (read now, on every call) asks for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_VALUES
+
+
+def describe() -> list[dict[str, str]]:
+    """Every setting for the report: ``{"variable", "value", "source"}``, the value as checked
+    (``invalid (...)`` when it would raise) and the source ``default``, the variable, or the
+    call that set it."""
+    rows = []
+    for spec in SETTINGS:
+        try:
+            value = _shown(spec.attr)
+        except ValueError as exc:
+            value = f"invalid ({exc})"
+        rows.append({"variable": spec.env, "value": value, "source": settings.source.get(spec.attr, "default")})
+    rows.append({"variable": "TRITON_INTERPRET", "value": "1" if triton_interpret() else "0",
+                 "source": "TRITON_INTERPRET" if "TRITON_INTERPRET" in os.environ else "default"})
+    return rows
+
+
+def _shown(attr: str) -> str:
+    if attr == "kernels":
+        return ",".join(k for k in ALL_KERNELS if k in settings.kernels) or "none"
+    if attr in ("disabled", "debug", "return_logits"):
+        return "1" if getattr(settings, attr) else "0"
+    if attr == "flce_mode":
+        return flce_mode()
+    if attr == "flce_chunk_mb":
+        mib = flce_chunk_mib()
+        return "unset" if mib is None else f"{mib:g}"
+    if attr == "flce_logits":
+        return flce_logits()
+    parts = mlp_recompute_parts()
+    return "+".join(sorted(parts)) or "off"

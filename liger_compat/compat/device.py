@@ -6,10 +6,10 @@ import of ``liger_compat``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import _config
 from . import versions
 
 #: Triton's NVIDIA backend targets compute capability 7.5 and newer (Turing+); 8.0+ for bf16.
@@ -35,7 +35,7 @@ class DeviceInfo:
 
 
 def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip() in ("1", "true", "True")
+    return _config.triton_interpret()
 
 
 def detect() -> DeviceInfo:

@@ -21,7 +21,6 @@ from typing import Any, Mapping
 from .. import _config
 from . import versions
 
-_TRUE = {"1", "true", "yes", "on"}
 
 
 @dataclass
@@ -91,7 +90,7 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
 
 def _flag(env: Mapping[str, str], name: str) -> bool | None:
     v = env.get(name)
-    return None if v is None else v.strip().lower() in _TRUE
+    return None if v is None else v.strip().lower() in _config.TRUE_VALUES
 
 
 def _launcher(env: Mapping[str, str]) -> str | None:
@@ -207,7 +206,7 @@ def _from_training_args(info: DistributedInfo, args: Any) -> None:
         info.fsdp_version = int(cfg.get("version", cfg.get("fsdp_version", default)))
         info.engine = "FSDP2" if info.fsdp_version == 2 else "FSDP"
         uop = cfg.get("use_orig_params", cfg.get("fsdp_use_orig_params", "true"))
-        info.fsdp_use_orig_params = str(uop).lower() in _TRUE
+        info.fsdp_use_orig_params = str(uop).lower() in _config.TRUE_VALUES
         info.engine_source = "TrainingArguments.fsdp"
 
 

@@ -136,6 +136,10 @@ def format_text(r: Report) -> str:
     tuning = s.get("tuning") or {}
     if tuning:
         out.append("  tuning: " + ", ".join(f"{k} {v}" for k, v in tuning.items()))
+    variables = s.get("variables") or []
+    if variables:
+        out += ["", "Settings"]
+        out += _table(["variable", "value", "source"], [[x["variable"], x["value"], x["source"]] for x in variables])
     out += ["", "Shims"]
     if r.shims:
         out += _table(["shim", "state", "fixes", "reason"],
@@ -243,7 +247,7 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         versions={k: v.raw for k, v in installed.items()},
         device=dev.to_dict(),
         settings={"disabled": st.disabled, "kernels": sorted(st.kernels), "debug": st.debug, "source": dict(st.source),
-                  "tuning": _tuning()},
+                  "tuning": _tuning(), "variables": _config.describe()},
         shims=shim_list,
         issues=issues,
         families=_families(),
@@ -279,31 +283,27 @@ def _advice(installed: dict[str, versions.PackageVersion], matrix: dict[str, Any
 
 
 def _tuning() -> dict[str, str]:
-    """The kernels' speed / memory settings in effect (module values: the environment at import,
-    or what a script set since)."""
+    """The kernels' speed / memory settings in effect (the environment at import, or what a
+    script set since), in words."""
     out: dict[str, str] = {}
     try:
-        from ..kernels import gated_mlp, loss
+        from ..kernels import loss
 
         try:
-            mib = loss.chunk_mib_setting()
+            mib = _config.flce_chunk_mib()
             out["LIGER_COMPAT_FLCE_CHUNK_MB"] = (
                 f"{mib:g} MiB" if mib is not None
                 else f"unset ({loss.FLCE_CHUNK_ROWS_DEFAULT} rows, at most {loss.FLCE_CHUNK_MB_MAX_DEFAULT} MiB)")
         except ValueError as exc:
             out["LIGER_COMPAT_FLCE_CHUNK_MB"] = f"invalid ({exc})"
-        out["LIGER_COMPAT_FLCE_LOGITS"] = str(loss.LOGITS_IMPL)
-        try:
-            out["LIGER_COMPAT_FLCE_MODE"] = _config.flce_mode()
-        except ValueError as exc:
-            out["LIGER_COMPAT_FLCE_MODE"] = f"invalid ({exc})"
-        try:
-            parts = gated_mlp.recompute_parts()
-            out["LIGER_COMPAT_MLP_RECOMPUTE"] = "+".join(sorted(parts)) or "off"
-        except ValueError as exc:
-            out["LIGER_COMPAT_MLP_RECOMPUTE"] = f"invalid ({exc})"
     except Exception as exc:  # pragma: no cover - a build without the kernels
         out["error"] = f"{type(exc).__name__}: {exc}"
+    for name, read in (("LIGER_COMPAT_FLCE_LOGITS", _config.flce_logits), ("LIGER_COMPAT_FLCE_MODE", _config.flce_mode),
+                       ("LIGER_COMPAT_MLP_RECOMPUTE", lambda: "+".join(sorted(_config.mlp_recompute_parts())) or "off")):
+        try:
+            out[name] = read()
+        except ValueError as exc:
+            out[name] = f"invalid ({exc})"
     return out
 
 

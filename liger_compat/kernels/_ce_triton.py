@@ -227,10 +227,10 @@ def _ce_grad_kernel(
     tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-#: "split": rows are cut into blocks of V spread over programs (partial, combine and gradient
-#: launches; fills the GPU even for a few hundred rows); "row": one program streams a whole row
-#: (one launch).
-CE_KERNEL_VARIANT = "split"
+#: Values of ``variant``: "split" (the default): rows are cut into blocks of V spread over
+#: programs (partial, combine and gradient launches; fills the GPU even for a few hundred rows);
+#: "row": one program streams a whole row (one launch).
+CE_KERNEL_VARIANTS = ("split", "row")
 #: block of V per program for the split variant on CUDA
 SPLIT_BLOCK_V = 4096
 
@@ -241,7 +241,7 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
     return min(next_pow2(v), 8192), 16
 
 
-def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant=None, partials=None, bad=None):
+def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
     tensor of :func:`liger_compat.kernels._target_errors.new_flag` that the statistics pass
     adds out-of-range targets to; a scratch one when not given).
@@ -274,7 +274,6 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         stride_scale = 0 if scale.dim() == 0 else scale.stride(0)
     else:
         scale, stride_scale = lse, 0
-    variant = CE_KERNEL_VARIANT if variant is None else variant
     if partials is not None:
         variant = "split"
     target = target.contiguous()

@@ -13,10 +13,11 @@ imported; the interpreter tests therefore run in a fresh subprocess.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
+
+from .. import _config
 
 try:  # Triton is optional (no wheels for every platform); the reference always works
     import triton  # noqa: F401
@@ -27,8 +28,6 @@ except Exception:  # pragma: no cover - depends on the platform
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
-
-_TRUE = {"1", "true", "yes", "on"}
 
 #: kernel name -> "triton" or "torch": the path the most recent call of that kernel took.
 last_backend: dict[str, str] = {}
@@ -48,8 +47,8 @@ def next_pow2(n: int) -> int:
 
 
 def interpret_mode() -> bool:
-    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (:func:`liger_compat._config.triton_interpret`)."""
+    return _config.triton_interpret()
 
 
 @contextlib.contextmanager

@@ -230,7 +230,7 @@ def _empty(t: Tensor) -> Tensor:
 
 
 def _flce(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap, grads, want_stats,
-          backend):
+          backend, logits_impl, compact_ignored, ce_variant):
     """The eager path's pass, with its target checks, at run time (the tracer sees none of it):
     the up-front check where the eager entry point runs it (CPU torch reference, or
     ``LIGER_COMPAT_DEBUG``), and the kernels' out-of-range flag, queued without a sync and polled
@@ -243,7 +243,9 @@ def _flce(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scal
     _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=be == "triton")
     opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
     bad = _target_errors.new_flag(h.device) if want_stats else None
-    out = _loss._flce_pass(h, w, b, target, opt, be, scale=scale, grads=grads, want_stats=want_stats, bad=bad)
+    knobs = _loss.FlceKnobs(logits_impl, compact_ignored, ce_variant)  # checked by the entry point
+    out = _loss._flce_pass(h, w, b, target, opt, be, scale=scale, grads=grads, want_stats=want_stats, bad=bad,
+                           knobs=knobs)
     if bad is not None:
         _target_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], ignore_index)
         _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
@@ -258,8 +260,8 @@ def _rows_out(stats) -> tuple[Tensor, Tensor, Tensor]:
 @torch.library.custom_op(f"{_NS}::flce_with_grads", mutates_args=())
 def flce_with_grads(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, scale: Tensor, ignore_index: int,
                     label_smoothing: float, lse_square_scale: float, softcap: Optional[float], need_gh: bool,
-                    need_gw: bool, need_gb: bool, backend: str
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    need_gw: bool, need_gb: bool, backend: str, logits_impl: str, compact_ignored: bool,
+                    ce_variant: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Scalar loss ``sum(loss_rows) * scale`` with its gradients formed in the same pass.
 
     Returns ``(loss, z-loss rows, hit rows, grad_hidden, grad_weight, grad_bias)``; the gradients
@@ -267,7 +269,7 @@ def flce_with_grads(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, s
     """
     grads = (need_gh, need_gw, need_gb and b is not None)
     stats, gh, gw, gb = _flce(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap,
-                              grads, True, backend)
+                              grads, True, backend, logits_impl, compact_ignored, ce_variant)
     loss_rows, zl_rows, hits = _rows_out(stats)
     loss = loss_rows.sum() * scale
     return (loss, zl_rows, hits, gh if gh is not None else _empty(h), gw if gw is not None else _empty(w),
@@ -276,7 +278,7 @@ def flce_with_grads(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, s
 
 @flce_with_grads.register_fake
 def _(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap, need_gh, need_gw, need_gb,
-      backend):
+      backend, logits_impl, compact_ignored, ce_variant):
     n = h.shape[0]
     f32 = torch.float32
     gh = h.new_empty(h.shape) if need_gh else h.new_empty(0)
@@ -300,7 +302,7 @@ def _with_grads_backward(ctx, g_loss, *_rest):
     out_h = gh * g_loss.to(gh.dtype) if need_gh else None
     out_w = gw * g_loss.to(gw.dtype) if need_gw else None
     out_b = gb * g_loss.to(gb.dtype) if need_gb else None
-    return (out_h, out_w, out_b) + (None,) * 10
+    return (out_h, out_w, out_b) + (None,) * 13
 
 
 flce_with_grads.register_autograd(_with_grads_backward, setup_context=_with_grads_setup)
@@ -308,17 +310,19 @@ flce_with_grads.register_autograd(_with_grads_backward, setup_context=_with_grad
 
 @torch.library.custom_op(f"{_NS}::flce_rows", mutates_args=())
 def flce_rows(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, ignore_index: int, label_smoothing: float,
-              lse_square_scale: float, softcap: Optional[float], backend: str) -> tuple[Tensor, Tensor, Tensor]:
+              lse_square_scale: float, softcap: Optional[float], backend: str, logits_impl: str,
+              compact_ignored: bool, ce_variant: str) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row ``(loss, z-loss, hit)``; differentiable in the loss rows (the backward runs the
     chunks again with the per-row ``grad_output``, :func:`flce_rows_backward`)."""
     one = torch.ones((), dtype=torch.float32, device=h.device)
     stats, *_ = _flce(h, w, b, target, one, ignore_index, label_smoothing, lse_square_scale, softcap,
-                      (False, False, False), True, backend)
+                      (False, False, False), True, backend, logits_impl, compact_ignored, ce_variant)
     return _rows_out(stats)
 
 
 @flce_rows.register_fake
-def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, backend):
+def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, backend, logits_impl, compact_ignored,
+      ce_variant):
     n = h.shape[0]
     return tuple(h.new_empty(n, dtype=torch.float32) for _ in range(3))
 
@@ -326,17 +330,18 @@ def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap,
 @torch.library.custom_op(f"{_NS}::flce_rows_backward", mutates_args=())
 def flce_rows_backward(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, grad_rows: Tensor,
                        ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
-                       need_gh: bool, need_gw: bool, need_gb: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                       need_gh: bool, need_gw: bool, need_gb: bool, backend: str, logits_impl: str,
+                       compact_ignored: bool, ce_variant: str) -> tuple[Tensor, Tensor, Tensor]:
     grads = (need_gh, need_gw, need_gb and b is not None)
     _, gh, gw, gb = _flce(h, w, b, target, grad_rows.float().reshape(-1), ignore_index, label_smoothing,
-                          lse_square_scale, softcap, grads, False, backend)
+                          lse_square_scale, softcap, grads, False, backend, logits_impl, compact_ignored, ce_variant)
     return (gh if gh is not None else _empty(h), gw if gw is not None else _empty(w),
             gb if gb is not None else _empty(h))
 
 
 @flce_rows_backward.register_fake
 def _(h, w, b, target, grad_rows, ignore_index, label_smoothing, lse_square_scale, softcap, need_gh, need_gw,
-      need_gb, backend):
+      need_gb, backend, logits_impl, compact_ignored, ce_variant):
     gh = h.new_empty(h.shape) if need_gh else h.new_empty(0)
     gw = w.new_empty(w.shape) if need_gw else w.new_empty(0)
     gb = b.new_empty(b.shape) if (need_gb and b is not None) else h.new_empty(0)
@@ -344,10 +349,10 @@ def _(h, w, b, target, grad_rows, ignore_index, label_smoothing, lse_square_scal
 
 
 def _rows_setup(ctx, inputs, output):
-    h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, backend = inputs
+    h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, backend, *knobs = inputs
     ctx.save_for_backward(h, w, b, target)
     ctx.args = (ignore_index, label_smoothing, lse_square_scale, softcap)
-    ctx.backend = backend
+    ctx.backend, ctx.knobs = backend, tuple(knobs)
     ctx.mark_non_differentiable(output[1], output[2])
 
 
@@ -355,8 +360,9 @@ def _rows_backward(ctx, g_rows, *_rest):
     h, w, b, target = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_gh, need_gw, need_gb = bool(need[0]), bool(need[1]), bool(need[2]) and b is not None
-    gh, gw, gb = flce_rows_backward(h, w, b, target, g_rows, *ctx.args, need_gh, need_gw, need_gb, ctx.backend)
-    return (_if_needed(gh, need_gh), _if_needed(gw, need_gw), _if_needed(gb, need_gb)) + (None,) * 6
+    gh, gw, gb = flce_rows_backward(h, w, b, target, g_rows, *ctx.args, need_gh, need_gw, need_gb, ctx.backend,
+                                    *ctx.knobs)
+    return (_if_needed(gh, need_gh), _if_needed(gw, need_gw), _if_needed(gb, need_gb)) + (None,) * 9
 
 
 flce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)
@@ -376,7 +382,7 @@ def _lowmem_backend(h: Tensor) -> None:
 @torch.library.custom_op(f"{_NS}::flce_lowmem_rows", mutates_args=())
 def flce_lowmem_rows(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, ignore_index: int,
                      label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
-                     config: Optional[str]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     config: Optional[str], compact_ignored: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per row: loss, z-loss, argmax hit (fp32 0/1) and lse (0 for rows left out)."""
     from . import _target_errors
     from . import loss as _loss
@@ -385,14 +391,14 @@ def flce_lowmem_rows(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, 
     _lowmem_backend(h)
     _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=True)
     opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
-    loss_rows, zl_rows, correct, idx, lse, _ok = _loss._lowmem_forward(h, w, b, target, opt, config)
+    loss_rows, zl_rows, correct, idx, lse, _ok = _loss._lowmem_forward(h, w, b, target, opt, config, compact_ignored)
     lse_rows = torch.zeros_like(loss_rows).index_copy_(0, idx, lse)
     _target_errors.poll()
     return loss_rows, zl_rows, correct.to(torch.float32), lse_rows
 
 
 @flce_lowmem_rows.register_fake
-def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, config):
+def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, config, compact_ignored):
     n = h.shape[0]
     return tuple(h.new_empty(n, dtype=torch.float32) for _ in range(4))
 
@@ -401,13 +407,13 @@ def _(h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap,
 def flce_lowmem_rows_backward(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, lse_rows: Tensor,
                               grad_rows: Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float,
                               softcap: Optional[float], config: Optional[str], need_gh: bool, need_gw: bool,
-                              need_gb: bool) -> tuple[Tensor, Tensor, Tensor]:
+                              need_gb: bool, compact_ignored: bool) -> tuple[Tensor, Tensor, Tensor]:
     from . import loss as _loss
 
     _lowmem_backend(h)
     opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
     grads = (need_gh, need_gw, need_gb and b is not None)
-    idx = _loss._lowmem_rows_index(target, opt, h.device)
+    idx = _loss._lowmem_rows_index(target, opt, h.device, compact_ignored)
     tc = target.index_select(0, idx)
     ok = (tc != ignore_index) & (tc >= 0) & (tc < w.shape[0])
     gh, gw, gb = _loss._lowmem_backward(h, w, b, target, opt, idx, lse_rows.index_select(0, idx), ok,
@@ -418,7 +424,7 @@ def flce_lowmem_rows_backward(h: Tensor, w: Tensor, b: Optional[Tensor], target:
 
 @flce_lowmem_rows_backward.register_fake
 def _(h, w, b, target, lse_rows, grad_rows, ignore_index, label_smoothing, lse_square_scale, softcap, config,
-      need_gh, need_gw, need_gb):
+      need_gh, need_gw, need_gb, compact_ignored):
     gh = h.new_empty(h.shape) if need_gh else h.new_empty(0)
     gw = w.new_empty(w.shape) if need_gw else w.new_empty(0)
     gb = b.new_empty(b.shape) if (need_gb and b is not None) else h.new_empty(0)
@@ -426,9 +432,10 @@ def _(h, w, b, target, lse_rows, grad_rows, ignore_index, label_smoothing, lse_s
 
 
 def _lowmem_setup(ctx, inputs, output):
-    h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, config = inputs
+    h, w, b, target, ignore_index, label_smoothing, lse_square_scale, softcap, config, compact_ignored = inputs
     ctx.save_for_backward(h, w, b, target, output[3])
     ctx.args = (ignore_index, label_smoothing, lse_square_scale, softcap, config)
+    ctx.compact_ignored = compact_ignored
     ctx.mark_non_differentiable(output[1], output[2], output[3])
 
 
@@ -436,8 +443,9 @@ def _lowmem_rows_backward(ctx, g_rows, *_rest):
     h, w, b, target, lse_rows = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_gh, need_gw, need_gb = bool(need[0]), bool(need[1]), bool(need[2]) and b is not None
-    gh, gw, gb = flce_lowmem_rows_backward(h, w, b, target, lse_rows, g_rows, *ctx.args, need_gh, need_gw, need_gb)
-    return (_if_needed(gh, need_gh), _if_needed(gw, need_gw), _if_needed(gb, need_gb)) + (None,) * 6
+    gh, gw, gb = flce_lowmem_rows_backward(h, w, b, target, lse_rows, g_rows, *ctx.args, need_gh, need_gw, need_gb,
+                                           ctx.compact_ignored)
+    return (_if_needed(gh, need_gh), _if_needed(gw, need_gw), _if_needed(gb, need_gb)) + (None,) * 7
 
 
 flce_lowmem_rows.register_autograd(_lowmem_rows_backward, setup_context=_lowmem_setup)

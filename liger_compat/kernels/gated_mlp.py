@@ -13,39 +13,28 @@ backward: ``down`` would save it for its weight gradient, and it is rebuilt from
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.modules.module as _module
 
+from .. import _config
 from . import _checks, _dispatch, _ops, _recompute
 
 __all__ = ["swiglu", "geglu", "gated_project"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
-#: What the MLP rebuilds in the backward instead of keeping from the forward
-#: (``LIGER_COMPAT_MLP_RECOMPUTE``): ``activation`` (``act(gate) * up``, :func:`gated_project`),
-#: ``input`` (the norm output feeding gate / up, :func:`norm.project_norm_output`), both
-#: (``1``, the default) or neither (``0``); comma-separated names also work.
-MLP_RECOMPUTE = os.environ.get("LIGER_COMPAT_MLP_RECOMPUTE", "1")
-_PARTS = ("activation", "input")
-
-
 def recompute_parts() -> frozenset[str]:
-    """The parts :data:`MLP_RECOMPUTE` names; ``ValueError`` naming the setting for anything else."""
-    value = str(MLP_RECOMPUTE).strip().lower()
-    if value in ("1", "true", "yes", "on", "all"):
-        return frozenset(_PARTS)
-    if value in ("0", "false", "no", "off", "none", ""):
-        return frozenset()
-    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
-    if not parts <= set(_PARTS):
-        exc = ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from {', '.join(_PARTS)}; "
-                         f"got {MLP_RECOMPUTE!r}")
+    """What the MLP rebuilds in the backward instead of keeping from the forward
+    (``LIGER_COMPAT_MLP_RECOMPUTE``, :func:`liger_compat._config.mlp_recompute_parts`): ``activation``
+    (``act(gate) * up``, :func:`gated_project`), ``input`` (the norm output feeding gate / up,
+    :func:`norm.project_norm_output`), both (``1``, the default) or neither (``0``). A bad value
+    raises a ``ValueError`` naming the setting, marked to be passed on by the MLP shim."""
+    try:
+        return _config.mlp_recompute_parts()
+    except ValueError as exc:
         exc.liger_compat_passed_on = True  # a setting error, not an input the kernel refuses
-        raise exc
-    return parts
+        raise
 
 
 def _act_and_grad(a: torch.Tensor, kind: str):

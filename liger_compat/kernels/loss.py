@@ -26,7 +26,6 @@ chunk would not fit in the GPU's free memory.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,26 +46,10 @@ __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 #: (``rows * H * 2``, 16 MiB at 2048 x 4096) comes on top when targets are ignored.
 FLCE_CHUNK_ROWS_DEFAULT = 2048
 FLCE_CHUNK_MB_MAX_DEFAULT = 1024
-#: ``LIGER_COMPAT_FLCE_CHUNK_MB`` as set ("" = unset: the rows default above): the size of one
-#: chunk's logits in MiB instead, i.e. speed against memory. Measured at the Llama-3-8B head:
-#: 62 -> under 64 MiB extra (248 rows, ~1.75x the time); 256 -> 1024 rows, ~1.1x the time
-#: (NOTES.md, "62 MiB setting" and "512 MiB default").
-FLCE_CHUNK_MB = os.environ.get("LIGER_COMPAT_FLCE_CHUNK_MB", "")
-
-
-def chunk_mib_setting() -> float | None:
-    """:data:`FLCE_CHUNK_MB` as a number of MiB (``None`` when unset); ``ValueError`` naming the
-    setting for anything but a positive number."""
-    value = str(FLCE_CHUNK_MB).strip()
-    if not value:
-        return None
-    try:
-        mib = float(value)
-    except ValueError:
-        mib = float("nan")
-    if not mib > 0 or mib == float("inf"):
-        raise ValueError(f"LIGER_COMPAT_FLCE_CHUNK_MB must be a positive number of MiB, got {FLCE_CHUNK_MB!r}")
-    return mib
+#: ``LIGER_COMPAT_FLCE_CHUNK_MB`` (:func:`liger_compat._config.flce_chunk_mib`; unset: the rows
+#: default above): the size of one chunk's logits in MiB instead, i.e. speed against memory.
+#: Measured at the Llama-3-8B head: 62 -> under 64 MiB extra (248 rows, ~1.75x the time);
+#: 256 -> 1024 rows, ~1.1x the time (NOTES.md, "62 MiB setting" and "512 MiB default").
 
 
 #: The same for the torch reference on CPU (fp32 logits plus a few temporaries of that size).
@@ -238,7 +221,7 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
     if device.type == "cpu":
         rows = FLCE_CHUNK_BYTES_CPU // (4 * v)
     else:
-        mib = chunk_mib_setting()
+        mib = _config.flce_chunk_mib()
         if mib is None:
             cap = min(FLCE_CHUNK_ROWS_DEFAULT, FLCE_CHUNK_MB_MAX_DEFAULT * 2**20 // (elem * v))
         else:
@@ -257,13 +240,38 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
 #: over the logits for the row statistics), ``"triton"`` (``_logits_triton``: a Triton GEMM whose
 #: epilogue writes those statistics, wherever its tensor descriptors apply and there is no bias)
 #: or ``"auto"``: the Triton GEMM except with softcap, whose tanh in the epilogue made it slower
-#: than cuBLAS plus the pass (NOTES.md, "logits GEMM epilogue"). ``LIGER_COMPAT_FLCE_LOGITS`` sets it.
-LOGITS_IMPL = os.environ.get("LIGER_COMPAT_FLCE_LOGITS", "auto")
-#: Skip ignore_index rows on the Triton path (one host sync to count them); their rows of
-#: grad_hidden are zero and they cost no matmul work. Under ``torch.compile`` the sync happens
-#: inside the custom op's real implementation, where the tracer does not see it; while a CUDA
-#: graph is captured all rows are computed instead.
-COMPACT_IGNORED = True
+#: than cuBLAS plus the pass (NOTES.md, "logits GEMM epilogue"). ``LIGER_COMPAT_FLCE_LOGITS`` sets it
+#: (:func:`liger_compat._config.flce_logits`); ``logits_impl=`` of :func:`fused_linear_cross_entropy` overrides it.
+#:
+#: ``compact_ignored`` (default True): skip ignore_index rows on the Triton path (one host sync to
+#: count them); their rows of grad_hidden are zero and they cost no matmul work. Under
+#: ``torch.compile`` the sync happens inside the custom op's real implementation, where the tracer
+#: does not see it; while a CUDA graph is captured all rows are computed instead.
+#:
+#: ``ce_variant``: the Triton cross-entropy kernel's launch layout (``_ce_triton.CE_KERNEL_VARIANTS``).
+
+
+class FlceKnobs(NamedTuple):
+    """How the fused loss's Triton path runs, checked at :func:`fused_linear_cross_entropy`
+    (the defaults are the fastest measured; the benchmarks compare the others)."""
+
+    logits_impl: str = "auto"
+    compact_ignored: bool = True
+    ce_variant: str = "split"
+
+
+DEFAULT_KNOBS = FlceKnobs()
+_CE_VARIANTS = ("split", "row")  # the same as _ce_triton.CE_KERNEL_VARIANTS (kept here: Triton is optional)
+
+
+def _knobs(logits_impl, compact_ignored, ce_variant) -> FlceKnobs:
+    """The keyword arguments of the entry point, checked (``logits_impl=None``: the setting)."""
+    impl = _config.flce_logits() if logits_impl is None else _config.check_flce_logits(logits_impl, "logits_impl")
+    if not isinstance(compact_ignored, bool):
+        raise ValueError(f"compact_ignored must be True or False, got {compact_ignored!r}")
+    if ce_variant not in _CE_VARIANTS:
+        raise ValueError(f"ce_variant must be one of {', '.join(_CE_VARIANTS)}, got {ce_variant!r}")
+    return FlceKnobs(impl, compact_ignored, ce_variant)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -271,9 +279,10 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None):
+def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
-    ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``).
+    ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
+    checked :class:`FlceKnobs`.
 
     Returns (stats per row or None, grad_hidden, grad_weight, grad_bias).
     """
@@ -284,7 +293,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     dev = h.device
     f32 = torch.float32
     idx = None
-    if backend == "triton" and COMPACT_IGNORED and n > 0 and not _capturing(dev):
+    if backend == "triton" and knobs.compact_ignored and n > 0 and not _capturing(dev):
         idx = (target != opt.ignore_index).nonzero().squeeze(1)  # the one host sync
         _target_errors.poll()  # every earlier call has finished here: report its bad targets
         if idx.numel() == n:
@@ -308,9 +317,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
     wt = w.t()
     fused_stats = None
-    if LOGITS_IMPL not in ("auto", "cublas", "triton"):
-        raise ValueError(f"LIGER_COMPAT_FLCE_LOGITS must be 'auto', 'cublas' or 'triton', got {LOGITS_IMPL!r}")
-    if backend == "triton" and b is None and (LOGITS_IMPL == "triton" or (LOGITS_IMPL == "auto" and opt.softcap is None)):
+    logits_impl = knobs.logits_impl
+    if backend == "triton" and b is None and (logits_impl == "triton" or (logits_impl == "auto" and opt.softcap is None)):
         from . import _logits_triton
 
         if _logits_triton.supported(h, w):
@@ -334,6 +342,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             torch.mm(hc, wt, out=logits)
         if want_stats:
             extra["bad"] = bad
+        if backend == "triton":
+            extra["variant"] = knobs.ce_variant
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if idx is None:
@@ -369,20 +379,22 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, target, opt, reduction, num_items, backend, want_z, want_acc):
+    def forward(ctx, h, w, b, target, opt, reduction, num_items, backend, want_z, want_acc, knobs):
         n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
         needs = tuple(ctx.needs_input_grad[:3])
         needs = (needs[0], needs[1], needs[2] and b is not None)
-        ctx.opt, ctx.backend, ctx.reduction = opt, backend, reduction
+        ctx.opt, ctx.backend, ctx.reduction, ctx.knobs = opt, backend, reduction, knobs
         ctx.mode = None
         bad = _target_errors.new_flag(h.device)
         if reduction != "none" and any(needs):
             # scalar loss: all gradients now, scaled by grad_output in backward
-            stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad)
+            stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad,
+                                           knobs=knobs)
             ctx.mode = "saved"
             ctx.grads = (gh, gw, gb)
         else:
-            stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True, bad=bad)
+            stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True, bad=bad,
+                                   knobs=knobs)
             if any(needs):
                 ctx.mode = "recompute"
                 ctx.needs = needs
@@ -398,7 +410,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, g_loss, _g_z, _g_acc):
         _target_errors.poll()
         if ctx.mode is None:
-            return (None,) * 10
+            return (None,) * 11
         if ctx.mode == "saved":
             gh, gw, gb = ctx.grads
             ctx.grads = None
@@ -406,12 +418,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 gh = gh * g_loss.to(gh.dtype) if gh is not None else None
                 gw = gw * g_loss.to(gw.dtype) if gw is not None else None
                 gb = gb * g_loss.to(gb.dtype) if gb is not None else None
-            return gh, gw, gb, None, None, None, None, None, None, None
+            return (gh, gw, gb) + (None,) * 8
         h, w, b, target = ctx.saved_tensors
         _, gh, gw, gb = _flce_pass(
-            h, w, b, target, ctx.opt, ctx.backend, scale=g_loss.float().reshape(-1), grads=ctx.needs, want_stats=False
+            h, w, b, target, ctx.opt, ctx.backend, scale=g_loss.float().reshape(-1), grads=ctx.needs, want_stats=False,
+            knobs=ctx.knobs,
         )
-        return gh, gw, gb, None, None, None, None, None, None, None
+        return (gh, gw, gb) + (None,) * 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,24 +464,24 @@ def flce_mode_for(n: int, v: int, hdim: int, elem: int, backend: str, device: to
     return "lowmem" if need > free else "chunked"
 
 
-def _lowmem_rows_index(target, opt, dev):
+def _lowmem_rows_index(target, opt, dev, compact_ignored=True):
     """The rows the low-memory kernels work on: the non-ignored ones (one host sync), or all
-    rows while a CUDA graph is captured."""
+    rows while a CUDA graph is captured or without ``compact_ignored``."""
     n = target.shape[0]
-    if n and COMPACT_IGNORED and not _capturing(dev):
+    if n and compact_ignored and not _capturing(dev):
         idx = (target != opt.ignore_index).nonzero().squeeze(1)
         _target_errors.poll()  # every earlier call has finished here: report its bad targets
         return idx
     return torch.arange(n, device=dev)
 
 
-def _lowmem_forward(h, w, b, target, opt, config):
+def _lowmem_forward(h, w, b, target, opt, config, compact_ignored=True):
     """Per row of ``h``: loss, z-loss, argmax hit (``[N]``), and for the backward the row index,
     the rows' lse and whether each row gets a gradient (the last three per index row)."""
     from ._lowmem_triton import lowmem_stats
 
     n, v, dev = h.shape[0], w.shape[0], h.device
-    idx = _lowmem_rows_index(target, opt, dev)
+    idx = _lowmem_rows_index(target, opt, dev, compact_ignored)
     tc = target.index_select(0, idx)
     lse, zt, zsum, arg = lowmem_stats(h, w, b, target, idx, opt, config=config)
     eps, s = opt.label_smoothing, opt.lse_square_scale
@@ -515,9 +528,9 @@ class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):
     in the backward (``_lowmem_triton``)."""
 
     @staticmethod
-    def forward(ctx, h, w, b, target, opt, reduction, num_items, want_z, want_acc, config):
+    def forward(ctx, h, w, b, target, opt, reduction, num_items, want_z, want_acc, config, compact_ignored):
         n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
-        loss_rows, zl_rows, correct, idx, lse, ok = _lowmem_forward(h, w, b, target, opt, config)
+        loss_rows, zl_rows, correct, idx, lse, ok = _lowmem_forward(h, w, b, target, opt, config, compact_ignored)
         loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (h.shape[0],), want_z, want_acc)
         needs = tuple(ctx.needs_input_grad[:3])
         ctx.needs = (needs[0], needs[1], needs[2] and b is not None)
@@ -531,11 +544,11 @@ class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, g_loss, _g_z, _g_acc):
         _target_errors.poll()
         if not any(ctx.needs):
-            return (None,) * 10
+            return (None,) * 11
         h, w, b, target, idx, lse, ok, scale = ctx.saved_tensors
         row_scale = g_loss.float().reshape(-1) if ctx.reduction == "none" else (g_loss.float() * scale).reshape(())
         gh, gw, gb = _lowmem_backward(h, w, b, target, ctx.opt, idx, lse, ok, row_scale, ctx.needs, ctx.config)
-        return gh, gw, gb, None, None, None, None, None, None, None
+        return (gh, gw, gb) + (None,) * 8
 
 
 def _pick_mode(mode, h2, weight, backend) -> str:
@@ -545,25 +558,26 @@ def _pick_mode(mode, h2, weight, backend) -> str:
     return chosen
 
 
-def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowmem=False, config=None):
+def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowmem=False, config=None,
+              knobs=DEFAULT_KNOBS):
     """:class:`_FusedLinearCrossEntropy` as custom ops (``_ops``), for ``torch.compile``: the same
     two modes (scalar loss: gradients formed in the forward; ``"none"``: recomputed in backward);
     ``lowmem``: the low-memory kernels' ops (per-row losses, gradients in the backward)."""
     n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
     args = (opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, opt.softcap)
     if lowmem:
-        loss_rows, zl, hits, _lse = _ops.flce_lowmem_rows(h, w, b, target, *args, config)
+        loss_rows, zl, hits, _lse = _ops.flce_lowmem_rows(h, w, b, target, *args, config, knobs.compact_ignored)
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
         zero = loss.new_zeros(())
         return loss, z if z is not None else zero, acc if acc is not None else zero
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
     if reduction != "none" and any(needs):
-        loss, zl, hits, _, _, _ = _ops.flce_with_grads(h, w, b, target, scale, *args, *needs, "auto")
+        loss, zl, hits, _, _, _ = _ops.flce_with_grads(h, w, b, target, scale, *args, *needs, "auto", *knobs)
         z = zl.sum() * scale if want_z else None
         acc = hits.sum() / n_valid.clamp(min=1).float() if want_acc else None
     else:
-        loss_rows, zl, hits = _ops.flce_rows(h, w, b, target, *args, "auto")
+        loss_rows, zl, hits = _ops.flce_rows(h, w, b, target, *args, "auto", *knobs)
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
     zero = loss.new_zeros(())
     return loss, z if z is not None else zero, acc if acc is not None else zero
@@ -585,6 +599,9 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     mode: str | None = None,
     config: str | None = None,
+    logits_impl: str | None = None,
+    compact_ignored: bool = True,
+    ce_variant: str = "split",
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without ``[N, V]`` logits.
 
@@ -601,6 +618,11 @@ def fused_linear_cross_entropy(
     need a host sync, once the GPU has got there: in this call's backward or the next fused-loss
     call at the latest (``raise_target_errors()`` waits for it). Until then its row's loss is NaN
     and its gradient zero.
+
+    How the GPU (Triton) path runs, for benchmarks and tests: ``logits_impl`` (``"auto"``,
+    ``"cublas"``, ``"triton"``; ``None``: ``LIGER_COMPAT_FLCE_LOGITS``) computes each chunk's
+    logits; ``compact_ignored=False`` computes ignored rows too instead of skipping them;
+    ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout.
     """
     if not _ops.compiling():  # while tracing, the ops' real implementations poll
         _target_errors.poll()
@@ -646,21 +668,22 @@ def fused_linear_cross_entropy(
         from ._lowmem_triton import check_config
 
         check_config(config)
+    knobs = _knobs(logits_impl, compact_ignored, ce_variant)
     if compiling:
         # the setting or the keyword decide at trace time; ``auto`` keeps the chunked ops (the
         # free memory of the moment of tracing says nothing about the runs)
         triton_path = device.type == "cuda" or (device.type == "cpu" and _dispatch.interpret_mode())
         lowmem = (mode or _config.flce_mode()) == "lowmem" and triton_path and _dispatch.HAS_TRITON
         loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc,
-                                 lowmem=lowmem, config=config)
+                                 lowmem=lowmem, config=config, knobs=knobs)
     elif _pick_mode(mode, h2, weight, backend) == "lowmem":
         loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
-            h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config
+            h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config, knobs.compact_ignored
         )
         _target_errors.poll()
     else:
         loss, z, acc = _FusedLinearCrossEntropy.apply(
-            h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc
+            h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc, knobs
         )
         _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
     if reduction == "none":
@@ -685,7 +708,7 @@ def _ce_row_chunks(n, v, backend, device):
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, opt, reduction, num_items, backend, want_z, want_acc):
+    def forward(ctx, logits, target, opt, reduction, num_items, backend, want_z, want_acc, variant):
         n, v = logits.shape
         n_valid, scale = _reduction_scale(target, opt, reduction, num_items, logits.device)
         f32 = torch.float32
@@ -695,12 +718,13 @@ class _CrossEntropy(torch.autograd.Function):
         correct = torch.empty(n, dtype=torch.bool, device=logits.device)
         bad = _target_errors.new_flag(logits.device)
         rows = _ce_row_chunks(n, v, backend, logits.device)
+        extra = {"variant": variant} if backend == "triton" else {}
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            loss[s:e], zl[s:e], lse[s:e], correct[s:e] = _ce_rows(backend, logits[s:e], target[s:e], opt, bad=bad)
+            loss[s:e], zl[s:e], lse[s:e], correct[s:e] = _ce_rows(backend, logits[s:e], target[s:e], opt, bad=bad, **extra)
         _target_errors.watch(bad, "cross_entropy", v, opt.ignore_index)
         ctx.save_for_backward(logits, target, lse, scale)
-        ctx.opt, ctx.backend, ctx.reduction = opt, backend, reduction
+        ctx.opt, ctx.backend, ctx.reduction, ctx.extra = opt, backend, reduction, extra
         out, z, acc = _finish(loss, zl, correct, n_valid, scale, reduction, (n,), want_z, want_acc)
         outs = [out, z if z is not None else out.new_zeros(()), acc if acc is not None else out.new_zeros(())]
         ctx.mark_non_differentiable(outs[1], outs[2])
@@ -711,7 +735,7 @@ class _CrossEntropy(torch.autograd.Function):
         _target_errors.poll()
         logits, target, lse, scale = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return (None,) * 8
+            return (None,) * 9
         n, v = logits.shape
         if ctx.reduction == "none":
             sc = g_loss.float().reshape(-1)
@@ -723,9 +747,9 @@ class _CrossEntropy(torch.autograd.Function):
             e = min(n, s + rows)
             _ce_rows(
                 ctx.backend, logits[s:e], target[s:e], ctx.opt,
-                scale=sc if sc.dim() == 0 else sc[s:e], grad=grad[s:e], lse=lse[s:e],
+                scale=sc if sc.dim() == 0 else sc[s:e], grad=grad[s:e], lse=lse[s:e], **ctx.extra,
             )
-        return grad, None, None, None, None, None, None, None
+        return (grad,) + (None,) * 8
 
 
 def cross_entropy(
@@ -740,9 +764,10 @@ def cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     return_token_accuracy: bool = False,
     return_z_loss: bool = False,
+    ce_variant: str = "split",
 ):
     """Cross-entropy on ``logits[..., V]`` with the options of :func:`fused_linear_cross_entropy`
-    (and its handling of targets outside ``[0, V)``)."""
+    (and its handling of targets outside ``[0, V)``); ``ce_variant`` as there."""
     _target_errors.poll()
     _checks.tensor("logits", logits)
     _checks.float_dtype("logits", logits)
@@ -754,6 +779,7 @@ def cross_entropy(
     device = _checks.same_device(logits=logits, target=target)
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
         raise ValueError("num_items_in_batch must be a number or a one-element tensor")
+    knobs = _knobs("auto", True, ce_variant)
     opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
     backend = _dispatch.choose("cross_entropy", device)
     _checks.target_range("target", target, v, ignore_index, kernel_reports=backend == "triton")
@@ -761,7 +787,8 @@ def cross_entropy(
     if l2.stride(-1) != 1:
         l2 = l2.contiguous()
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
-    loss, z, acc = _CrossEntropy.apply(l2, target.reshape(-1), opt, reduction, num_items_in_batch, backend, want_z, want_acc)
+    loss, z, acc = _CrossEntropy.apply(l2, target.reshape(-1), opt, reduction, num_items_in_batch, backend, want_z, want_acc,
+                                       knobs.ce_variant)
     _target_errors.poll()
     if reduction == "none":
         shape = tuple(logits.shape[:-1])

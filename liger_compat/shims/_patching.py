@@ -167,3 +167,26 @@ def unwrap(obj: Any) -> Any:
 
 
 _MAX_DEPTH = 64
+
+_signatures: dict[Any, Any] = {}
+
+
+def signature(fn: Any) -> Any:
+    """``inspect.signature(unwrap(fn))``, cached: the one way the shims read a signature.
+
+    Keyed by the unwrapped function (a bound method by its function, apart from the function
+    itself, whose signature still has ``self``); an unhashable callable is not cached. Raises what
+    ``inspect.signature`` raises (``TypeError``, ``ValueError``) for a callable without one.
+    """
+    import inspect  # not at import: ``import liger_compat`` stays light
+
+    inner = unwrap(fn)
+    func = getattr(inner, "__func__", None) if inspect.ismethod(inner) else None
+    key = ("bound", func) if func is not None else inner
+    try:
+        hit = _signatures.get(key)
+    except TypeError:  # unhashable
+        return inspect.signature(inner)
+    if hit is None:
+        hit = _signatures[key] = inspect.signature(inner)
+    return hit

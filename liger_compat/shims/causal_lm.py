@@ -40,7 +40,8 @@ The wrapper (a plain function on the class that ``torch.compile`` traces, ``_pat
   position left of where the native tuple has it), no token_accuracy. In eval mode it is the
   native tuple, the loss then the logits.
 * Logits together with a fused loss in training: pass ``return_logits=True`` to the forward, or set
-  ``LIGER_COMPAT_RETURN_LOGITS=1``; the logits are then computed (honouring ``logits_to_keep``)
+  ``LIGER_COMPAT_RETURN_LOGITS=1`` before the import (or call ``liger_compat.configure(return_logits=True)``);
+  the logits are then computed (honouring ``logits_to_keep``)
   in addition to the fused loss.
 
 ``logits_to_keep`` / ``num_logits_to_keep``: an int (keep the last k positions, 0 = all), a 1-D
@@ -54,16 +55,14 @@ along that flat sequence, as transformers' loss shifts them).
 
 from __future__ import annotations
 
-import inspect
-import os
 import sys
 from typing import Any
 
 from .. import _config
 from . import conflicts, families
-from ._patching import PatchSet, call_below, unwrap
+from ._patching import PatchSet, call_below, signature, unwrap
 from ._registry import REGISTRY, register
-from .logits_to_keep import (NEW, OLD, _translate, forward_params, is_2d, is_ours, keep_positions, native_slices_2d,
+from .logits_to_keep import (NEW, OLD, ForwardParams, _translate, forward_params, is_2d, is_ours, keep_positions, native_slices_2d,
                              normalize_keep, pop_keep, stable_key)
 
 from . import distributed as _distributed  # the fused loss inside lm_head's call (FSDP / ZeRO-3 shards)
@@ -76,13 +75,12 @@ _KERNEL = "fused_linear_cross_entropy"
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 #: keyword arguments of ours, removed before anything native sees the call
 RETURN_LOGITS = "return_logits"
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def _want_logits(flag: Any) -> bool:
     if flag is not None:
         return bool(flag)
-    return os.environ.get("LIGER_COMPAT_RETURN_LOGITS", "").strip().lower() in _TRUE
+    return _config.return_logits()
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +99,7 @@ def _positional_names(forward: Any) -> tuple[str, ...]:
     key = getattr(fn, "__code__", fn)
     names = _positional_cache.get(key)
     if names is None:
-        params = list(inspect.signature(fn).parameters.values())
+        params = list(signature(fn).parameters.values())
         names = tuple(p.name for p in params
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
         _positional_cache[key] = names
@@ -123,12 +121,12 @@ def _as_kwargs(forward: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, A
     return out
 
 
-def _native_takes(known: str | None, keep: Any) -> bool:
+def _native_takes(params: ForwardParams, keep: Any) -> bool:
     if isinstance(keep, int) and keep == 0:
         return True
-    if known in (NEW, "both"):
+    if params.keep == NEW or params.both:
         return True
-    return known == OLD and isinstance(keep, int)
+    return params.keep == OLD and isinstance(keep, int)
 
 
 def _return_dict(config: Any, flag: Any) -> bool:
@@ -152,9 +150,9 @@ def _usable(instance: Any, fam: families.Family | None) -> bool:
     return hasattr(instance, "model") and hasattr(instance, "lm_head")
 
 
-def _call_native(wrapped: Any, kw: dict[str, Any], known: str | None, has_keep: bool, keep: Any) -> Any:
-    if has_keep and known is not None:
-        kw[OLD if known == OLD else NEW] = keep
+def _call_native(wrapped: Any, kw: dict[str, Any], params: ForwardParams, has_keep: bool, keep: Any) -> Any:
+    if has_keep and (params.keep is not None or params.both):
+        kw[OLD if params.keep == OLD else NEW] = keep
     elif has_keep and not (isinstance(keep, int) and keep == 0):
         kw[NEW] = keep  # the forward knows neither name: as native as it gets
     if isinstance(keep, int) and getattr(stable_key(wrapped), "_self_wrapper", None) is _translate:
@@ -172,16 +170,16 @@ def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
     flag = kw.pop(RETURN_LOGITS, None)
     has_keep = NEW in kw or OLD in kw
     keep = normalize_keep(pop_keep(kw)) if has_keep else 0
-    known = forward_params(wrapped)[0]
+    params = forward_params(wrapped)
     fam = families.family_of(type(instance))
     if kw.get("labels") is None or _reads_logits(instance):
         # no labels (DPO, GRPO, generate) or evaluation / prediction with labels (Trainer.evaluate hands
         # the logits to compute_metrics): what the native forward returns, loss included
-        if (_native_takes(known, keep) and (not is_2d(keep) or native_slices_2d(wrapped))) or not _usable(instance, fam):
-            return _call_native(wrapped, kw, known, has_keep, keep)
+        if (_native_takes(params, keep) and (not is_2d(keep) or native_slices_2d(wrapped))) or not _usable(instance, fam):
+            return _call_native(wrapped, kw, params, has_keep, keep)
         return _decoder_and_head(instance, fam, kw, keep, want_logits=True, accuracy=False)
     if not _usable(instance, fam):
-        return _call_native(wrapped, kw, known, has_keep, keep)
+        return _call_native(wrapped, kw, params, has_keep, keep)
     return _decoder_and_head(instance, fam, kw, keep, want_logits=_want_logits(flag))
 
 
@@ -199,7 +197,7 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     loss_kw = {k: kw.pop(k) for k in LOSS_KWARGS if k in kw}
     decoder = model.model
     # the class's function, not a bound method (whose __func__ torch.compile does not look through)
-    _, dec_names, _ = forward_params(type(decoder).forward)
+    dec_names = forward_params(type(decoder).forward).names
     output_router_logits = False
     if fam.moe:
         output_router_logits = kw.get("output_router_logits")
@@ -341,7 +339,7 @@ def _annotated_output(mod: Any, fam: families.Family) -> Any:
     if fwd is None:
         return None
     try:
-        ann = inspect.signature(unwrap(fwd)).return_annotation
+        ann = signature(fwd).return_annotation
     except (TypeError, ValueError):
         return None
     if isinstance(ann, str):
@@ -636,7 +634,7 @@ def _scenario_f4(ctx: Context) -> str:
     import torch
 
     model, ids = _tiny(ctx)
-    _, _, varkw = forward_params(model.model.forward)
+    varkw = forward_params(model.model.forward).varkw
     if not varkw:
         raise Skip("this transformers' decoder takes no FlashAttention kwargs (added in 4.47)")
     b, t = ids.shape

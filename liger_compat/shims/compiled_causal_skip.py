@@ -20,10 +20,9 @@ eager path of the same transformers skips the mask. Eager calls get upstream's a
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, signature
 from ._submodule_hooks import register_submodule_shim
 
 SHIM_ID = "transformers.compiled_causal_skip"
@@ -85,7 +84,7 @@ def _patch(module: Any, patches: PatchSet) -> list[str]:
     fn = getattr(module, FUNCTION, None)
     if fn is None:
         return []
-    names = tuple(inspect.signature(unwrap(fn)).parameters)
+    names = tuple(signature(fn).parameters)
     if "padding_mask" not in names or not any(n in names for n in _Q_LENGTH) or not any(n in names for n in _KV_LENGTH):
         raise TypeError(f"transformers.masking_utils.{FUNCTION}{tuple(names)}: not the signature this shim knows")
     global _names

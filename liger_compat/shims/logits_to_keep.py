@@ -23,13 +23,12 @@ IndexError), which :func:`native_slices_2d` tells apart.
 
 from __future__ import annotations
 
-import inspect
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._log import log
 from . import conflicts, families
-from ._patching import PatchSet, unwrap, wrapped_function
+from ._patching import PatchSet, signature, unwrap, wrapped_function
 from ._registry import REGISTRY, register
 from ..compat.scenarios import Context, Skip, scenario
 
@@ -42,7 +41,22 @@ _UNSET = object()
 # helpers shared with the fused forward
 # --------------------------------------------------------------------------------------------
 
-_param_cache: dict[Any, tuple[str | None, frozenset[str], bool]] = {}
+class ForwardParams(NamedTuple):
+    """What a forward accepts, as the logits-to-keep shims need it (plain fields: read while
+    ``torch.compile`` traces a forward)."""
+
+    #: the one spelling of the keep argument it names, ``NEW`` or ``OLD``; ``None`` when it names
+    #: neither or both (then :attr:`both`)
+    keep: str | None
+    #: it names both ``logits_to_keep`` and ``num_logits_to_keep``
+    both: bool
+    #: its named parameters (not ``*args`` / ``**kwargs``)
+    names: frozenset[str]
+    #: it takes ``**kwargs``
+    varkw: bool
+
+
+_param_cache: dict[Any, ForwardParams] = {}
 
 
 def stable_key(forward: Any) -> Any:
@@ -54,8 +68,8 @@ def stable_key(forward: Any) -> Any:
     return wrapped_function(forward)
 
 
-def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
-    """``(keep name the forward knows or None, its parameter names, whether it takes **kwargs)``."""
+def forward_params(forward: Any) -> ForwardParams:
+    """The parameters of ``forward`` (:class:`ForwardParams`), cached per forward."""
     base = stable_key(forward)
     hit = _param_cache.get(base)
     if hit is not None:
@@ -64,13 +78,11 @@ def forward_params(forward: Any) -> tuple[str | None, frozenset[str], bool]:
     key = getattr(fn, "__code__", fn)
     hit = _param_cache.get(key)
     if hit is None:
-        params = inspect.signature(fn).parameters
+        params = signature(fn).parameters
         names = frozenset(n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
         varkw = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        known = NEW if NEW in names else (OLD if OLD in names else None)
-        if NEW in names and OLD in names:
-            known = "both"
-        hit = (known, names, varkw)
+        new, old = NEW in names, OLD in names
+        hit = ForwardParams(None if new == old else (NEW if new else OLD), new and old, names, varkw)
         _param_cache[key] = hit
     _param_cache[base] = hit
     return hit
@@ -184,8 +196,8 @@ _warned_full: set[str] = set()
 def _translate(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     if NEW not in kwargs and OLD not in kwargs:
         return wrapped(*args, **kwargs)
-    known, _, _ = forward_params(wrapped)
-    if known in (None, "both"):
+    known = forward_params(wrapped).keep
+    if known is None:  # neither spelling (nothing to translate) or both (the forward takes either)
         return wrapped(*args, **kwargs)
     keep = pop_keep(kwargs)
     if known == NEW:
@@ -245,8 +257,7 @@ def _patch_module(module: Any) -> None:
         current = vars(cls)["forward"]
         if is_ours(current, _translate):
             continue
-        known, _, _ = forward_params(current)
-        if known not in (NEW, OLD):
+        if forward_params(current).keep is None:
             continue
         owner = conflicts.foreign_owner(current)
         if owner is not None:
@@ -273,7 +284,7 @@ def describe(cls: type) -> str | None:
     fwd = vars(cls).get("forward")
     if fwd is None or not is_ours(fwd, _translate):
         return None
-    known, _, _ = forward_params(fwd)
+    known = forward_params(fwd).keep
     other = OLD if known == NEW else NEW
     return f"{other} -> {known}"
 

@@ -31,14 +31,13 @@ replaced (liger-kernel instance patching, ``kernels.kernelize``).
 
 from __future__ import annotations
 
-import inspect
 import types
 from typing import Any, Callable
 
 from .._log import log
 from .. import _config
 from . import conflicts, families
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import is_ours
 
@@ -367,7 +366,7 @@ _rope_sig_cache: dict[Any, Any] = {}
 def _rope_params(fn: Any) -> Any:
     hit = _rope_sig_cache.get(fn)
     if hit is None:
-        sig = inspect.signature(fn)
+        sig = signature(fn)
         plain = all(p.kind == p.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
         hit = _rope_sig_cache[fn] = tuple(sig.parameters) if plain else sig
     return hit
@@ -615,7 +614,7 @@ def _patch_rope(self: _ModuleShim, module: Any) -> None:
     if owner is not None:
         self.conflict(module, f"{module.__name__}.{_ROPE_FN}", owner)
         return
-    params = inspect.signature(unwrap(current)).parameters
+    params = signature(current).parameters
     if not {"q", "k", "cos", "sin"} <= set(params):
         self.left_alone[module.__name__] = f"{_ROPE_FN} has an unknown signature {tuple(params)}"
         return

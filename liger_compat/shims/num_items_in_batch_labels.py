@@ -29,7 +29,7 @@ from typing import Any
 
 
 from .._log import log
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, signature, unwrap
 from ._submodule_hooks import register_submodule_shim
 
 
@@ -96,7 +96,7 @@ def reads_count(compute_loss: Any) -> bool:
     if code is None:
         return True
     try:
-        params = inspect.signature(fn).parameters
+        params = signature(fn).parameters
     except (TypeError, ValueError):
         return True
     names = {"num_items_in_batch"} & set(params)
@@ -223,10 +223,8 @@ def _train_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
 
 def _takes_model_and_batch(fn: Any) -> bool:
     """trl < 0.12 trainers define an unrelated ``get_batch_samples(model, batch)`` (generation)."""
-    import inspect
-
     try:
-        names = list(inspect.signature(unwrap(fn)).parameters)
+        names = list(signature(fn).parameters)
     except (TypeError, ValueError):
         return False
     return names[1:3] == ["model", "batch"]
@@ -267,7 +265,6 @@ from ..compat.scenarios import Context, Skip, scenario  # noqa: E402
 def _scenario_f5(ctx: Context) -> str:
     """The renamed TrainingArguments / Trainer kwargs the installed transformers lacks are translated,
     and get_batch_samples survives micro-batches without "labels"."""
-    import inspect
     import tempfile
     import warnings
 
@@ -306,7 +303,7 @@ def _scenario_f5(ctx: Context) -> str:
             lab = torch.randint(3, 100, (2, 8), generator=g)
             lab[:, :2] = -100
             batches = [{"input_ids": lab.clamp(min=0), "labels": lab}, {"chosen_labels": lab}]
-            extra = ["cpu"] if "device" in inspect.signature(trainer.get_batch_samples).parameters else []
+            extra = ["cpu"] if "device" in signature(trainer.get_batch_samples).parameters else []
             got, count = trainer.get_batch_samples(iter(batches), 2, *extra)
             if len(got) != 2:
                 raise AssertionError(f"get_batch_samples returned {len(got)} batches")

@@ -33,12 +33,11 @@ on to transformers 5) is logged, not warned again.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import warnings
 from typing import Any, Callable, NamedTuple
 
 from .._log import log
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, signature, unwrap
 from ._submodule_hooks import ARGS_BASE, TRAINER_BASE, ShimPatches, classes_defined_in, register_submodule_shim
 from . import trl_trainer_locations as locations
 
@@ -131,7 +130,7 @@ def accepted_params(func: Any) -> frozenset[str] | None:
     if key in _params_cache:
         return _params_cache[key]
     try:
-        params = inspect.signature(inner).parameters.values()
+        params = signature(inner).parameters.values()
     except (TypeError, ValueError):
         result = None
     else:

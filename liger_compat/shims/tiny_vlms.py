@@ -255,9 +255,9 @@ def inputs(model: Any, b: int = 2, t: int = 24, seed: int = 0, ignore_frac: floa
 
 
 def _decoder_params(model: Any) -> tuple[str, ...]:
-    import inspect
+    from ._patching import signature
 
     try:
-        return tuple(inspect.signature(type(model.model).forward).parameters)
+        return tuple(signature(type(model.model).forward).parameters)
     except (TypeError, ValueError, AttributeError):
         return ()

@@ -30,7 +30,7 @@ import contextvars
 import functools
 from typing import Any
 
-from ._patching import PatchSet
+from ._patching import PatchSet, signature
 from ._registry import REGISTRY
 from ._submodule_hooks import SubmoduleShim
 from . import trl_trainer_locations as locations
@@ -237,10 +237,8 @@ def _patch(module: Any, patches: PatchSet) -> list[str]:
     # import it, with an older signature (no `outputs`, returns log-probs and entropy)
     fn = getattr(module, "_ChunkedLogProbFunction", None)
     if isinstance(fn, type) and hasattr(fn, "apply") and not getattr(fn, "_liger_compat", False):
-        import inspect
-
         try:
-            params = tuple(inspect.signature(fn.forward).parameters)
+            params = tuple(signature(fn.forward).parameters)
         except (TypeError, ValueError):
             params = ()
         if "outputs" in params:

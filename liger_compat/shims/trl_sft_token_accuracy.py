@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, NamedTuple
 
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, signature, unwrap
 from ._submodule_hooks import register_submodule_shim
 
 
@@ -301,7 +301,7 @@ def _scenario_f1(ctx: Context) -> str:
                     max_seq_length=32, max_length=32, dataset_text_field="text", packing=False, loss_type="nll",
                     disable_tqdm=True, dataset_num_proc=None)
         args = config_cls(**{k: v for k, v in want.items() if k in fields})
-        tok_kw = ("processing_class" if "processing_class" in inspect.signature(unwrap(trainer_cls.__init__)).parameters
+        tok_kw = ("processing_class" if "processing_class" in signature(trainer_cls.__init__).parameters
                   else "tokenizer")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

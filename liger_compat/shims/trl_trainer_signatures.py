@@ -25,14 +25,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ._patching import PatchSet, unwrap
+from ._patching import PatchSet, signature
 from ._submodule_hooks import TRAINER_BASE, classes_defined_in, register_submodule_shim
 from . import trl_trainer_locations as locations
 
 
 def _params(fn: Any) -> list[inspect.Parameter] | None:
     try:
-        return list(inspect.signature(unwrap(fn)).parameters.values())
+        return list(signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
 

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from liger_compat import _config
 from liger_compat.kernels import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy, last_backend
 from harness import examples, expected_backend, tolerance
 from reference64 import ce64, ce_grad_terms, ce_units, rel_err
@@ -338,11 +339,10 @@ def test_flce_triton_logits_gemm_with_fused_statistics(monkeypatch, opts, dtype,
     calls = []
     real = lt.logits_with_partials
     monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
-    monkeypatch.setattr(ce_mod, "LOGITS_IMPL", impl)
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 72 * 11)  # 11 rows per chunk
     hid, w, _, t = _inputs(21, 40, 24, 72, dtype, 0.3, False)
     ps = [x.clone().requires_grad_(True) for x in (hid, w)]
-    out = fused_linear_cross_entropy(ps[0], ps[1], t, return_token_accuracy=True, **opts)
+    out = fused_linear_cross_entropy(ps[0], ps[1], t, return_token_accuracy=True, logits_impl=impl, **opts)
     out.loss.backward()
     kept = int((t != -100).sum())
     fused = impl == "triton" or "softcap" not in opts
@@ -357,13 +357,24 @@ def test_flce_triton_logits_gemm_with_fused_statistics(monkeypatch, opts, dtype,
         assert rel_err(mine.grad, theirs.grad) <= tol
 
 
-def test_flce_logits_setting_is_checked(monkeypatch):
-    import liger_compat.kernels.loss as ce_mod
-
-    monkeypatch.setattr(ce_mod, "LOGITS_IMPL", "cuBLAS ")
+def test_flce_logits_setting_and_the_kernel_knobs_are_checked(monkeypatch):
+    """A bad ``LIGER_COMPAT_FLCE_LOGITS`` names the variable; a bad ``logits_impl=``,
+    ``compact_ignored=`` or ``ce_variant=`` names the argument and the allowed values; a good
+    ``logits_impl=`` wins over a bad setting."""
     hid, w, _, t = _inputs(1, 4, 8, 16, torch.float32, 0.0, False)
-    with pytest.raises(ValueError, match="LIGER_COMPAT_FLCE_LOGITS"):
+    monkeypatch.setattr(_config.settings, "flce_logits", "cuBLAS ")
+    with pytest.raises(ValueError, match="LIGER_COMPAT_FLCE_LOGITS must be one of auto, cublas, triton, got 'cuBLAS '"):
         fused_linear_cross_entropy(hid, w, t)
+    ref, _, _ = ce64(hid.double() @ w.double().T, t)
+    assert rel_err(fused_linear_cross_entropy(hid, w, t, logits_impl="cublas"), ref) <= tolerance(torch.float32, n=16)
+    monkeypatch.setattr(_config.settings, "flce_logits", "auto")
+    for kw, match in (({"logits_impl": "gemm"}, "logits_impl must be one of auto, cublas, triton, got 'gemm'"),
+                      ({"compact_ignored": 1}, "compact_ignored must be True or False, got 1"),
+                      ({"ce_variant": "rows"}, "ce_variant must be one of split, row, got 'rows'")):
+        with pytest.raises(ValueError, match=match):
+            fused_linear_cross_entropy(hid, w, t, **kw)
+    with pytest.raises(ValueError, match="ce_variant must be one of split, row"):
+        cross_entropy(hid @ w.T, t, ce_variant="block")
 
 
 def test_flce_chunk_rows_on_an_accelerator(monkeypatch):
@@ -379,7 +390,7 @@ def test_flce_chunk_rows_on_an_accelerator(monkeypatch):
 
     cuda = torch.device("cuda")  # only the device type is read; nothing is allocated
     v, h = 128256, 4096
-    assert ce_mod.FLCE_CHUNK_MB == "" and ce_mod.chunk_mib_setting() is None
+    assert _config.settings.flce_chunk_mb == "" and _config.flce_chunk_mib() is None
     assert ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda) == 2048
     assert ce_mod._chunk_rows(300, v, h, 2, "triton", cuda) == 300
     assert ce_mod._chunk_rows(7373, 152064, 3584, 2, "triton", cuda) == 2048
@@ -389,18 +400,18 @@ def test_flce_chunk_rows_on_an_accelerator(monkeypatch):
     fp32 = ce_mod._chunk_rows(8192, 256000, 3584, 4, "triton", cuda)
     assert fp32 * 256000 * 4 <= 2**30 and fp32 < 2048
     assert ce_mod._chunk_rows(8192, 32000, h, 2, "triton", cuda) == 2048
-    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", "256")
+    monkeypatch.setattr(_config.settings, "flce_chunk_mb", "256")
     rows = ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
     assert rows == 1024 and -(-8192 // rows) == 8
     assert ce_mod._chunk_rows(7373, 152064, 3584, 2, "triton", cuda) == 880
     assert ce_mod._chunk_rows(8192, 32000, h, 2, "triton", cuda) == 4096
-    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", " 62 ")
+    monkeypatch.setattr(_config.settings, "flce_chunk_mb", " 62 ")
     rows = ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
     assert rows % 8 == 0 and rows * (v + h) * 2 < 64 * 2**20 and (rows + 8) * v * 2 > 62 * 2**20
-    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", "1024")
+    monkeypatch.setattr(_config.settings, "flce_chunk_mb", "1024")
     assert ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda) == 4096
     for bad in ("lots", "0", "-5", "nan", "inf"):
-        monkeypatch.setattr(ce_mod, "FLCE_CHUNK_MB", bad)
+        monkeypatch.setattr(_config.settings, "flce_chunk_mb", bad)
         with pytest.raises(ValueError, match="LIGER_COMPAT_FLCE_CHUNK_MB must be a positive number"):
             ce_mod._chunk_rows(8192, v, h, 2, "triton", cuda)
         assert ce_mod._chunk_rows(8192, v, h, 4, "torch", torch.device("cpu")) >= 1  # unused on CPU

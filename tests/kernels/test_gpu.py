@@ -42,15 +42,13 @@ def _flce_inputs(n, h, v, dtype, seed):
 @pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
 def test_flce_bf16_vs_eager(n, h, v, opts, logits_impl, monkeypatch):
     import liger_compat.kernels._logits_triton as lt
-    import liger_compat.kernels.loss as loss_mod
 
     calls = []
     real = lt.logits_with_partials
-    monkeypatch.setattr(loss_mod, "LOGITS_IMPL", logits_impl)
     monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     hid, w, t = _flce_inputs(n, h, v, torch.bfloat16, n + v)
     a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    out = fused_linear_cross_entropy(a, b, t, return_token_accuracy=True, **opts)
+    out = fused_linear_cross_entropy(a, b, t, return_token_accuracy=True, logits_impl=logits_impl, **opts)
     out.loss.backward()
     assert last_backend["fused_linear_cross_entropy"] == "triton"
     # the Triton GEMM runs where its tensor descriptors apply (rows of 16-byte multiples)
@@ -105,10 +103,10 @@ def test_flce_all_ignored_and_bad_targets_on_gpu(monkeypatch):
     torch.cuda.synchronize()
 
 
-def _bad_label_call(kind, hid, w, t, reduction):
+def _bad_label_call(kind, hid, w, t, reduction, compact_ignored=True):
     if kind == "flce":
         a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        return fused_linear_cross_entropy(a, b, t, reduction=reduction), (a, b)
+        return fused_linear_cross_entropy(a, b, t, reduction=reduction, compact_ignored=compact_ignored), (a, b)
     logits = (hid @ w.T).requires_grad_(True)
     return cross_entropy(logits, t, reduction=reduction), (logits,)
 
@@ -121,8 +119,6 @@ def test_bad_labels_on_gpu_raise_without_sync_and_context_survives(kind, reducti
     the pending reports are waited for; the CUDA context is fine afterwards, and a good call's
     forward+backward makes no host sync (the fused loss's ignored-row compaction and its
     grad_output == 1 test sync by design, so they are switched off / avoided here)."""
-    import liger_compat.kernels.loss as loss_mod
-
     _target_errors._pending.clear()
     v = 32000
     hid, w, t = _flce_inputs(700, 256, v, torch.float32, 11)
@@ -134,15 +130,14 @@ def test_bad_labels_on_gpu_raise_without_sync_and_context_survives(kind, reducti
     assert not _target_errors._pending
     torch.cuda.synchronize()  # no sticky error: the context is usable
 
-    monkeypatch.setattr(loss_mod, "COMPACT_IGNORED", False)
     hid, w, t = _flce_inputs(700, 256, v, torch.float32, 12)
     gout = torch.rand(700, device="cuda") + 0.5
-    _bad_label_call(kind, hid, w, t, reduction)  # warm-up (compiles)
+    _bad_label_call(kind, hid, w, t, reduction, compact_ignored=False)  # warm-up (compiles)
     torch.cuda.synchronize()
     saved_only = kind == "flce" and reduction != "none"  # backward compares grad_output with 1
     torch.cuda.set_sync_debug_mode(0 if saved_only else "error")
     try:
-        out, leaves = _bad_label_call(kind, hid, w, t, reduction)
+        out, leaves = _bad_label_call(kind, hid, w, t, reduction, compact_ignored=False)
         out.backward(gout if reduction == "none" else torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode(0)

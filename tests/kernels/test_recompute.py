@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+from liger_compat import _config
 from liger_compat.kernels import gated_mlp, gated_project, geglu, last_backend, project_norm_output, rms_norm, swiglu
 from liger_compat.kernels import _recompute
 from harness import expected_backend, tolerance
@@ -129,7 +130,7 @@ def test_steps_aside_under_other_saved_tensor_hooks_and_without_grad(monkeypatch
     with torch.no_grad():
         assert torch.equal(gated_project(x @ wg, x @ wu, lin), lin(swiglu(x @ wg, x @ wu)))
 
-    monkeypatch.setattr(gated_mlp, "MLP_RECOMPUTE", "input")  # the activation is kept
+    monkeypatch.setattr(_config.settings, "mlp_recompute", "input")  # the activation is kept
     rec = _Recorder(lin)
     kept = gated_project(x @ wg, x @ wu, rec)  # noqa: F841 - its graph holds what was saved
     gc.collect()
@@ -290,14 +291,14 @@ def test_views_saved_by_several_consumers_share_one_rebuild():
 def test_the_setting_picks_the_parts_and_names_itself_when_wrong(monkeypatch):
     for value, parts in (("1", {"activation", "input"}), ("0", set()), ("off", set()),
                          ("activation", {"activation"}), (" input , activation", {"activation", "input"})):
-        monkeypatch.setattr(gated_mlp, "MLP_RECOMPUTE", value)
+        monkeypatch.setattr(_config.settings, "mlp_recompute", value)
         assert gated_mlp.recompute_parts() == parts
-    monkeypatch.setattr(gated_mlp, "MLP_RECOMPUTE", "activations")
+    monkeypatch.setattr(_config.settings, "mlp_recompute", "activations")
     x, wg, wu, lin, _ = _setup(99)
     with pytest.raises(ValueError, match="LIGER_COMPAT_MLP_RECOMPUTE") as info:
         gated_project(x @ wg, x @ wu, lin)
     assert info.value.liger_compat_passed_on  # the MLP shim passes it on instead of falling back
-    monkeypatch.setattr(gated_mlp, "MLP_RECOMPUTE", "activation")
+    monkeypatch.setattr(_config.settings, "mlp_recompute", "activation")
     seen, lin2 = [], torch.nn.Linear(24, 3)
     kept = project_norm_output(rms_norm(x, torch.ones(24)),
                                lambda t: seen.append(weakref.ref(t.untyped_storage())) or lin2(t))

@@ -149,24 +149,21 @@ def _variants():
 def test_deferred_report_bad_rows_nan_and_no_gradient(monkeypatch, _not_ready_yet, variant, kind, reduction):
     """While the report is in flight the call returns: bad rows' loss NaN, their gradient zero,
     every other row exact; the error then comes from the next call, before it does anything."""
-    import liger_compat.kernels._ce_triton as ct
-    import liger_compat.kernels.loss as loss_mod
 
     dtype = torch.float32
-    if variant in ("split", "row"):
-        monkeypatch.setattr(ct, "CE_KERNEL_VARIANT", variant)
+    knobs = {"ce_variant": variant} if variant in ("split", "row") else {}
     gemm_calls = []
     if variant == "gemm":
         import liger_compat.kernels._logits_triton as lt
 
         real = lt.logits_with_partials
         monkeypatch.setattr(lt, "logits_with_partials", lambda *a, **k: gemm_calls.append(1) or real(*a, **k))
-        monkeypatch.setattr(loss_mod, "LOGITS_IMPL", "triton")
+        knobs = {"logits_impl": "triton"}
         dtype = torch.float16  # the interpreter's tensor descriptors: fp16 only
     hid, w, t = _inputs(5, n=13, h=24, v=40, dtype=dtype)
     bad_rows = torch.tensor([2, 6, 9])
     t[bad_rows] = torch.tensor([40, -1, 1234])
-    out, leaves = _call(kind, hid, w, t, reduction=reduction)
+    out, leaves = _call(kind, hid, w, t, reduction=reduction, **knobs)
     assert len(_not_ready_yet) == 1 and len(_target_errors._pending) == 1
     assert bool(gemm_calls) == (variant == "gemm")
 

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from liger_compat import kernels
+import liger_compat
+from liger_compat import _config, kernels
 from liger_compat.shims import causal_lm
 from liger_compat.shims.logits_to_keep import forward_params, is_ours
 from model_helpers import FAMILY_NAMES, grads, manual_accuracy, manual_loss, native, random_batch, tiny
@@ -118,8 +119,7 @@ def test_logits_to_keep_with_labels_covers_the_kept_positions(family):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mixtral"])
 def test_flash_attention_kwargs_reach_the_decoder_not_the_loss(family):
     model = tiny(family)
-    _, _, varkw = forward_params(model.model.forward)
-    if not varkw:
+    if not forward_params(model.model.forward).varkw:
         pytest.skip("this transformers' decoder takes no FlashAttention kwargs (added in 4.47)")
     ids, labels = random_batch(model, seed=5)
     b, t = ids.shape
@@ -177,7 +177,7 @@ def test_num_items_in_batch_shift_labels_and_ignore_index(family):
 
 def test_native_loss_kwargs_agree_where_transformers_has_them():
     model = tiny("qwen2")
-    if not forward_params(type(model).forward)[2]:
+    if not forward_params(type(model).forward).varkw:
         pytest.skip("this transformers' forward takes no num_items_in_batch (added in 4.46)")
     ids, labels = random_batch(model, seed=7)
     with torch.no_grad():
@@ -187,7 +187,7 @@ def test_native_loss_kwargs_agree_where_transformers_has_them():
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
 
 
-def test_return_logits_kwarg_and_env(monkeypatch):
+def test_return_logits_kwarg_and_setting(monkeypatch):
     model = tiny("gemma2")
     ids, labels = random_batch(model, seed=8)
     with native(), torch.no_grad():
@@ -197,8 +197,13 @@ def test_return_logits_kwarg_and_env(monkeypatch):
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
         assert model(input_ids=ids, labels=labels).logits is None
-        monkeypatch.setenv("LIGER_COMPAT_RETURN_LOGITS", "1")
+        # the setting (LIGER_COMPAT_RETURN_LOGITS at import, or configure()); a call's own flag wins
+        monkeypatch.setattr(_config.settings, "return_logits", False)
+        monkeypatch.setattr(_config.settings, "source", dict(_config.settings.source))
+        liger_compat.configure(return_logits=True)
+        assert _config.settings.source["return_logits"] == "configure()"
         torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, ref.logits, rtol=1e-5, atol=1e-5)
+        assert model(input_ids=ids, labels=labels, return_logits=False).logits is None
         # return_logits is ours: without labels it is dropped before the native forward sees it
         assert model(input_ids=ids, return_logits=True).logits.shape == ref.logits.shape
 

@@ -33,7 +33,7 @@ def test_scenarios_pass_with_the_shims(sid):
     except scenarios.Skip as exc:
         # only F4 may not apply: decoders before transformers 4.47 take no attention kwargs
         assert sid == "F4", exc
-        assert not forward_params(modeling_module("llama").LlamaModel.forward)[2]
+        assert not forward_params(modeling_module("llama").LlamaModel.forward).varkw
         return
     assert detail
 
@@ -44,7 +44,7 @@ def test_f3_scenario_fails_without_the_shims():
     from liger_compat.compat.versions import matches
 
     mod = modeling_module("qwen2")
-    if forward_params(mod.Qwen2ForCausalLM.forward)[0] == "both":
+    if forward_params(mod.Qwen2ForCausalLM.forward).both:
         pytest.skip("this transformers knows both spellings natively")
     if matches(transformers.__version__, ">=4.49,<4.52"):
         # 4.49-4.51 map num_logits_to_keep onto logits_to_keep with @deprecate_kwarg, which the
@@ -86,9 +86,9 @@ def test_a_causal_lm_outside_the_table_keeps_its_forward_and_gets_the_name_trans
                     max_position_embeddings=64, pad_token_id=0)
     torch.manual_seed(0)
     model = cls(cfg).eval()
-    known = forward_params(vars(cls)["forward"])[0]
-    if known in (None, "both"):
-        pytest.skip(f"PhiForCausalLM.forward knows {known or 'neither'} of the names here")
+    params = forward_params(vars(cls)["forward"])
+    if params.keep is None:
+        pytest.skip(f"PhiForCausalLM.forward knows {'both' if params.both else 'neither'} of the names here")
     assert is_ours(vars(cls)["forward"], _translate)
     ids = torch.randint(3, 96, (2, 10))
     with torch.no_grad():

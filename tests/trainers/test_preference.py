@@ -87,8 +87,8 @@ def test_dpo_logits_to_keep(tokenizer, tmp_path):
         # (before transformers 4.49 logits_to_keep is swallowed and trl's slicing breaks): there the
         # native run asks too, elsewhere it runs without the option (the kept logits are the same numbers)
         kwarg = {"use_logits_to_keep": NEW, "use_num_logits_to_keep": OLD}[option]
-        known = forward_params(type(base).forward)[0]
-        nat = (build if known in (kwarg, "both") else plain_build)(clone(base))
+        params = forward_params(type(base).forward)
+        nat = (build if params.keep == kwarg or params.both else plain_build)(clone(base))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             nat.train()
