@@ -347,8 +347,11 @@ def _annotated_output(mod: Any, fam: families.Family) -> Any:
                  for n in re.findall(r"\w*OutputWithPast\w*", ann)]
     else:
         found = list(typing.get_args(ann)) or [ann]
+    # a MoE forward must return a class with aux_loss: transformers 4.48.0 annotates Mixtral's
+    # forward with CausalLMOutputWithPast (copied from Llama) while it returns MoeCausalLMOutputWithPast
+    need = {"loss", "aux_loss"} if fam.moe else {"loss"}
     for c in found:
-        if isinstance(c, type) and dataclasses.is_dataclass(c) and "loss" in {f.name for f in dataclasses.fields(c)}:
+        if isinstance(c, type) and dataclasses.is_dataclass(c) and need <= {f.name for f in dataclasses.fields(c)}:
             return c
     return None
 

@@ -320,10 +320,12 @@ def test_generate_is_unchanged(family):
         with native():
             try:
                 ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-            except RuntimeError as exc:  # transformers 4.46 Mixtral: its router loss during generation
+            # transformers 4.46 Mixtral: its router loss during generation (RuntimeError); 4.48.0 Gemma 2:
+            # HybridCache.update indexes past the sliding window (IndexError)
+            except (RuntimeError, IndexError) as exc:
                 ref = exc
-        if isinstance(ref, RuntimeError):  # then the patched model fails the same way, no other
-            with pytest.raises(RuntimeError, match=re.escape(str(ref))):
+        if isinstance(ref, Exception):  # then the patched model fails the same way, no other
+            with pytest.raises(type(ref), match=re.escape(str(ref))):
                 model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
             return
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
@@ -381,6 +383,7 @@ def test_labels_in_eval_mode_give_native_loss_and_logits_and_training_stays_fuse
     """The same model and batch, switched train -> eval -> train: eval gets the native loss and
     logits and nothing extra; training gets the fused loss, logits=None and a token accuracy."""
     model = tiny(family)
+    model.config.use_cache = False  # (no KV cache: transformers 4.48.0's Gemma 2 cache fails natively here)
     ids, labels = random_batch(model, seed=18)
     with native(), torch.no_grad():
         ref = model.eval()(input_ids=ids, labels=labels)
@@ -420,6 +423,7 @@ def _native_kept(model, ids, labels, keep):
 @pytest.mark.parametrize("family", ["llama", "gemma2", "granite", "mixtral"])
 def test_labels_in_eval_mode_honour_logits_to_keep_under_both_names(family):
     model = tiny(family).eval()
+    model.config.use_cache = False  # (no KV cache: transformers 4.48.0's Gemma 2 cache fails natively here)
     ids, labels = random_batch(model, seed=19)
     idx = torch.tensor([1, 5, 8, 11])
     for keep, lab in ((4, labels[:, -4:]), (idx, labels[:, idx]), (0, labels)):

@@ -111,6 +111,7 @@ def _assert_metrics_close(nat: dict, pat: dict, n_valid: float):
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.name in CORE_FAMILIES])
 def test_evaluate_and_predict_match_native(family, tmp_path):
     model = _model(family)
+    model.config.use_cache = False  # (no KV cache: transformers 4.48.0's Gemma 2 cache fails natively here)
     assert is_ours(vars(type(model))["forward"], causal_lm._fused_forward)
     ds = _data(model)
     with native():
