@@ -105,6 +105,26 @@ def modeling_module(family: str | Family):
         ) from exc
 
 
+def construct_config(cls: type, kw: dict[str, Any]):
+    """``cls(**kw)``; where the config class's strict validation refuses a ``True`` / ``False`` for a
+    field it annotates as ``int`` (transformers 5.4.0 with huggingface_hub 1.33: ``tie_word_embeddings``
+    and ``use_cache`` of Olmo2 / Olmo3 / Cohere2 / FalconH1, even their own defaults), the same value
+    is given as 1 / 0."""
+    import re
+
+    kw = dict(kw)
+    for _ in range(len(kw) + 1):
+        try:
+            return cls(**kw)
+        except Exception as exc:  # huggingface_hub's StrictDataclassFieldValidationError (an Exception)
+            text = f"{exc} {getattr(exc, '__cause__', '')}"
+            m = re.search(r"field '(\w+)'.*?expected int, got bool \(value: (True|False)\)", text, re.S)
+            if m is None or not isinstance(kw.get(m.group(1), m.group(2) == "True"), bool):
+                raise
+            kw[m.group(1)] = int(m.group(2) == "True")  # (also a default of the class's own __init__)
+    return cls(**kw)
+
+
 def config_for(family: str | Family, **overrides: Any):
     fam = BY_NAME[family] if isinstance(family, str) else family
     modeling_module(fam)
@@ -123,7 +143,7 @@ def config_for(family: str | Family, **overrides: Any):
     kw = dict(BASE)
     kw.update(EXTRA.get(fam.name, {}))
     kw.update(overrides)
-    cfg = cls(**kw)
+    cfg = construct_config(cls, kw)
     cfg._attn_implementation = "eager"
     return cfg
 

@@ -163,7 +163,7 @@ _NO_SPEC = {"gemma3n": "its vision tower is a timm MobileNet (timm is not a depe
 
 
 def config_for(fam: Any, text_base: dict[str, Any], **text_overrides: Any):
-    from .tiny_models import FamilyUnavailable, modeling_module
+    from .tiny_models import FamilyUnavailable, construct_config, modeling_module
 
     spec = SPECS.get(fam.name)
     if spec is None:
@@ -175,7 +175,7 @@ def config_for(fam: Any, text_base: dict[str, Any], **text_overrides: Any):
     if cls is None:
         raise FamilyUnavailable(f"{mod.__name__} has no {fam.causal_lm}")
     kw = spec.config(dict(text_base, **text_overrides))
-    cfg = cls(**kw)
+    cfg = construct_config(cls, kw)
     for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
         c._attn_implementation = "eager"
     vc = getattr(cfg, "vision_config", None)

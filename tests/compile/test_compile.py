@@ -203,6 +203,7 @@ def test_eval_forward_with_and_without_labels_under_compile():
     """No grad: the per-row loss op; without labels the native logits, all in one graph each."""
     model = _tiny("llama").eval()
     ids, labels = _batch(model, seed=3)
+    _skip_if_native_breaks_too(model, ids, labels, "llama")
     with liger_compat_native():
         with torch.no_grad():
             ref = model(input_ids=ids, labels=labels)

@@ -321,8 +321,9 @@ def test_generate_is_unchanged(family):
             try:
                 ref = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
             # transformers 4.46 Mixtral: its router loss during generation (RuntimeError); 4.48.0 Gemma 2:
-            # HybridCache.update indexes past the sliding window (IndexError)
-            except (RuntimeError, IndexError) as exc:
+            # HybridCache.update indexes past the sliding window (IndexError); 5.4.0 OLMo 2 with
+            # huggingface_hub 1.33: a config copy fails its own strict validation
+            except Exception as exc:
                 ref = exc
         if isinstance(ref, Exception):  # then the patched model fails the same way, no other
             with pytest.raises(type(ref), match=re.escape(str(ref))):

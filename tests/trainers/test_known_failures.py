@@ -276,7 +276,8 @@ def test_f2_dpo_without_labels_passes_with_the_shim(tokenizer, tmp_path):
     assert_logs_close(train_logs(nat), train_logs(pat), keys)
     eval_keys = [k for k in nat_metrics if k.startswith("eval_") and isinstance(nat_metrics[k], float)
                  and not any(t in k for t in ("runtime", "per_second"))]
-    assert "eval_loss" in eval_keys and any("rewards" in k for k in eval_keys), nat_metrics
+    # (trl 1.0 logs only the loss in evaluation; other releases add rewards and log-probs, compared too)
+    assert "eval_loss" in eval_keys, nat_metrics
     for k in eval_keys:
         assert math.isclose(nat_metrics[k], pat_metrics[k], rel_tol=2e-4, abs_tol=2e-5), (k, nat_metrics[k], pat_metrics[k])
     if nat_pred is not None:  # the logits the prediction loop collected, [rows, T, V]
