@@ -19,12 +19,24 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
 
 
 def make_spec(path: Path, *, seed: int | None = None, world: int = 2, steps: int = 3, batch: int = 4, seq: int = 24,
-              lr: float = 0.5) -> int:
-    """Fresh random weights and batches; ranks get different numbers of label tokens."""
+              lr: float = 0.5, min_gap: float = 2e-3) -> int:
+    """Fresh random weights and batches; ranks get different numbers of label tokens. A fresh seed is
+    drawn again (at most 20 times) while the first step's mean of per-rank mean losses lies within
+    ``min_gap`` of the loss over all tokens: such data cannot tell a right normalisation from a
+    wrong one (on random models the per-rank losses sometimes nearly coincide)."""
+    if seed is not None:
+        return _write_spec(path, seed, world, steps, batch, seq, lr)[0]
+    for _ in range(20):
+        seed, gap = _write_spec(path, random.randrange(2**31), world, steps, batch, seq, lr)
+        if gap >= min_gap:
+            break
+    return seed
+
+
+def _write_spec(path: Path, seed: int, world: int, steps: int, batch: int, seq: int, lr: float) -> tuple[int, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    seed = random.randrange(2**31) if seed is None else seed
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     state = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False)).state_dict()
@@ -45,7 +57,15 @@ def make_spec(path: Path, *, seed: int | None = None, world: int = 2, steps: int
         batches.append((ids, labels))
     torch.save({"config": TINY, "state": state, "state_tied": state_tied, "batches": batches, "lr": lr,
                 "world_size": world, "seed": seed}, path)
-    return seed
+    # the naive (mean of per-rank means) against the right loss of step 0, in fp32 as the workers compute
+    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    model.load_state_dict(state)
+    ids, labels = batches[0]
+    with torch.no_grad():
+        per_rank = [float(model(input_ids=ids[r * rows:(r + 1) * rows], labels=labels[r * rows:(r + 1) * rows]).loss)
+                    for r in range(world)]
+        whole = float(model(input_ids=ids, labels=labels).loss)
+    return seed, abs(sum(per_rank) / world - whole)
 
 
 def free_port() -> int:
