@@ -47,7 +47,7 @@ def _trl_head_kernels_interpreted_on_cpu() -> None:
     try:
         # Triton's own jit-decorated library functions (tl.sum, ...) are called from trl's kernels, so
         # they are defined in the same mode (this module runs before anything imports Triton; nothing
-        # in a CPU test session runs compiled Triton code)
+        # in a CPU pytest run executes compiled Triton code)
         for name in ("triton.language.standard", "triton.experimental.gluon.language",
                      "trl.kernels.chunked_logprob", "trl.kernels.logprob_entropy", "trl.kernels.chunked_divergence"):
             try:
