@@ -52,7 +52,7 @@ def one_family(name: str, steps: int, device: str, backend: str = "inductor") ->
     import torch._dynamo
 
     import liger_compat
-    from liger_compat.shims import tiny_models
+    from liger_compat.compat import tiny_models
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     row: dict = {"family": name, "device": device, "dtype": str(dtype).replace("torch.", ""), "backend": backend}
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     import liger_compat  # noqa: F401  (first, as a user would)
     import torch
 
-    from liger_compat.shims import families, tiny_models
+    from liger_compat.compat import families, tiny_models
 
     names = [f for f in args.families.split(",") if f] or [f.name for f in families.FAMILIES]
     unknown = [n for n in names if n not in families.BY_NAME]

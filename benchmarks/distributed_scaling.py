@@ -40,7 +40,7 @@ def _helper_forward(self, input_ids=None, labels=None, **kwargs):
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from liger_compat.shims.distributed import fused_head_loss
+    from liger_compat.shims._sharded_head import fused_head_loss
 
     hidden = self.model(input_ids=input_ids).last_hidden_state
     target = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]

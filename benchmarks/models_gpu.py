@@ -20,7 +20,7 @@ Writes ``<name>.json`` and ``<name>.md`` (``--name``, default ``models_gpu``) un
 benchmarks/results), each naming the command that regenerates it.
 Families the installed transformers lacks (or without a tiny config) are listed as skipped, and
 families the table leaves native as such, with the reason. Vision-language models keep their tiny
-vision tower (one image of four placeholder tokens per sample, ``liger_compat.shims.tiny_vlms``);
+vision tower (one image of four placeholder tokens per sample, ``liger_compat.compat.tiny_vlms``);
 the language model gets the sizes below. Needs CUDA; runs the Triton kernels through
 ``liger_compat.kernels``.
 """
@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 
 import liger_compat
-from liger_compat.shims import tiny_vlms
-from liger_compat.shims.families import BY_NAME, FAMILIES
-from liger_compat.shims.tiny_models import EXTRA, FamilyUnavailable, build
+from liger_compat.compat import tiny_vlms
+from liger_compat.compat.families import BY_NAME, FAMILIES
+from liger_compat.compat.tiny_models import EXTRA, FamilyUnavailable, build
 
 
 def log(*a):

@@ -228,7 +228,7 @@ def _output_head(model: Any) -> Any:
 
 
 def _from_model(info: DistributedInfo, model: Any) -> None:
-    from ..shims import distributed as sd
+    from ..shims import _sharded_head as sd
 
     top = {c.__name__ for c in type(model).__mro__}
     engine = None
@@ -289,7 +289,7 @@ def _fused_head_active() -> bool:
 
 
 def _warnings(info: DistributedInfo, *, model: Any, training_args: Any, device_count: int | None) -> None:
-    from ..shims import distributed as sd
+    from ..shims import _sharded_head as sd
 
     add = lambda code, level, msg: info.warnings.append(DistWarning(code, level, msg))  # noqa: E731
     active = _fused_head_active()
@@ -303,13 +303,13 @@ def _warnings(info: DistributedInfo, *, model: Any, training_args: Any, device_c
     if active and not wired and info.engine == "DeepSpeed ZeRO-3":
         add("D1", "warning",
             "DeepSpeed ZeRO-3 with a fused LM-head loss that reads lm_head.weight directly (not through "
-            "liger_compat.shims.distributed): inside the model's forward recent DeepSpeed gathers it as an "
+            "liger_compat.shims._sharded_head): inside the model's forward recent DeepSpeed gathers it as an "
             "'external parameter'; anywhere else (a loss computed after the decoder, older DeepSpeed) the kernel "
             "gets ZeRO-3's empty partition.")
     if active and not wired and info.head and info.head.startswith(("own FSDP", "ZeRO-3")):
         add("D2", "error",
             f"lm_head is an {info.head}, and the fused forward reads lm_head.weight outside lm_head.forward: it "
-            "gets the local shard. Route the loss through liger_compat.shims.distributed.fused_head_loss.")
+            "gets the local shard. Route the loss through liger_compat.shims._sharded_head.fused_head_loss.")
     elif active and not wired and info.engine == "FSDP2" and info.head is None:
         add("D3", "warning",
             "FSDP2 with a fused forward that reads lm_head.weight directly: right only while lm_head is in its "

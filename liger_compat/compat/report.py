@@ -205,7 +205,7 @@ def _issue_status(issue: known_issues.KnownIssue, shim_states: dict[str, str],
 
 def _families() -> dict[str, str]:
     try:
-        from ..shims import families  # provided by the model shims
+        from . import families
     except ImportError:
         return {}
     try:

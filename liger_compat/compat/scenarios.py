@@ -1,8 +1,9 @@
 """Scenario smoke tests that ``check --deep`` runs on a tiny randomly initialised model.
 
 A scenario reproduces one known situation (F1..F5 and later ones) with the real
-installed libraries and says whether liger_compat handles it. Shim modules register
-them with :func:`scenario`; registration is cheap, the function body imports what it needs.
+installed libraries and says whether liger_compat handles it. The modules of
+:data:`SCENARIO_MODULES` register them with :func:`scenario` when the report first asks for
+them; the function body imports what it needs.
 
 A scenario function takes a :class:`Context` and returns a short detail string on success,
 raises :class:`Skip` when it cannot run here (a library missing, say), and raises anything
@@ -11,6 +12,7 @@ else on failure.
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any, Callable
 
@@ -82,8 +84,15 @@ def scenario(id: str, title: str, *, issue: str | None = None, requires: tuple[s
     return deco
 
 
+#: the modules beside this one whose scenarios ``check --deep`` runs
+SCENARIO_MODULES = ("scenarios_models", "scenarios_trainers")
+
+
 def registered() -> list[Scenario]:
-    return list(_SCENARIOS.values())
+    """Every scenario, by id."""
+    for name in SCENARIO_MODULES:
+        importlib.import_module(f"{__package__}.{name}")
+    return sorted(_SCENARIOS.values(), key=lambda sc: sc.id)
 
 
 def unregister(id: str) -> None:

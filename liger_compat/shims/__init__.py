@@ -17,7 +17,9 @@ from ._registry import REGISTRY, Shim, State, register  # noqa: F401
 SHIM_MODULES: tuple[str, ...] = (
     "logits_to_keep",  # F3: logits_to_keep <-> num_logits_to_keep on every *ForCausalLM
     "causal_lm",  # F2, F4 (+ token accuracy for F1): the fused causal-LM forward of the families
-    "modules",  # RMSNorm / gated MLP / rotary embedding of the families
+    "rms_norm",  # RMSNorm of the families
+    "gated_mlp",  # SwiGLU / GeGLU MLPs of the families
+    "rope",  # apply_rotary_pos_emb of the families
     "compiled_causal_skip",  # flash attention under torch.compile when there is no padding mask
     "renamed_kwargs",  # F5: tokenizer <-> processing_class and other renamed trainer / config kwargs
     "num_items_in_batch_labels",  # F5: gradient-accumulation token count from whichever label keys a batch has

@@ -10,12 +10,16 @@ wrapt's C proxy objects (``Unsupported: Missing hash_impl override ... FunctionW
 2.x), so ``wrap(..., traceable=True)`` installs a plain Python function calling the same
 ``wrapper(wrapped, instance, args, kwargs)`` instead. It carries ``__wrapped__`` (the original,
 so ``inspect.signature`` shows the native signature and :func:`unwrap` works) and
-``_self_wrapper`` (the wrapper, as wrapt names it), which ``logits_to_keep.is_ours`` reads for both kinds.
+``_self_wrapper`` (the wrapper, as wrapt names it), which :func:`is_ours` reads for both kinds.
+
+Several shims may wrap the same method (a trainer's ``__init__``): :meth:`ShimPatches.middleware`
+puts each shim's function on one shared chain, so the shims can be reverted in any order.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from typing import Any, Callable
 
@@ -190,3 +194,83 @@ def signature(fn: Any) -> Any:
     if hit is None:
         hit = _signatures[key] = inspect.signature(inner)
     return hit
+
+
+def is_ours(obj: Any, wrapper: Any) -> bool:
+    """Whether ``wrapper`` (a wrapper function of ours) is anywhere in ``obj``'s wrapper chain."""
+    seen = set()
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        if getattr(obj, "_self_wrapper", None) is wrapper:
+            return True
+        obj = getattr(obj, "__wrapped__", None)
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# middleware chains: several shims around one method, revertible in any order
+# --------------------------------------------------------------------------------------------
+
+_chain_lock = threading.RLock()
+
+
+class _Chain:
+    """One wrapper on ``owner.attr`` running the middlewares of every shim that asked for one.
+
+    Middlewares run in shim registration order (the first registered is outermost); each is
+    ``fn(call_next, wrapped, instance, args, kwargs)`` (``wrapped``: the original method) and calls
+    ``call_next(args, kwargs)`` to go on. A shim removes only its own middleware; the wrapper
+    itself goes when the last middleware does.
+    """
+
+    def __init__(self, owner: Any, attr: str) -> None:
+        self.items: dict[str, tuple[int, Callable[..., Any]]] = {}
+        self.patches = PatchSet()
+        self.patches.wrap(owner, attr, self._call)
+
+    def _call(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        fns = [fn for _, fn in sorted(self.items.values(), key=lambda x: x[0])]
+
+        def step(i: int, a: tuple, k: dict[str, Any]) -> Any:
+            if i == len(fns):
+                return wrapped(*a, **k)
+            return fns[i](lambda a2, k2: step(i + 1, a2, k2), wrapped, instance, a, k)
+
+        return step(0, tuple(args), dict(kwargs))
+
+
+_chains: dict[tuple[int, str], _Chain] = {}
+
+
+class ShimPatches(PatchSet):
+    """The patches of one shim in one module: a :class:`PatchSet` that can also add middlewares to
+    shared chains (:class:`_Chain`); ``order`` places the shim's middleware on a chain."""
+
+    def __init__(self, shim_id: str, order: int = 0) -> None:
+        super().__init__()
+        self.shim_id = shim_id
+        self.order = order
+        self._chained: list[tuple[int, str]] = []
+
+    def middleware(self, owner: Any, attr: str, fn: Callable[..., Any]) -> None:
+        with _chain_lock:
+            key = (id(owner), attr)
+            chain = _chains.get(key)
+            if chain is None:
+                chain = _chains[key] = _Chain(owner, attr)
+            chain.items[self.shim_id] = (self.order, fn)
+            self._chained.append(key)
+
+    def revert(self) -> list[str]:
+        errors = []
+        with _chain_lock:
+            for key in reversed(self._chained):
+                chain = _chains.get(key)
+                if chain is None:
+                    continue
+                chain.items.pop(self.shim_id, None)
+                if not chain.items:
+                    errors += chain.patches.revert()
+                    del _chains[key]
+            self._chained.clear()
+        return errors + super().revert()

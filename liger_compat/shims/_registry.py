@@ -12,12 +12,26 @@ A shim is a small unit that adapts one upstream behaviour. It declares
 * ``upstream``: the upstream change or issue it answers, ``fixes``: known-issue ids,
   ``description``: one line saying what it does (shown in ``check --json``),
 * ``kernels``: the kernels it routes to; it is skipped when none of them is enabled,
-* ``_apply(module, patches)`` / optional ``_revert()``: the work; every attribute change goes
-  through ``patches`` (a :class:`~liger_compat.shims._patching.PatchSet`) so revert is exact;
-  a shim that finds the installed library already behaving records ``"not needed: ..."`` in
-  what it returns, and one that finds another library's patch reports it with
-  :meth:`Registry.report_conflict` and leaves the target alone,
+* what it patches, one of:
+
+  - ``_apply(module, patches)``: the trigger module itself, once it is imported;
+  - ``modules`` (names, or a function returning them) and ``patch_module(module, patches)``:
+    each of those modules when, and if, it is imported (transformers and trl import their
+    modeling and trainer modules lazily, and move them between releases). Every module gets its
+    own :class:`~liger_compat.shims._patching.ShimPatches`, so a module that fails to patch is
+    rolled back and reported alone while the others stay patched. ``patch_module`` returns what
+    it patched; an entry starting with ``"not needed"`` is a note, and a shim whose every entry
+    is one reports ``not needed``,
+
+  every attribute change goes through ``patches`` so revert is exact; one that finds another
+  library's patch reports it with :meth:`Registry.report_conflict` and leaves the target alone,
+* optional ``_revert()``: forgets the shim's own bookkeeping after the registry reverted its
+  patches; optional ``in_use()``: a line for the report saying what the shim did at run time,
 * optional ``apply_to_model(model, patches)``: instance-level patching for ``apply(model=...)``.
+
+The registry is the one place that installs post-import hooks (through
+:func:`liger_compat._import_hooks.when_imported`), for triggers and for ``modules`` alike, and it
+applies a shim only inside its declared ``versions``.
 
 A shim that raises while applying is marked ``failed`` with the reason and the
 library keeps its native behaviour: the import never breaks.
@@ -27,15 +41,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import _config, _import_hooks
 from .._log import log
 from .._record import Record
 from ..compat import versions
-from ._patching import PatchSet
+from ._patching import PatchSet, ShimPatches
 
 
 
@@ -50,8 +65,8 @@ class State(str, enum.Enum):
 
 class Shim(Record):
     _fields = ("id", "library", "trigger", "target", "upstream", "versions", "fixes", "kernels", "description",
-               "_apply", "_revert", "apply_to_model", "state", "reason", "patches",
-               "model_patches")
+               "_apply", "_revert", "modules", "patch_module", "in_use", "apply_to_model",
+               "state", "reason", "patches", "module_patches", "patched", "module_errors", "model_patches")
 
     def __init__(
         self,
@@ -66,10 +81,16 @@ class Shim(Record):
         description: str = "",
         _apply: Callable[[Any, PatchSet], None] | None = None,
         _revert: Callable[[], None] | None = None,
+        modules: tuple[str, ...] | Callable[[], Iterable[str]] = (),
+        patch_module: Callable[[Any, ShimPatches], list[str] | None] | None = None,
+        in_use: Callable[[], str] | None = None,
         apply_to_model: Callable[[Any, PatchSet], bool] | None = None,
         state: State = State.WAITING,
         reason: str = "",
         patches: PatchSet | None = None,
+        module_patches: dict[str, ShimPatches] | None = None,
+        patched: list[str] | None = None,
+        module_errors: dict[str, str] | None = None,
         model_patches: list[PatchSet] | None = None,
     ) -> None:
         self.id = id
@@ -83,20 +104,52 @@ class Shim(Record):
         self.description = description
         self._apply = _apply
         self._revert = _revert
+        self.modules = modules
+        self.patch_module = patch_module
+        self.in_use = in_use
         self.apply_to_model = apply_to_model
         # runtime state, owned by the registry
         self.state = state
         self.reason = reason
         self.patches = PatchSet() if patches is None else patches
+        #: module name -> its patches, for shims with ``patch_module``
+        self.module_patches: dict[str, ShimPatches] = {} if module_patches is None else module_patches
+        #: what ``patch_module`` returned, over every module
+        self.patched: list[str] = [] if patched is None else patched
+        #: module name -> why it kept its native code (``patch_module`` raised)
+        self.module_errors: dict[str, str] = {} if module_errors is None else module_errors
         self.model_patches: list[PatchSet] = [] if model_patches is None else model_patches
 
+    def module_names(self) -> list[str]:
+        return list(self.modules() if callable(self.modules) else self.modules)
+
     def status(self) -> dict[str, Any]:
+        reason = self.reason
+        state = self.state.value
+        if self.patch_module is not None and self.state == State.APPLIED:
+            _import_hooks.flush_pending()
+            in_use = self.in_use() if self.in_use is not None else ""
+            done = [p for p in self.patched if not p.startswith("not needed")]
+            notes = [p for p in self.patched if p.startswith("not needed")]
+            if in_use:
+                reason = in_use
+            elif done:
+                reason = "patched " + ", ".join(done) + ("; " + "; ".join(notes) if notes else "")
+            elif notes:
+                state = State.NOT_NEEDED.value
+                reason = "; ".join(n[len("not needed"):].lstrip(": ") for n in notes)
+            else:
+                reason = "no target imported yet"
+            if self.module_errors:
+                reason += "; failed: " + "; ".join(f"{m}: {e}" for m, e in self.module_errors.items())
+        elif self.in_use is not None and self.state == State.APPLIED:
+            reason = self.in_use() or reason
         return {
             "id": self.id,
             "library": self.library,
             "target": self.target,
-            "state": self.state.value,
-            "reason": self.reason,
+            "state": state,
+            "reason": reason,
             "versions": self.versions or "any",
             "fixes": list(self.fixes),
             "upstream": self.upstream,
@@ -121,6 +174,7 @@ class Registry:
     def __init__(self) -> None:
         self._shims: dict[str, Shim] = {}
         self._hooked: set[str] = set()
+        self._module_hooks: dict[str, Callable[[Any], None]] = {}
         self._lock = threading.RLock()
         self.conflicts: list[Conflict] = []
         self.load_errors: list[str] = []  # shim modules that failed to import
@@ -131,11 +185,14 @@ class Registry:
         with self._lock:
             if shim.id in self._shims:
                 raise ValueError(f"shim id {shim.id!r} registered twice")
-            if shim._apply is None:
-                raise ValueError(f"shim {shim.id!r} has no _apply")
+            if (shim._apply is None) == (shim.patch_module is None):
+                raise ValueError(f"shim {shim.id!r} needs exactly one of _apply and patch_module")
             self._shims[shim.id] = shim
             if self.active:
                 self._hook(shim.trigger)
+                mod = sys.modules.get(shim.trigger)
+                if mod is not None and shim.state != State.APPLIED:  # a trigger hooked earlier fires no more
+                    self._apply_one(shim, mod)
             return shim
 
     def shims(self) -> list[Shim]:
@@ -199,9 +256,14 @@ class Registry:
                 shim.reason = f"{shim.library} {lib.raw} is outside {shim.versions}"
                 return
             try:
-                shim._apply(module, shim.patches)
+                if shim._apply is not None:
+                    shim._apply(module, shim.patches)
+                else:
+                    shim.state = State.APPLIED  # the hooks below may fire at once
+                    for name in shim.module_names():
+                        _import_hooks.when_imported(name, self._module_hook(shim.id))
             except Exception as exc:
-                errors = shim.patches.revert()  # leave nothing half-applied
+                errors = self._revert_modules(shim) + shim.patches.revert()  # leave nothing half-applied
                 shim.state = State.FAILED
                 shim.reason = f"{type(exc).__name__}: {exc}" + (f" (revert: {errors})" if errors else "")
                 log.warning("liger_compat: shim %s failed, native behaviour kept: %s", shim.id, shim.reason)
@@ -210,6 +272,42 @@ class Registry:
                 log.debug("%s", traceback.format_exc())
                 return
             shim.state, shim.reason = State.APPLIED, ""
+
+    def _module_hook(self, shim_id: str) -> Callable[[Any], None]:
+        """The one hook object per shim (a hook registered again is kept once)."""
+        hook = self._module_hooks.get(shim_id)
+        if hook is None:
+            hook = self._module_hooks[shim_id] = functools.partial(self._on_module, shim_id)
+        return hook
+
+    def _on_module(self, shim_id: str, module: Any) -> None:
+        """Patch one of a shim's ``modules`` (a post-import hook: never raises)."""
+        shim = self._shims.get(shim_id)
+        name = getattr(module, "__name__", "?")
+        with self._lock:
+            if shim is None or shim.state != State.APPLIED or name in shim.module_patches:
+                return
+            ps = ShimPatches(shim.id, list(self._shims).index(shim.id))
+            try:
+                done = shim.patch_module(module, ps) or []
+            except Exception as exc:
+                errs = ps.revert()
+                shim.module_errors[name] = f"{type(exc).__name__}: {exc}" + (f" (revert: {errs})" if errs else "")
+                log.warning("liger_compat: shim %s left %s native: %s", shim.id, name, shim.module_errors[name])
+                return
+            shim.module_errors.pop(name, None)
+            shim.module_patches[name] = ps
+            shim.patched.extend(done)
+
+    @staticmethod
+    def _revert_modules(shim: Shim) -> list[str]:
+        errors: list[str] = []
+        for ps in reversed(list(shim.module_patches.values())):
+            errors += ps.revert()
+        shim.module_patches.clear()
+        shim.patched.clear()
+        shim.module_errors.clear()
+        return errors
 
     def apply(self, model: Any = None) -> None:
         """Activate hooks, apply every shim whose trigger is imported, then patch ``model``."""
@@ -258,7 +356,7 @@ class Registry:
 
 
     def _revert_one(self, shim: Shim, reason: str) -> list[str]:
-        errors: list[str] = []
+        errors = self._revert_modules(shim)
         if shim._revert is not None:
             try:
                 shim._revert()

@@ -59,14 +59,14 @@ import sys
 from typing import Any
 
 from .. import _config
-from . import conflicts, families
-from ._patching import PatchSet, call_below, signature, unwrap
+from ..compat import conflicts, families
+from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
+                            normalize_keep, pop_keep, stable_key)
+from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
-from .logits_to_keep import (NEW, OLD, ForwardParams, _translate, forward_params, is_2d, is_ours, keep_positions, native_slices_2d,
-                             normalize_keep, pop_keep, stable_key)
+from .logits_to_keep import translate
 
-from . import distributed as _distributed  # the fused loss inside lm_head's call (FSDP / ZeRO-3 shards)
-from ..compat.scenarios import Context, Skip, scenario
+from . import _sharded_head as _distributed  # the fused loss inside lm_head's call (FSDP / ZeRO-3 shards)
 
 
 _SHIM_ID = "transformers.fused_causal_lm_forward"
@@ -155,7 +155,7 @@ def _call_native(wrapped: Any, kw: dict[str, Any], params: ForwardParams, has_ke
         kw[OLD if params.keep == OLD else NEW] = keep
     elif has_keep and not (isinstance(keep, int) and keep == 0):
         kw[NEW] = keep  # the forward knows neither name: as native as it gets
-    if isinstance(keep, int) and getattr(stable_key(wrapped), "_self_wrapper", None) is _translate:
+    if isinstance(keep, int) and getattr(stable_key(wrapped), "_self_wrapper", None) is translate:
         # our logits_to_keep wrapper sits right under this one and would pass an int under
         # the same name: call below it (one wrapper layer less on every call). An index
         # tensor still goes through it (it selects positions for int-only forwards).
@@ -450,7 +450,6 @@ def _unfused_loss(model: Any, fam: families.Family, hidden: Any, target: Any, ig
 # patching
 # --------------------------------------------------------------------------------------------
 
-_patches: PatchSet | None = None
 #: family name -> why its forward was left native (conflict, missing class)
 _left_alone: dict[str, str] = {}
 
@@ -470,37 +469,39 @@ def _outputs_module() -> Any:
 _modeling_outputs: Any = None
 
 
-def _patch_module(module: Any) -> None:
-    if _patches is None:
-        return
+def _patch_module(module: Any, patches: ShimPatches) -> list[str]:
+    done = []
     for fam in families.ALL_BY_MODULE.get(module.__name__, ()):
-        _patch_family(module, fam)
+        if _patch_family(module, fam, patches):
+            done.append(f"{fam.causal_lm}.forward")
+    return done
 
 
-def _patch_family(module: Any, fam: families.Family) -> None:
+def _patch_family(module: Any, fam: families.Family, patches: ShimPatches) -> bool:
     _outputs_module()  # while not tracing
     cls = getattr(module, fam.causal_lm, None)
     if cls is None:
         _left_alone[fam.name] = f"{module.__name__} has no {fam.causal_lm}"
-        return
+        return False
     if fam.why_native():
         _left_alone[fam.name] = fam.why_native()
-        return
+        return False
     current = vars(cls).get("forward")
     if current is None:
         _left_alone[fam.name] = f"{fam.causal_lm} inherits its forward"
-        return
+        return False
     if is_ours(current, _fused_forward):
-        return
+        return False
     owner = conflicts.foreign_owner(current)
     if owner is not None:
         _left_alone[fam.name] = f"conflict: forward already replaced by {owner}"
         REGISTRY.report_conflict(f"{fam.causal_lm}.forward", owner, f"{_SHIM_ID} left it alone")
-        return
+        return False
     _left_alone.pop(fam.name, None)
     _fill_caches(module, fam, cls, current)
     _output_class(fam)
-    _patches.wrap(cls, "forward", _fused_forward, traceable=True)
+    patches.wrap(cls, "forward", _fused_forward, traceable=True)
+    return True
 
 
 def _fill_caches(module: Any, fam: families.Family, cls: type, forward: Any) -> None:
@@ -518,18 +519,7 @@ def _fill_caches(module: Any, fam: families.Family, cls: type, forward: Any) -> 
                 pass
 
 
-_watcher = families.ModelingWatcher(_SHIM_ID, _patch_module, families.family_modules)
-
-
-def _apply(module: Any, patches: PatchSet) -> None:
-    global _patches
-    _patches = patches
-    _left_alone.clear()
-    _watcher.start()
-
-
 def _revert() -> None:
-    _watcher.stop()
     _left_alone.clear()
 
 
@@ -549,6 +539,11 @@ def _causal_lms_in(model: Any) -> list[Any]:
     return [m for m in model.modules() if families.family_of(type(m)) is not None]
 
 
+def is_fused(cls: type) -> bool:
+    """Whether ``cls.forward`` is the fused forward."""
+    return is_ours(vars(cls).get("forward"), _fused_forward)
+
+
 def describe(fam: families.Family, module: Any) -> str:
     """``"fused forward"`` or ``"native forward (why)"`` for the report."""
     cls = getattr(module, fam.causal_lm, None)
@@ -564,8 +559,8 @@ def describe(fam: families.Family, module: Any) -> str:
         return f"native forward (replaced by {owner})"
     if not _config.kernel_enabled(_KERNEL):
         return f"native forward ({_KERNEL} not selected)"
-    if fam.module in _watcher.failures:
-        return f"native forward (failed: {_watcher.failures[fam.module]})"
+    if fam.module in SHIM.module_errors:
+        return f"native forward (failed: {SHIM.module_errors[fam.module]})"
     return f"native forward (shim {SHIM.state.value})"
 
 
@@ -579,72 +574,8 @@ SHIM = register(
     fixes=("F2", "F4"),
     kernels=(_KERNEL,),
     description=__doc__.split("\n\n")[0],
-    _apply=_apply,
+    modules=families.family_modules,
+    patch_module=_patch_module,
     _revert=_revert,
     apply_to_model=_apply_to_model,
 )
-
-
-# --------------------------------------------------------------------------------------------
-# check --deep
-# --------------------------------------------------------------------------------------------
-
-
-def _tiny(ctx: Context, family: str = "llama"):
-    import torch
-
-    from .tiny_models import FamilyUnavailable, build
-
-    try:
-        model = build(family, seed=ctx.seed, device=ctx.device, dtype=getattr(torch, ctx.dtype))
-    except FamilyUnavailable as exc:
-        raise Skip(str(exc)) from None
-    if not is_ours(vars(type(model)).get("forward"), _fused_forward):
-        raise AssertionError(f"{type(model).__name__}.forward is not the fused forward ({describe(families.BY_NAME[family], sys.modules[type(model).__module__])})")
-    g = torch.Generator().manual_seed(ctx.seed)
-    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g).to(ctx.device)
-    return model, ids
-
-
-@scenario("F2", "DPO-style call without labels returns real logits", issue="F2", requires=("transformers",))
-def _scenario_f2(ctx: Context) -> str:
-    import torch
-
-    model, ids = _tiny(ctx)
-    mask = torch.ones_like(ids)
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask)
-        if out.logits is None or tuple(out.logits.shape) != (*ids.shape, model.config.vocab_size):
-            raise AssertionError(f"no labels: logits {None if out.logits is None else tuple(out.logits.shape)}")
-        last = model(input_ids=ids, attention_mask=mask, logits_to_keep=3).logits
-        torch.testing.assert_close(last, out.logits[:, -3:], rtol=1e-4, atol=1e-4)
-        evaluated = model(input_ids=ids, attention_mask=mask, labels=ids)  # eval mode: logits and the loss
-        if evaluated.loss is None or evaluated.logits is None or evaluated.logits.shape != out.logits.shape:
-            raise AssertionError("labels given in eval mode: expected the loss and the logits")
-        model.train()
-        fused = model(input_ids=ids, attention_mask=mask, labels=ids)
-        if fused.logits is not None or fused.loss is None or not hasattr(fused, "token_accuracy"):
-            raise AssertionError("labels given in train mode: expected a fused loss, logits=None and token_accuracy")
-        tol = 1e-4 if fused.loss.dtype == torch.float32 and model.dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(fused.loss.float(), evaluated.loss.float(), rtol=tol, atol=tol)
-    loss = fused.loss.item()
-    return f"no labels -> logits {tuple(out.logits.shape)}; labels -> fused loss {loss:.4f}, eval: + logits"
-
-
-@scenario("F4", "FlashAttention kwargs of packed batches reach the decoder, not the loss", issue="F4",
-          requires=("transformers",))
-def _scenario_f4(ctx: Context) -> str:
-    import torch
-
-    model, ids = _tiny(ctx)
-    varkw = forward_params(model.model.forward).varkw
-    if not varkw:
-        raise Skip("this transformers' decoder takes no FlashAttention kwargs (added in 4.47)")
-    b, t = ids.shape
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
-    fa = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=t, max_length_k=t)
-    with torch.no_grad():
-        plain = model(input_ids=ids, labels=ids)
-        packed = model(input_ids=ids, labels=ids, **fa)
-    torch.testing.assert_close(packed.loss, plain.loss, rtol=1e-4, atol=1e-4)
-    return f"loss with cu_seq_lens_q/k, max_length_q/k = {packed.loss.item():.4f} (same as without)"

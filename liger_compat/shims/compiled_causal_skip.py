@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._patching import PatchSet, signature
-from ._submodule_hooks import register_submodule_shim
+from ._registry import register
 
 SHIM_ID = "transformers.compiled_causal_skip"
 FUNCTION = "_ignore_causal_mask_sdpa"
@@ -93,7 +93,7 @@ def _patch(module: Any, patches: PatchSet) -> list[str]:
     return [f"masking_utils.{FUNCTION}"]
 
 
-register_submodule_shim(
+register(
     id=SHIM_ID,
     library="transformers",
     trigger="transformers",

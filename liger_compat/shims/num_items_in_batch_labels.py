@@ -30,7 +30,7 @@ from typing import Any
 
 from .._log import log
 from ._patching import PatchSet, signature, unwrap
-from ._submodule_hooks import register_submodule_shim
+from ._registry import register
 
 
 IGNORE_INDEX = -100
@@ -239,7 +239,7 @@ def _patch_trainer_module(module: Any, patches: PatchSet) -> list[str]:
     return ["Trainer.get_batch_samples", "Trainer.train"]
 
 
-register_submodule_shim(
+register(
     id="transformers.num_items_in_batch_labels",
     library="transformers",
     trigger="transformers",
@@ -252,64 +252,3 @@ register_submodule_shim(
     modules=("transformers.trainer",),
     patch_module=_patch_trainer_module,
 )
-
-
-# --------------------------------------------------------------------------------------------
-# check --deep
-# --------------------------------------------------------------------------------------------
-
-from ..compat.scenarios import Context, Skip, scenario  # noqa: E402
-
-
-@scenario("F5", "renamed trainer kwargs and label counting without 'labels'", issue="F5", requires=("transformers",))
-def _scenario_f5(ctx: Context) -> str:
-    """The renamed TrainingArguments / Trainer kwargs the installed transformers lacks are translated,
-    and get_batch_samples survives micro-batches without "labels"."""
-    import tempfile
-    import warnings
-
-    import torch
-    from transformers import Trainer, TrainingArguments
-
-    from . import _tiny_text as tiny
-    from .renamed_kwargs import RENAMES, RenamedKwargWarning, accepted_params
-
-    done = []
-    params = accepted_params(TrainingArguments.__init__) or frozenset()
-    values = {"eval_strategy": "no", "evaluation_strategy": "no", "use_cpu": True, "no_cuda": True}
-    tok = tiny.build_tokenizer()
-    with tempfile.TemporaryDirectory() as out:
-        for r in RENAMES:
-            if r.scope != ("TrainingArguments",) or r.old not in values:
-                continue
-            src = r.old if r.new in params and r.old not in params else r.new if r.old in params and r.new not in params else None
-            if src is None:
-                continue
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                TrainingArguments(output_dir=out, report_to="none", **{src: values[src]})
-            if not any(issubclass(w.category, RenamedKwargWarning) for w in caught):
-                raise AssertionError(f"TrainingArguments({src}=...) was not translated")
-            done.append(src)
-        args = TrainingArguments(output_dir=out, report_to="none", use_cpu=ctx.device == "cpu")
-        tparams = accepted_params(Trainer.__init__) or frozenset()
-        src = "tokenizer" if "processing_class" in tparams and "tokenizer" not in tparams else "processing_class"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = Trainer(model=tiny.build_model("llama", tok, seed=ctx.seed), args=args, **{src: tok})
-        done.append(f"Trainer({src}=)")
-        if "get_batch_samples" in vars(Trainer) or hasattr(Trainer, "get_batch_samples"):
-            g = torch.Generator().manual_seed(ctx.seed)
-            lab = torch.randint(3, 100, (2, 8), generator=g)
-            lab[:, :2] = -100
-            batches = [{"input_ids": lab.clamp(min=0), "labels": lab}, {"chosen_labels": lab}]
-            extra = ["cpu"] if "device" in signature(trainer.get_batch_samples).parameters else []
-            got, count = trainer.get_batch_samples(iter(batches), 2, *extra)
-            if len(got) != 2:
-                raise AssertionError(f"get_batch_samples returned {len(got)} batches")
-            done.append(f"mixed micro-batches counted: {None if count is None else int(count)}")
-        else:
-            done.append("no get_batch_samples (transformers < 4.46)")
-    if not done:
-        raise Skip("nothing renamed between this transformers and the grid")
-    return "; ".join(done)

@@ -37,9 +37,10 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 from .._log import log
-from ._patching import PatchSet, signature, unwrap
-from ._submodule_hooks import ARGS_BASE, TRAINER_BASE, ShimPatches, classes_defined_in, register_submodule_shim
-from . import trl_trainer_locations as locations
+from ._patching import ShimPatches, signature, unwrap
+from ._registry import register
+from ..compat import trl_trainer_locations as locations
+from ..compat.trl_trainer_locations import ARGS_BASE, TRAINER_BASE, classes_defined_in
 
 
 
@@ -262,7 +263,7 @@ def _wrap_inits(module: Any, patches: ShimPatches) -> list[str]:
     return done
 
 
-register_submodule_shim(
+register(
     id="transformers.renamed_kwargs",
     library="transformers",
     trigger="transformers",
@@ -275,7 +276,7 @@ register_submodule_shim(
     patch_module=_wrap_inits,
 )
 
-register_submodule_shim(
+register(
     id="trl.renamed_kwargs",
     library="trl",
     trigger="trl",

@@ -26,9 +26,10 @@ import warnings
 from typing import Any
 
 from .. import _config
-from ._registry import REGISTRY
-from ._submodule_hooks import TRAINER_BASE, ShimPatches, SubmoduleShim, classes_defined_in
-from . import trl_trainer_locations as locations
+from ._patching import ShimPatches
+from ._registry import REGISTRY, register
+from ..compat import trl_trainer_locations as locations
+from ..compat.trl_trainer_locations import TRAINER_BASE, classes_defined_in
 
 
 SHIM_ID = "transformers.trainer_liger_switch"
@@ -79,38 +80,27 @@ def _init_middleware(events: list[str], call_next: Any, wrapped: Any, instance: 
     return call_next(args, kwargs)
 
 
-class _SwitchShim(SubmoduleShim):
-    """Also says which kernels a trainer ended up with, once one was constructed with its switch on."""
+def _register(**fields: Any) -> None:
+    """A switch shim; its report line says which kernels a trainer ended up with, once one was
+    constructed with its switch on."""
+    events: list[str] = []
+    middleware = functools.partial(_init_middleware, events)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.events: list[str] = []
-        self.patch_module = self._patch
-
-    def _patch(self, module: Any, patches: ShimPatches) -> list[str]:
+    def patch(module: Any, patches: ShimPatches) -> list[str]:
         done = []
-        middleware = functools.partial(_init_middleware, self.events)
         for cls in classes_defined_in(module, TRAINER_BASE):
             if "__init__" in cls.__dict__:
                 patches.middleware(cls, "__init__", middleware)
                 done.append(f"{cls.__name__}.__init__")
         return done
 
-    def status(self) -> dict[str, Any]:
-        st = super().status()
-        if self.events and st["state"] == "applied":
-            st["reason"] = "; ".join(self.events)
-        return st
+    register(patch_module=patch, in_use=lambda: "; ".join(events), description=__doc__.split("\n\n")[0],
+             fixes=(), **fields)
 
-
-_COMMON = dict(
-    description=__doc__.split("\n\n")[0],
-    fixes=(),
-)
 
 # one shim per package: a trigger must be the package of its targets, so that a target module is
 # never half-imported when its hook runs
-REGISTRY.register(_SwitchShim(
+_register(
     id=SHIM_ID,
     library="transformers",
     trigger="transformers",
@@ -118,15 +108,13 @@ REGISTRY.register(_SwitchShim(
     versions=">=4.45",
     upstream="transformers 4.45 TrainingArguments.use_liger_kernel applies liger-kernel in Trainer.__init__",
     modules=("transformers.trainer",),
-    **_COMMON,
-))
+)
 
-REGISTRY.register(_SwitchShim(
+_register(
     id="trl.trainer_liger_switch",
     library="trl",
     trigger="trl",
     target="every trl trainer's __init__ (args.use_liger_kernel / use_liger, before trl reads them)",
     upstream="trl 0.15 SFTConfig.use_liger loads AutoLigerKernelForCausalLM; trl 1.15 deprecates use_liger_kernel",
     modules=locations.all_trainer_modules(),
-    **_COMMON,
-))
+)

@@ -31,9 +31,8 @@ import functools
 from typing import Any
 
 from ._patching import PatchSet, signature
-from ._registry import REGISTRY
-from ._submodule_hooks import SubmoduleShim
-from . import trl_trainer_locations as locations
+from ._registry import REGISTRY, register
+from ..compat import trl_trainer_locations as locations
 
 
 SHIM_ID = "trl.fused_lm_head"
@@ -215,18 +214,14 @@ def _chunked_nll_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[
     return result
 
 
-class _HeadShim(SubmoduleShim):
-    def status(self) -> dict[str, Any]:
-        st = super().status()
-        if st["state"] == "applied" and (heads or routed):
-            parts = []
-            if routed:
-                parts.append("in use: trl's add_fused_lm_head scored by liger_compat's fused log-prob kernel for "
-                              + ", ".join(f"{t} ({', '.join(m)})" for t, m in routed.items()))
-            if heads:
-                parts.append("in use: " + "; ".join(heads) + " (liger_compat layer kernels inside the decoder)")
-            st["reason"] = "; ".join(parts)
-        return st
+def _in_use() -> str:
+    parts = []
+    if routed:
+        parts.append("in use: trl's add_fused_lm_head scored by liger_compat's fused log-prob kernel for "
+                     + ", ".join(f"{t} ({', '.join(m)})" for t, m in routed.items()))
+    if heads:
+        parts.append("in use: " + "; ".join(heads) + " (liger_compat layer kernels inside the decoder)")
+    return "; ".join(parts)
 
 
 def _patch(module: Any, patches: PatchSet) -> list[str]:
@@ -259,7 +254,7 @@ def _patch(module: Any, patches: PatchSet) -> list[str]:
     return done
 
 
-REGISTRY.register(_HeadShim(
+register(
     id=SHIM_ID,
     library="trl",
     trigger="trl",
@@ -270,7 +265,8 @@ REGISTRY.register(_HeadShim(
     description=__doc__.split("\n\n")[0],
     modules=("trl.trainer.utils",) + locations.all_trainer_modules(),
     patch_module=_patch,
-))
+    in_use=_in_use,
+)
 
 
 # --------------------------------------------------------------------------------------------

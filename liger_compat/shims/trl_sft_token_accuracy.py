@@ -29,8 +29,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, NamedTuple
 
-from ._patching import PatchSet, signature, unwrap
-from ._submodule_hooks import register_submodule_shim
+from ._patching import PatchSet, unwrap
+from ._registry import register
 
 
 SHIM_ID = "trl.sft_token_accuracy"
@@ -102,7 +102,8 @@ class _Capture:
 
 def _head_logits(model: Any, hidden: Any) -> Any:
     """Final logits of ``hidden`` rows, with the family's soft-cap / divisor when it has one."""
-    from . import causal_lm, families
+    from ..compat import families
+    from . import causal_lm
 
     fam = families.family_of(type(model))
     if fam is not None:  # the family's own head, soft-cap and divisor (the fused forward's)
@@ -248,7 +249,7 @@ def _patch_sft_module(module: Any, patches: PatchSet) -> list[str]:
     return [f"SFTTrainer.compute_loss (switch {style.switch}; logs {', '.join(extra)})"]
 
 
-register_submodule_shim(
+register(
     id=SHIM_ID,
     library="trl",
     trigger="trl",
@@ -261,68 +262,3 @@ register_submodule_shim(
     modules=("trl.trainer.sft_trainer",),
     patch_module=_patch_sft_module,
 )
-
-
-# --------------------------------------------------------------------------------------------
-# check --deep
-# --------------------------------------------------------------------------------------------
-
-from ..compat.scenarios import Context, Skip, scenario  # noqa: E402
-
-
-@scenario("F1", "SFTTrainer logs mean_token_accuracy from the fused forward", issue="F1", requires=("trl",))
-def _scenario_f1(ctx: Context) -> str:
-    """One SFT step (learning rate 0) on a tiny Llama; the logged accuracy must equal the one computed
-    from real logits of the same weights and batch."""
-    import dataclasses
-    import tempfile
-    import warnings
-
-    import torch
-
-    import liger_compat
-
-    from . import _tiny_text as tiny
-    from .trl_trainer_locations import find_trainer
-
-    trainer_cls, config_cls = find_trainer("sft")
-    style = read_style(trainer_cls.compute_loss)
-    if isinstance(style, str):
-        import trl
-
-        raise Skip(f"trl {trl.__version__}: {style}")
-    tok = tiny.build_tokenizer()
-    model = tiny.build_model("llama", tok, seed=ctx.seed)
-    liger_compat.apply(model)
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    with tempfile.TemporaryDirectory() as out:
-        want = dict(output_dir=out, max_steps=1, per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1,
-                    report_to="none", save_strategy="no", use_cpu=ctx.device == "cpu", bf16=False, fp16=False,
-                    max_seq_length=32, max_length=32, dataset_text_field="text", packing=False, loss_type="nll",
-                    disable_tqdm=True, dataset_num_proc=None)
-        args = config_cls(**{k: v for k, v in want.items() if k in fields})
-        tok_kw = ("processing_class" if "processing_class" in signature(trainer_cls.__init__).parameters
-                  else "tokenizer")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = trainer_cls(model=model, args=args, train_dataset=tiny.dataset(tiny.sft_rows(4, seed=ctx.seed)),
-                                  **{tok_kw: tok})
-            from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-            for cb in (PrinterCallback, ProgressCallback):
-                trainer.remove_callback(cb)
-            batch = next(iter(trainer.get_train_dataloader()))
-            trainer.train()
-    logged = [h for h in trainer.state.log_history if "mean_token_accuracy" in h]
-    if not logged:
-        raise AssertionError("SFTTrainer logged no mean_token_accuracy")
-    got = float(logged[0]["mean_token_accuracy"])
-    with torch.no_grad():
-        m = trainer.model
-        logits = m(input_ids=batch["input_ids"].to(m.device), attention_mask=batch["attention_mask"].to(m.device)).logits
-        labels = batch["labels"][:, 1:].to(logits.device)
-        mask = labels != -100
-        want_acc = ((logits[:, :-1].argmax(-1) == labels) & mask).sum().item() / max(1, mask.sum().item())
-    if abs(got - want_acc) > 1e-6:
-        raise AssertionError(f"logged mean_token_accuracy {got} != {want_acc} from the logits")
-    return f"mean_token_accuracy {got:.4f} (from logits: {want_acc:.4f}); switch {style.switch}"

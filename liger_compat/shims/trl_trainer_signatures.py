@@ -26,8 +26,9 @@ import inspect
 from typing import Any
 
 from ._patching import PatchSet, signature
-from ._submodule_hooks import TRAINER_BASE, classes_defined_in, register_submodule_shim
-from . import trl_trainer_locations as locations
+from ._registry import register
+from ..compat import trl_trainer_locations as locations
+from ..compat.trl_trainer_locations import TRAINER_BASE, classes_defined_in
 
 
 def _params(fn: Any) -> list[inspect.Parameter] | None:
@@ -100,7 +101,7 @@ def _patch(module: Any, patches: PatchSet) -> list[str]:
     return done
 
 
-register_submodule_shim(
+register(
     id="trl.trainer_signatures",
     library="trl",
     trigger="trl",

@@ -8,7 +8,7 @@ import torch
 
 from liger_compat.shims import REGISTRY
 from liger_compat.shims.compiled_causal_skip import SHIM_ID, skip_when_compiling
-from liger_compat.shims.tiny_models import FamilyUnavailable, build
+from liger_compat.compat.tiny_models import FamilyUnavailable, build
 
 from test_compile import Recorder, _batch, _skip_if_native_breaks_too
 

@@ -18,7 +18,7 @@ layers + root); ``fsdp1_head`` (FSDP1, use_orig_params=False, lm_head its own un
 deepspeed; ``zero3_outside`` computes the loss outside the model's forward, decoder then head,
 as trl's fused-loss paths do); ``*_bypass`` (negative
 control: the head gathered by hand, outside its hooks; its gradients must come out wrong). ``--forward helper`` runs the loss
-through ``liger_compat.shims.distributed.fused_head_loss`` from an instance forward (what the
+through ``liger_compat.shims._sharded_head.fused_head_loss`` from an instance forward (what the
 fused forward does once wired); ``--forward patched`` uses ``liger_compat.apply(model)`` (the
 model shims' fused forward). A config may name its own forward: ``fsdp2_head@patched``.
 """
@@ -55,7 +55,7 @@ def helper_forward(self, input_ids=None, labels=None, num_items_in_batch=None, *
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from liger_compat.shims.distributed import fused_head_loss
+    from liger_compat.shims._sharded_head import fused_head_loss
 
     hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
     target = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -90,7 +90,7 @@ def outside_loss(model, ids, labels, n, *, bypass: bool):
     import torch
 
     from liger_compat.kernels import fused_linear_cross_entropy
-    from liger_compat.shims.distributed import fused_head_loss
+    from liger_compat.shims._sharded_head import fused_head_loss
 
     m = model.module if _is_deepspeed(model) else model
     hidden = m.model(input_ids=ids).last_hidden_state
@@ -231,7 +231,7 @@ def run_dist(args) -> None:
 
     import liger_compat
     from liger_compat.compat import distributed as cdist
-    from liger_compat.shims import distributed as sd
+    from liger_compat.shims import _sharded_head as sd
 
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local}") if args.device == "cuda" else torch.device("cpu")

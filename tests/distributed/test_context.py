@@ -11,7 +11,7 @@ import pytest
 
 from liger_compat.compat import distributed as cdist
 from liger_compat.compat import versions
-from liger_compat.shims import distributed as sd
+from liger_compat.shims import _sharded_head as sd
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}
@@ -20,7 +20,7 @@ ACCELERATE = {**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNA
 
 @pytest.fixture
 def fused_active(monkeypatch):
-    """Pretend a fused forward is active and not routed through shims.distributed."""
+    """Pretend a fused forward is active and not routed through shims._sharded_head."""
     monkeypatch.setattr(cdist, "_fused_head_active", lambda: True)
     monkeypatch.setattr(sd, "wired", lambda: False)
 
@@ -177,7 +177,7 @@ def test_no_torch_distributed_at_import_or_env_detection():
     code = (
         "import sys, liger_compat\n"
         "from liger_compat.compat import distributed\n"
-        "from liger_compat.shims import distributed as sd\n"
+        "from liger_compat.shims import _sharded_head as sd\n"
         "info = distributed.detect(env={'WORLD_SIZE': '2', 'RANK': '1', 'ACCELERATE_USE_FSDP': 'true'})\n"
         "assert info.engine == 'FSDP' and info.world_size == 2, info\n"
         "bad = [m for m in ('torch', 'torch.distributed', 'transformers', 'deepspeed') if m in sys.modules]\n"

@@ -61,7 +61,7 @@ def test_two_rank_training_matches_one_process(tmp_path):
 
     if patched:
         # the model shims' forward with lm_head as its own FSDP2 unit: it must never be silently
-        # wrong. Until it routes the loss through shims.distributed it raises (the shard reaches
+        # wrong. Until it routes the loss through shims._sharded_head it raises (the shard reaches
         # the kernel) and check() flags it (D2); once routed it must match the reference.
         res = dist["fsdp2_head@patched"]
         if "error" in res:

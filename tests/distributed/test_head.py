@@ -1,4 +1,4 @@
-"""shims.distributed in one process: the fused head loss runs inside the head module's hooks when
+"""shims._sharded_head in one process: the fused head loss runs inside the head module's hooks when
 an engine manages it, directly otherwise, and always equals the plain fused loss.
 
 Engines are imitated by their observable traits: FSDP2 makes the head's class a subclass of
@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from liger_compat.kernels import fused_linear_cross_entropy  # noqa: E402
-from liger_compat.shims import distributed as sd  # noqa: E402
+from liger_compat.shims import _sharded_head as sd  # noqa: E402
 
 V, H, N = 96, 24, 40
 

@@ -201,8 +201,10 @@ def test_duplicate_ids_and_missing_apply_are_rejected(target_module):
     reg.register(make(target_module))
     with pytest.raises(ValueError, match="registered twice"):
         reg.register(make(target_module))
-    with pytest.raises(ValueError, match="no _apply"):
+    with pytest.raises(ValueError, match="exactly one of _apply and patch_module"):
         reg.register(make(target_module, id="other", _apply=None))
+    with pytest.raises(ValueError, match="exactly one of _apply and patch_module"):
+        reg.register(make(target_module, id="both", patch_module=lambda m, p: []))
 
 
 def test_patchset_rejects_missing_attribute():
@@ -266,3 +268,93 @@ def test_every_shim_says_in_its_status_what_it_does():
         seen.setdefault(text, []).append(shim.id)
     for text, ids in seen.items():
         assert len(ids) == 1 or len({i.split(".", 1)[1] for i in ids}) == 1, ids
+
+
+# -- shims that patch several modules (``modules`` + ``patch_module``) -------------------------
+
+
+@pytest.fixture
+def three_modules(tmp_path, monkeypatch):
+    """Three fresh importable modules ``lc_sub_N_{a,b,c}``, each with a ``Model.step``; ``b`` is the
+    one the test's patch function refuses."""
+    n = next(_counter)
+    names = [f"lc_sub_{n}_{x}" for x in "abc"]
+    for name in names:
+        (tmp_path / f"{name}.py").write_text("class Model:\n    def step(self, x):\n        return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield names
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def _per_module_shim(names, calls, **kw):
+    def patch_module(module, patches):
+        calls.append(module.__name__)
+        patches.wrap(module.Model, "step", lambda wrapped, inst, args, kwargs: ("patched", wrapped(*args, **kwargs)))
+        if module.__name__ == names[1]:
+            raise RuntimeError("upstream moved Model.step")  # after a patch: must be rolled back
+        return [f"{module.__name__}.Model.step"]
+
+    base = dict(id="test.per_module", library="packaging", trigger="packaging", target="Model.step",
+                upstream="test", modules=tuple(names), patch_module=patch_module)
+    base.update(kw)
+    return Shim(**base)
+
+
+def test_each_module_is_patched_when_imported_and_a_failing_one_stays_native(three_modules):
+    a, b, c = three_modules
+    calls: list[str] = []
+    reg = Registry()
+    shim = reg.register(_per_module_shim(three_modules, calls))
+    mod_a = importlib.import_module(a)  # imported before the registry applies
+    reg.activate()
+    assert shim.state == State.APPLIED and calls == [a]
+    assert mod_a.Model().step(1) == ("patched", 2)
+    mod_b = importlib.import_module(b)  # imported afterwards: the hook patches it, and it fails
+    mod_c = importlib.import_module(c)
+    assert calls == [a, b, c]
+    assert mod_b.Model().step(1) == 2 and "step" in vars(mod_b.Model)  # rolled back to the native method
+    assert mod_c.Model().step(1) == ("patched", 2)
+    st = shim.status()
+    assert st["state"] == "applied"
+    assert f"patched {a}.Model.step, {c}.Model.step" in st["reason"]
+    assert f"failed: {b}: RuntimeError: upstream moved Model.step" in st["reason"]
+    assert set(shim.module_errors) == {b}
+
+
+def test_per_module_patches_revert_exactly_and_apply_again_once(three_modules):
+    a, b, c = three_modules
+    mods = [importlib.import_module(n) for n in three_modules]
+    originals = [vars(m.Model)["step"] for m in mods]
+    calls: list[str] = []
+    reg = Registry()
+    shim = reg.register(_per_module_shim(three_modules, calls))
+    reg.activate()
+    assert reg.revert() == []
+    assert [vars(m.Model)["step"] for m in mods] == originals
+    assert shim.state == State.REVERTED and not shim.patched and not shim.module_errors
+    importlib.reload(mods[2])  # an import while reverted patches nothing
+    assert calls == [a, b, c]
+    reg.activate()
+    assert calls == [a, b, c, a, b, c]  # each module once more, not once per registration
+    assert mods[0].Model().step(1) == ("patched", 2) and mods[1].Model().step(1) == 2
+    with reg.suspended(shim.id):
+        assert mods[0].Model().step(1) == 2
+    assert mods[0].Model().step(1) == ("patched", 2)
+
+
+def test_per_module_notes_and_in_use_make_the_status(three_modules):
+    reg = Registry()
+    shim = reg.register(_per_module_shim(three_modules, [], modules=lambda: [], id="test.nothing"))
+    reg.activate()
+    assert shim.status()["reason"] == "no target imported yet"
+    notes = reg.register(_per_module_shim(
+        three_modules, [], id="test.notes", modules=three_modules[:1],
+        patch_module=lambda m, p: ["not needed: Model.step already takes x"]))
+    importlib.import_module(three_modules[0])
+    st = notes.status()
+    assert (st["state"], st["reason"]) == ("not needed", "Model.step already takes x")
+    used = reg.register(_per_module_shim(three_modules, [], id="test.used", modules=three_modules[2:],
+                                         in_use=lambda: "in use: Model.step scored by us"))
+    importlib.import_module(three_modules[2])
+    assert used.status()["reason"] == "in use: Model.step scored by us"

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from liger_compat.shims._patching import signature
-from liger_compat.shims.logits_to_keep import NEW, OLD, ForwardParams, forward_params
+from liger_compat.shims._forward_args import NEW, OLD, ForwardParams, forward_params
 
 
 def _plain(a, b=2, *rest, c, **kw):

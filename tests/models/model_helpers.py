@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_compat.shims.families import FAMILIES
-from liger_compat.shims.tiny_models import FamilyUnavailable, build
+from liger_compat.compat.families import FAMILIES
+from liger_compat.compat.tiny_models import FamilyUnavailable, build
 from patch_helpers import CORE_FAMILIES, native  # noqa: F401  (re-exported to the model tests)
 
 FAMILY_NAMES = [f.name for f in FAMILIES if f.name in CORE_FAMILIES]

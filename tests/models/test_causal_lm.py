@@ -10,7 +10,8 @@ import torch
 import liger_compat
 from liger_compat import _config, kernels
 from liger_compat.shims import causal_lm
-from liger_compat.shims.logits_to_keep import forward_params, is_ours
+from liger_compat.shims._forward_args import forward_params
+from liger_compat.shims._patching import is_ours
 from model_helpers import FAMILY_NAMES, grads, manual_accuracy, manual_loss, native, random_batch, tiny
 
 
@@ -363,7 +364,7 @@ def test_hot_path_calls_below_the_translation_wrapper_and_caches_by_a_stable_key
     monkeypatch.setattr(ltk, "forward_params", lambda f: calls.append(f) or real(f))
     with torch.no_grad():
         assert model(input_ids=ids, logits_to_keep=5).logits.shape[1] == 5
-        assert not calls  # _translate looks the signature up first thing; it was not entered
+        assert not calls  # translate looks the signature up first thing; it was not entered
         assert model(input_ids=ids, logits_to_keep=torch.tensor([1, 3])).logits.shape[1] == 2
 
 

@@ -18,8 +18,8 @@ import torch
 import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import REGISTRY, causal_lm
-from liger_compat.shims.families import BY_NAME
-from liger_compat.shims.logits_to_keep import is_ours
+from liger_compat.compat.families import BY_NAME
+from liger_compat.shims._patching import is_ours
 from model_helpers import grads, native, random_batch, tiny
 
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from liger_compat.shims import causal_lm, modules
+from liger_compat.shims import REGISTRY, _module_shims, causal_lm
 from liger_compat.shims import trl_sft_token_accuracy as sft
 from model_helpers import tiny
 
@@ -53,7 +53,7 @@ def test_model_walks_take_torch_modules_and_let_their_errors_through():
     model = tiny("llama")
     assert causal_lm._causal_lms_in(model) == [model]
     assert causal_lm._causal_lms_in(object()) == []
-    assert modules._norm_instances(object(), None) is False
+    assert REGISTRY.get("transformers.rms_norm").apply_to_model(object(), None) is False
 
     class Broken(torch.nn.Module):
         def modules(self):
@@ -62,12 +62,12 @@ def test_model_walks_take_torch_modules_and_let_their_errors_through():
     with pytest.raises(RuntimeError, match=r"modules\(\) broke"):
         causal_lm._causal_lms_in(Broken())
     with pytest.raises(RuntimeError, match=r"modules\(\) broke"):
-        modules._mlp_instances(Broken(), None)
+        REGISTRY.get("transformers.gated_mlp").apply_to_model(Broken(), None)
 
 
 def test_compiling_probe(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert modules._compiling() is True
+    assert _module_shims.compiling() is True
     monkeypatch.delattr(torch.compiler, "is_compiling")  # torch < 2.3
-    assert modules._compiling() is False
+    assert _module_shims.compiling() is False
 

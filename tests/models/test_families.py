@@ -1,7 +1,7 @@
 """Every family of the table, text and vision-language, against the unpatched model with the same
 weights and inputs: fused loss and gradients, the labels-free path, ``logits_to_keep``, revert.
 
-Tiny random models (``liger_compat.shims.tiny_models`` / ``tiny_vlms``), fp32 on CPU; a family the
+Tiny random models (``liger_compat.compat.tiny_models`` / ``tiny_vlms``), fp32 on CPU; a family the
 installed transformers lacks is skipped with the reason. Vision-language models run their own
 forward with random pixel inputs (and ``image_grid_thw`` / ``image_sizes`` / ``token_type_ids``
 where the model takes them).
@@ -14,9 +14,10 @@ import torch
 
 import liger_compat
 from liger_compat import kernels
-from liger_compat.shims import causal_lm, tiny_vlms
-from liger_compat.shims.families import BY_NAME, FAMILIES, family_states
-from liger_compat.shims.logits_to_keep import is_ours
+from liger_compat.shims import causal_lm
+from liger_compat.compat import tiny_vlms
+from liger_compat.compat.families import BY_NAME, FAMILIES, family_states
+from liger_compat.shims._patching import is_ours
 from model_helpers import grads, manual_accuracy, native, random_batch, tiny
 
 ALL = [f.name for f in FAMILIES]
@@ -145,7 +146,7 @@ def test_vision_inputs_reach_the_language_model_through_the_fused_forward(family
 @pytest.mark.parametrize("family", NATIVE)
 def test_families_the_generic_forward_cannot_honour_stay_native_and_say_why(family):
     fam = BY_NAME[family]
-    from liger_compat.shims.tiny_models import FamilyUnavailable, modeling_module
+    from liger_compat.compat.tiny_models import FamilyUnavailable, modeling_module
 
     try:
         module = modeling_module(fam)
@@ -193,13 +194,13 @@ def test_rotary_functions_are_judged_at_patch_time_for_traced_first_calls(family
     """Under torch.compile the per-shape probe cannot run (the tracer sees no values): a first call
     traced before any eager call takes the verdict of the synthetic probe made when the modeling
     module was patched. Simulated here: the tracer flag forced on, the per-shape verdicts empty."""
-    from liger_compat.shims import modules
+    from liger_compat.shims import rope
 
     model, kw, labels = _model_and_batch(family, seed=36)
     with native(), torch.no_grad():
         ref = model(**kw, labels=labels).loss
-    monkeypatch.setattr(modules, "_rope_verdicts", {})
-    monkeypatch.setattr(modules, "_compiling", lambda: True)
+    monkeypatch.setattr(rope, "_rope_verdicts", {})
+    monkeypatch.setattr(rope, "compiling", lambda: True)
     kernels.last_backend.clear()
     with torch.no_grad():
         out = model(**kw, labels=labels).loss

@@ -10,9 +10,10 @@ import torch
 
 import liger_compat
 from liger_compat import kernels
-from liger_compat.shims import REGISTRY, causal_lm, modules
-from liger_compat.shims.families import BY_NAME, family_states
-from liger_compat.shims.logits_to_keep import _translate, is_ours
+from liger_compat.shims import REGISTRY, _module_shims, causal_lm, gated_mlp, rms_norm
+from liger_compat.compat.families import BY_NAME, family_states
+from liger_compat.shims._patching import is_ours
+from liger_compat.shims.logits_to_keep import translate
 from model_helpers import FAMILY_NAMES, native, random_batch, tiny
 
 
@@ -34,7 +35,7 @@ def test_revert_restores_the_exact_originals_and_apply_is_idempotent(family):
     targets = _targets(family)
     with native():
         originals = {(id(o), n): vars(o)[n] for o, n in targets}
-        assert not any(is_ours(v, causal_lm._fused_forward) or is_ours(v, _translate) for v in originals.values())
+        assert not any(is_ours(v, causal_lm._fused_forward) or is_ours(v, translate) for v in originals.values())
     patched = {(id(o), n): vars(o)[n] for o, n in targets}
     changed = [k for k in patched if patched[k] is not originals[k]]
     assert len(changed) >= 3, "forward, at least one norm and the rotary function should be patched"
@@ -59,7 +60,7 @@ def test_modules_run_our_kernels(family):
         model(input_ids=ids, labels=labels)
     used = set(kernels.last_backend)
     assert {"rms_norm", "rope", "fused_linear_cross_entropy"} <= used, used
-    mlps = [m for m in model.modules() if modules.mlp_layout(m) is not None]
+    mlps = [m for m in model.modules() if gated_mlp.mlp_layout(m) is not None]
     if mlps:  # transformers 5 Mixtral has fused expert tensors, no per-expert MLP module
         assert ("geglu" if BY_NAME[family].mlp_act == "gelu_tanh" else "swiglu") in used, used
 
@@ -134,7 +135,7 @@ def test_apply_model_patches_structural_instances_and_revert_removes_them():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert {"rms_norm", "swiglu"} <= set(kernels.last_backend)
     # the odd norm was checked against its native forward and kept it
-    assert isinstance(modules._rms_modes[(OddRMSNorm, torch.float32, torch.float32)], str)
+    assert isinstance(rms_norm._rms_modes[(OddRMSNorm, torch.float32, torch.float32)], str)
     # a deep copy (trl's reference model) runs on its own weights, not the original's
     import copy
 
@@ -240,7 +241,7 @@ def test_instance_level_foreign_forward_is_reported_by_apply_model():
 def test_inputs_the_kernels_refuse_run_natively(monkeypatch, caplog):
     """float64 activations are outside every kernel's dtypes: the shims see that from the kernels'
     own argument checks before calling them, log it, and run the native code (same numbers)."""
-    monkeypatch.setattr(modules, "_refused", set())  # each refusal is logged once per process
+    monkeypatch.setattr(_module_shims, "_refused", set())  # each refusal is logged once per process
     model = tiny("qwen2").double()
     ids, _ = random_batch(model)
     with native(), torch.no_grad():
@@ -266,13 +267,13 @@ def test_an_error_inside_a_kernel_raises_instead_of_falling_back(monkeypatch, ke
         raise ValueError(f"{kernel}: simulated bug inside the kernel")
 
     monkeypatch.setattr(kernels, kernel, broken)
-    modules._rms_modes.clear()
+    rms_norm._rms_modes.clear()
     try:
         with torch.no_grad(), pytest.raises(ValueError, match=f"^{kernel}: simulated bug inside the kernel$"):
             model(input_ids=ids)
     finally:
         monkeypatch.undo()
-        modules._rms_modes.clear()
+        rms_norm._rms_modes.clear()
 
 
 def test_patched_norm_and_mlp_keep_neither_activation_and_pass_down_projs_errors_on(caplog):

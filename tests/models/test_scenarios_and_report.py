@@ -12,9 +12,11 @@ import torch
 
 from liger_compat.compat import scenarios
 from liger_compat.shims import causal_lm
-from liger_compat.shims.families import FAMILIES, family_states
-from liger_compat.shims.logits_to_keep import _translate, forward_params, is_ours
-from liger_compat.shims.tiny_models import FamilyUnavailable, modeling_module
+from liger_compat.compat.families import FAMILIES, family_states
+from liger_compat.shims._forward_args import forward_params
+from liger_compat.shims._patching import is_ours
+from liger_compat.shims.logits_to_keep import translate
+from liger_compat.compat.tiny_models import FamilyUnavailable, modeling_module
 from model_helpers import CORE_FAMILIES, native
 
 import transformers
@@ -89,7 +91,7 @@ def test_a_causal_lm_outside_the_table_keeps_its_forward_and_gets_the_name_trans
     params = forward_params(vars(cls)["forward"])
     if params.keep is None:
         pytest.skip(f"PhiForCausalLM.forward knows {'both' if params.both else 'neither'} of the names here")
-    assert is_ours(vars(cls)["forward"], _translate)
+    assert is_ours(vars(cls)["forward"], translate)
     ids = torch.randint(3, 96, (2, 10))
     with torch.no_grad():
         full = model(ids).logits
@@ -104,13 +106,13 @@ def test_hooks_patch_modeling_modules_imported_before_and_after_liger_compat():
         """
         import transformers.models.llama.modeling_llama as before   # imported before liger_compat
         import liger_compat
-        from liger_compat.shims import causal_lm, modules
-        from liger_compat.shims.logits_to_keep import is_ours
+        from liger_compat.shims import causal_lm, rms_norm, rope
+        from liger_compat.shims._patching import is_ours
         import transformers.models.qwen2.modeling_qwen2 as after    # imported after
         for mod, prefix in ((before, "Llama"), (after, "Qwen2")):
             assert is_ours(vars(getattr(mod, prefix + "ForCausalLM"))["forward"], causal_lm._fused_forward), prefix
-            assert is_ours(vars(getattr(mod, prefix + "RMSNorm"))["forward"], modules._rms_forward), prefix
-            assert is_ours(vars(mod)["apply_rotary_pos_emb"], modules._rope_forward), prefix
+            assert is_ours(vars(getattr(mod, prefix + "RMSNorm"))["forward"], rms_norm.rms_forward), prefix
+            assert is_ours(vars(mod)["apply_rotary_pos_emb"], rope.rope_forward), prefix
         print("ok")
         """
     )

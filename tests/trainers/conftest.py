@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims import causal_lm
-from liger_compat.shims.families import FAMILIES
-from liger_compat.shims.logits_to_keep import is_ours
-from liger_compat.shims.tiny_models import FamilyUnavailable, build
+from liger_compat.compat.families import FAMILIES
+from liger_compat.shims._patching import is_ours
+from liger_compat.compat.tiny_models import FamilyUnavailable, build
 from patch_helpers import CORE_FAMILIES
 
 from trainer_helpers import (assert_logs_close, fresh_model, make_config, native, run_native_and_patched,

@@ -23,7 +23,7 @@ import torch
 import liger_compat
 from liger_compat.compat.versions import matches
 from liger_compat.shims import REGISTRY
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims._patching import PatchSet, unwrap
 
 from trainer_helpers import (FusedOutputCounter, assert_logs_close, clone, config_fields, fresh_model, make_config,
@@ -333,7 +333,7 @@ def _keep_shims_suspended():
 
 
 def _qwen2(cls, seed=0):
-    from liger_compat.shims.tiny_models import build
+    from liger_compat.compat.tiny_models import build
 
     src = build("qwen2", seed=seed)
     model = cls(src.config)

@@ -39,7 +39,7 @@ def test_count_label_tokens_matches_manual(seed):
 def _trainer(tmp_path, tokenizer, cls=None, **kw):
     from transformers import Trainer, TrainingArguments
 
-    from liger_compat.shims import _tiny_text as tiny
+    from liger_compat.compat import tiny_text as tiny
 
     args = make_config(TrainingArguments, tmp_path, remove_unused_columns=False, **kw)
     return (cls or Trainer)(model=tiny.build_model("llama", tokenizer), args=args)
@@ -151,7 +151,7 @@ def test_unsloth_style_loop_with_preference_batches(tmp_path, tokenizer):
     _needs_counting()
     from transformers import Trainer, TrainingArguments
 
-    from liger_compat.shims import _tiny_text as tiny
+    from liger_compat.compat import tiny_text as tiny
 
     class UnslothLike(_PreferenceLikeTrainer, Trainer):
         get_batch_samples = _unsloth_style_get_batch_samples

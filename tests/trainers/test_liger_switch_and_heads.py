@@ -11,7 +11,7 @@ import pytest
 import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import REGISTRY
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims.trainer_liger_switch import LigerSwitchWarning
 
 from trainer_helpers import (assert_logs_close, clone, code_file, config_fields, fresh_model, make_config, native,

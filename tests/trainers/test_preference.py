@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 
 from trainer_helpers import (assert_logs_close, comparable_keys, config_fields, fresh_model, make_config, native, run_native_and_patched,
                              tokenizer_kwarg, train_logs, trainer_or_skip)
@@ -80,7 +80,7 @@ def test_dpo_logits_to_keep(tokenizer, tmp_path):
     ref_base["model"] = plain_ref["model"] = clone(base)
     import warnings
 
-    from liger_compat.shims.logits_to_keep import NEW, OLD, forward_params
+    from liger_compat.shims._forward_args import NEW, OLD, forward_params
 
     with native():
         # natively the option works only where the model's forward names the keyword trl passes

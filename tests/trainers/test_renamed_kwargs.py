@@ -209,7 +209,7 @@ def test_real_warmup(direction: str, tmp_path):
 # trainers: tokenizer <-> processing_class on the real classes
 
 def _build_trainer(name: str, tok, tmp_path, **kwargs):
-    from liger_compat.shims import _tiny_text as tiny
+    from liger_compat.compat import tiny_text as tiny
 
     trainer_cls, config_cls = trainer_or_skip(name)
     model = tiny.build_model("llama", tok)
@@ -255,7 +255,7 @@ def _assert_one_warning_about(caught, src: str) -> None:
 def test_real_transformers_trainer(tokenizer, tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from liger_compat.shims import _tiny_text as tiny
+    from liger_compat.compat import tiny_text as tiny
 
     src, dst = _trainer_direction(Trainer)
     args = make_config(TrainingArguments, tmp_path)
@@ -288,7 +288,7 @@ def test_real_sft_trainer_options_moved_to_config(tokenizer, tmp_path):
         params = accepted_params(trainer_cls.__init__)
     if "dataset_text_field" in params:
         pytest.skip(f"{trainer_cls.__name__} of the installed trl still takes dataset_text_field=")
-    from liger_compat.shims import _tiny_text as tiny
+    from liger_compat.compat import tiny_text as tiny
 
     args = make_config(config_cls, tmp_path)
     tok_kw = {"processing_class": tokenizer} if "processing_class" in params else {"tokenizer": tokenizer}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 
 from trainer_helpers import (assert_logs_close, config_fields, fresh_model, make_config, run_native_and_patched,
                              tokenizer_kwarg, train_logs, trainer_or_skip, trl_head_on)

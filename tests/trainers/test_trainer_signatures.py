@@ -13,7 +13,7 @@ import torch
 
 import liger_compat
 from liger_compat.shims import REGISTRY
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims._patching import PatchSet
 from liger_compat.shims.trl_trainer_signatures import _patch
 

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 
 import liger_compat
-from liger_compat.shims import _tiny_text as tiny
+from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims import trl_fused_lm_head as head
 
 from trainer_helpers import (assert_logs_close, clone, comparable_keys, fresh_model, make_config,
@@ -139,7 +139,7 @@ def _head_pair(family, *, cast=False, temperature=1.0, config=None, outputs=head
     import torch
     import trl.trainer.utils as tu
 
-    from liger_compat.shims import tiny_models
+    from liger_compat.compat import tiny_models
 
     fn = _trl_chunked_function()
     model = tiny_models.build(family, seed=3, vocab_size=96, **(config or {})).train()
@@ -248,7 +248,7 @@ def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch)
     import trl.trainer.utils as tu
 
     import liger_compat.kernels.logprob as lpmod
-    from liger_compat.shims import tiny_models
+    from liger_compat.compat import tiny_models
 
     fn = _trl_chunked_function()
     if hasattr(tu, "_use_triton"):  # trl 1.16+; trl 1.15.0 always scores the unmasked rows only

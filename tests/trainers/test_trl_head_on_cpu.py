@@ -26,7 +26,7 @@ _STEP = textwrap.dedent("""
     warnings.simplefilter("ignore")
     if sys.argv[1] == "patched":
         import liger_compat  # first line of a training script
-    from liger_compat.shims import _tiny_text as tiny
+    from liger_compat.compat import tiny_text as tiny
     from liger_compat.shims import REGISTRY
     import torch
     from trl import SFTConfig, SFTTrainer

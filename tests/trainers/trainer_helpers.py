@@ -1,5 +1,5 @@
 """Helpers of the trainer-shim tests: configs that work on every trl / transformers of the grid,
-the tiny setup of :mod:`liger_compat.shims._tiny_text`, and a native (unpatched) context."""
+the tiny setup of :mod:`liger_compat.compat.tiny_text`, and a native (unpatched) context."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import liger_compat
-from liger_compat.shims import _tiny_text as tiny
-from liger_compat.shims.trl_trainer_locations import TrainerUnavailable, find_trainer
+from liger_compat.compat import tiny_text as tiny
+from liger_compat.compat.trl_trainer_locations import TrainerUnavailable, find_trainer
 from patch_helpers import native  # noqa: F401  (re-exported to the trainer tests)
 
 

@@ -212,7 +212,7 @@ def head_weight(lm_head: Any) -> Iterator[tuple[Any, Any]]:
     if torch.is_grad_enabled() and any(p.requires_grad for p in inner.parameters(recurse=False)):
         raise RuntimeError(
             f"head_weight() on a {kind}-sharded lm_head with grad mode on: its gradient would not be reduced by "
-            "the engine. Use liger_compat.shims.distributed.fused_head_loss(), or wrap the read in torch.no_grad()."
+            "the engine. Use liger_compat.shims._sharded_head.fused_head_loss(), or wrap the read in torch.no_grad()."
         )
     if kind == "fsdp2":
         if not is_dtensor(inner.weight):  # already unsharded (inside its forward, or reshard_after_forward=False)

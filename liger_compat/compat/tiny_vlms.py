@@ -6,7 +6,7 @@ through a vision-language model's own forward: each entry builds the composite c
 image placeholder tokens where the model expects them, random pixel inputs and the extra
 tensors the model takes (``image_grid_thw`` of the Qwen-VL and GLM-4V families, ``image_sizes``
 of Mistral 3, ``token_type_ids`` of Gemma 3 / PaliGemma). A family the installed transformers
-lacks raises :class:`~liger_compat.shims.tiny_models.FamilyUnavailable`.
+lacks raises :class:`~liger_compat.compat.tiny_models.FamilyUnavailable`.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def inputs(model: Any, b: int = 2, t: int = 24, seed: int = 0, ignore_frac: floa
 
 
 def _decoder_params(model: Any) -> tuple[str, ...]:
-    from ._patching import signature
+    from ..shims._patching import signature
 
     try:
         return tuple(signature(type(model.model).forward).parameters)

@@ -9,7 +9,7 @@ loss path, materialising ``[B, T, V]`` logits, and nothing says so:
 * RMSNorm: Gemma 1/2/3 store ``w - 1`` and multiply by ``1 + w`` (offset 1) and compute in fp32
   throughout; the others normalise in fp32, cast back, then multiply (Llama casting). OLMo2
   changed its casting between releases, so the casting is confirmed numerically per class
-  (:mod:`liger_compat.shims.modules`), the table only gives the expected offset.
+  (:mod:`liger_compat.shims.rms_norm`), the table only gives the expected offset.
 * final logits: Gemma 2/3/4, PaliGemma and Muse Glimmer soft-cap them (``final_logit_softcapping``),
   Granite divides them by ``logits_scaling``, Cohere (``logit_scale``), Falcon-H1
   (``lm_head_multiplier``) and Muse Glimmer (``output_multiplier``) multiply them; the attributes
@@ -17,7 +17,8 @@ loss path, materialising ``[B, T, V]`` logits, and nothing says so:
 * MLP: SiLU-gated everywhere except the Gemmas (tanh GELU); Phi3 and GLM-4 fuse gate and up into one
   ``gate_up_proj``; Mixtral's experts (before transformers 5) name them ``w1``/``w3``/``w2``.
   Which MLP / RMSNorm / rotary function our kernels reproduce is decided by the structural probes
-  of :mod:`liger_compat.shims.modules`, not by this table.
+  of :mod:`liger_compat.shims.gated_mlp`, :mod:`~liger_compat.shims.rms_norm` and
+  :mod:`~liger_compat.shims.rope`, not by this table.
 * MoE families with a router load-balancing loss (Mixtral, Qwen3-MoE, Qwen3-Next, gpt-oss,
   DeepSeek-V4, Qwen3-VL-MoE, GLM-4V-MoE, Qwen3.5-MoE) add it when ``output_router_logits``.
 * vision-language models (``vision``): the decoder takes the pixel inputs and merges the image
@@ -34,9 +35,9 @@ inside the decoder, which the fused forward calls unchanged, so it needs no entr
 Families outside this table keep their native forward; :func:`family_states` says so for any
 ``*ForCausalLM`` class of an imported transformers modeling module.
 
-This module also owns :class:`ModelingWatcher`: transformers imports its modeling modules
-lazily, so the model shims register one post-import hook per modeling module and patch each
-module when it is imported.
+transformers imports its modeling modules lazily: the model shims name
+:func:`family_modules` (or :func:`all_modeling_modules`) as their ``modules``, and the shim
+registry patches each one when it is imported.
 """
 
 from __future__ import annotations
@@ -44,13 +45,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import threading
-from typing import Any, Callable, Iterable, NamedTuple
-
-
-from .. import _import_hooks
-from .._log import log
-
+from typing import Any, NamedTuple
 
 
 #: vision-language families were checked against the native model from transformers 5.0 (on 4.51,
@@ -257,55 +252,6 @@ def family_modules() -> list[str]:
     return list(ALL_BY_MODULE)
 
 
-class ModelingWatcher:
-    """Calls ``callback(module)`` for each watched module once it is imported, while started.
-
-    Post-import hooks are never removed, so a stopped watcher keeps its hooks and they do
-    nothing; starting again re-runs the callback on modules imported in the meantime. The
-    callback must be idempotent. Errors are kept per module (``failures``), never raised.
-    """
-
-    def __init__(self, name: str, callback: Callable[[Any], None], modules: Callable[[], Iterable[str]]):
-        self.name = name
-        self._callback = callback
-        self._modules = modules
-        self._hooked: set[str] = set()
-        self._lock = threading.RLock()
-        self.active = False
-        self.failures: dict[str, str] = {}
-
-    def start(self) -> None:
-        with self._lock:
-            self.active = True
-            for mod_name in self._modules():
-                if mod_name in self._hooked:
-                    mod = sys.modules.get(mod_name)
-                    if mod is not None:
-                        self._fire(mod)
-                else:
-                    self._hooked.add(mod_name)
-                    # fires at once when the module is already imported
-                    _import_hooks.when_imported(mod_name, self._fire)
-
-    def stop(self) -> None:
-        with self._lock:
-            self.active = False
-            self.failures.clear()
-
-    def _fire(self, module: Any) -> None:
-        if not self.active:
-            return
-        name = getattr(module, "__name__", "?")
-        with self._lock:
-            try:
-                self._callback(module)
-                self.failures.pop(name, None)
-            except Exception as exc:  # one broken module never breaks the import
-                self.failures[name] = f"{type(exc).__name__}: {exc}"
-                log.warning("liger_compat: %s could not patch %s, native behaviour kept: %s",
-                            self.name, name, self.failures[name])
-
-
 # --------------------------------------------------------------------------------------------
 # the report
 # --------------------------------------------------------------------------------------------
@@ -322,7 +268,7 @@ def family_states() -> dict[str, str]:
 
     Reads the shims' bookkeeping and ``sys.modules``; imports nothing.
     """
-    from . import causal_lm, modules  # noqa: F401  (their registries of patched classes)
+    from ..shims import causal_lm, gated_mlp, rms_norm, rope  # noqa: F401  (their registries of patched classes)
 
     tf = _installed_transformers()
     out: dict[str, str] = {}
@@ -367,10 +313,10 @@ def _module_exists(name: str) -> bool:
 
 def _family_parts(fam: Family, mod: Any) -> list[str]:
     """Short enough for the report's table: ``fused forward; rms_norm, gated_mlp, rope``."""
-    from . import causal_lm, modules
+    from ..shims import _module_shims, causal_lm
 
     parts = []
-    for describe in (causal_lm.describe, modules.describe):
+    for describe in (causal_lm.describe, _module_shims.describe):
         try:
             parts.append(describe(fam, mod))
         except Exception as exc:

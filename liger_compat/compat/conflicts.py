@@ -17,7 +17,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from ._patching import unwrap
+from ..shims._patching import unwrap
 
 #: top-level package of a foreign object -> how the report names it
 KNOWN_PATCHERS: dict[str, str] = {

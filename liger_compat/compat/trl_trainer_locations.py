@@ -108,3 +108,26 @@ def find_trainer(name: str) -> tuple[type, type | None]:
     import trl
 
     raise TrainerUnavailable(f"trl {trl.__version__} has no {prefix}Trainer (looked in {', '.join(tried)})")
+
+
+# --------------------------------------------------------------------------------------------
+# trainer classes of a module
+# --------------------------------------------------------------------------------------------
+
+#: the transformers base classes of trainers and of their configs, as (module, class name): matched
+#: by name so that a hook on one transformers module never imports another mid-import
+TRAINER_BASE = ("transformers.trainer", "Trainer")
+ARGS_BASE = ("transformers.training_args", "TrainingArguments")
+
+
+def classes_defined_in(module: Any, *bases: tuple[str, str]) -> list[type]:
+    """Classes defined in ``module`` itself (not merely imported into it) that are, or derive from,
+    one of ``bases`` (``(module name, class name)`` pairs)."""
+    wanted = set(bases)
+    out = []
+    for obj in list(vars(module).values()):
+        if not isinstance(obj, type) or obj.__module__ != module.__name__:
+            continue
+        if any((getattr(k, "__module__", ""), k.__name__) in wanted for k in obj.__mro__):
+            out.append(obj)
+    return out

@@ -1,0 +1,210 @@
+"""What the three module shims share (:mod:`.rms_norm`, :mod:`.gated_mlp`, :mod:`.rope`).
+
+Upstream: the ``<Family>RMSNorm`` / ``<Family>MLP`` classes and the module-level
+``apply_rotary_pos_emb`` of ``transformers.models.<family>.modeling_<family>`` (4.45 .. 5.x).
+Each shim finds its targets structurally in every family modeling module (classes named
+``*RMSNorm`` / ``*MLP`` defined there, the rotary function by name), patches the classes (so
+existing instances are covered), keeps a target another library replaced native and reports it,
+and confirms numerically on first use that the kernel reproduces the native code (a mismatch keeps
+the native code for good, listed by the report as "native after probe"). ``apply(model=...)``
+also patches RMSNorm and MLP *instances* of classes outside the families (remote-code models) that
+pass the same checks.
+
+Here: the bookkeeping per shim (:class:`ModuleShim`), the guarded kernel call, the probe
+tolerance, instance patching and the report line of a family's modules (:func:`describe`).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+from .._log import log
+from ..compat import conflicts, families
+from ._patching import PatchSet, ShimPatches, is_ours
+from ._registry import REGISTRY
+
+
+def compiling() -> bool:
+    import torch
+
+    try:
+        return bool(torch.compiler.is_compiling())
+    except AttributeError:  # torch < 2.3: no torch.compiler.is_compiling, and no compiling through it
+        return False
+
+
+def classes(module: Any, test: Callable[[str], bool]) -> list[type]:
+    name = module.__name__
+    return [obj for cls_name, obj in list(vars(module).items())
+            if isinstance(obj, type) and test(cls_name) and obj.__module__ == name and "forward" in vars(obj)]
+
+
+def foreign_replacements(module: Any, test: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """Names in the modeling module that another library bound to its own class (LigerRMSNorm)."""
+    out = []
+    for cls_name, obj in list(vars(module).items()):
+        if isinstance(obj, type) and test(cls_name) and obj.__module__ != module.__name__:
+            owner = conflicts.foreign_owner(obj)
+            if owner is not None:
+                out.append((cls_name, owner))
+    return out
+
+
+_refused: set[tuple[str, str]] = set()
+
+
+def kernel_refusal(checks: Callable[[], Any]) -> str | None:
+    """Why the kernel would refuse these inputs, from its own argument checks run on them before
+    any call (``checks`` calls ``kernels._checks`` functions, which raise TypeError / ValueError
+    naming the argument: float64 or integer tensors, mixed devices or dtypes); None when it takes
+    them."""
+    try:
+        checks()
+    except (TypeError, ValueError) as exc:  # only the argument checks run here: a refusal, not a bug
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def guarded(kernel: str, refusal: str | None, run_kernel: Callable[[], Any],
+             run_native: Callable[[], Any]) -> tuple[Any, bool]:
+    """``(result, True)`` from the kernel, or ``(native result, False)`` when :func:`kernel_refusal` found
+    inputs it refuses (logged once per kernel and reason). The kernel's call is not guarded: an
+    error inside it is a bug, and raises."""
+    if refusal is None:
+        return run_kernel(), True
+    key = (kernel, kernel_refusal)
+    if key not in _refused:
+        _refused.add(key)
+        log.warning("liger_compat: %s kernel refuses an input, native code used: %s", kernel, kernel_refusal)
+    return run_native(), False
+
+
+def probe_tol(dtype: Any) -> float:
+    import torch
+
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def close(a: Any, b: Any, dtype: Any) -> bool:
+    a, b = a.float(), b.float()
+    if a.shape != b.shape:
+        return False
+    scale = b.abs().max().clamp(min=1e-6)
+    return bool(((a - b).abs().max() / scale).item() <= probe_tol(dtype))
+
+
+class ModuleShim:
+    """Bookkeeping shared by the three module shims, each patching the family modules."""
+
+    def __init__(self, shim_id: str, what: str, patch: Callable[["ModuleShim", Any, ShimPatches], None],
+                 replaced: Callable[[Any], str | None]):
+        self.id = shim_id
+        self.what = what
+        self._patch = patch
+        self._replaced = replaced  # module -> who replaced our patch afterwards, for the report
+        self.left_alone: dict[str, str] = {}  # module name -> reason
+        self.patched: dict[str, list[str]] = {}  # module name -> patched targets
+
+    def patch_module(self, module: Any, patches: ShimPatches) -> list[str]:
+        self.left_alone.pop(module.__name__, None)
+        self._patch(self, module, patches)
+        return list(self.patched.get(module.__name__, ()))
+
+    def revert(self) -> None:
+        self.left_alone.clear()
+        self.patched.clear()
+
+    def wrap_class_forward(self, module: Any, cls: type, wrapper: Any, patches: ShimPatches) -> None:
+        current = vars(cls)["forward"]
+        if is_ours(current, wrapper):
+            return
+        owner = conflicts.foreign_owner(current)
+        if owner is not None:
+            self.conflict(module, f"{cls.__name__}.forward", owner)
+            return
+        patches.wrap(cls, "forward", wrapper, traceable=True)
+        self.patched.setdefault(module.__name__, []).append(cls.__name__)
+
+    def conflict(self, module: Any, what: str, owner: str) -> None:
+        self.left_alone[module.__name__] = f"{what} replaced by {owner}"
+        REGISTRY.report_conflict(what, owner, f"{self.id} left it alone")
+
+    def describe(self, module: Any) -> tuple[bool, str]:
+        """``(patched, text)``: the kernel name, or why the module keeps its native code."""
+        name = module.__name__
+        if name in self.left_alone:
+            return False, f"{self.what} conflict ({self.left_alone[name]})"
+        errors = REGISTRY.get(self.id).module_errors
+        if name in errors:
+            return False, f"{self.what} failed ({errors[name]})"
+        if self.patched.get(name):
+            owner = self._replaced(module)
+            if owner is not None:
+                return False, f"{self.what} replaced afterwards by {owner}"
+            return True, self.what
+        return False, f"no {self.what}"
+
+
+def replaced_classes(test: Callable[[str], bool]) -> Callable[[Any], str | None]:
+    def check(module: Any) -> str | None:
+        found = foreign_replacements(module, test)
+        return found[0][1] if found else None
+    return check
+
+
+#: class-level wrapper -> the function bound to instances for the same job; a bound method (not a
+#: closure) so that ``copy.deepcopy(model)`` (trl's reference models) rebinds it to the copy
+INSTANCE_FORWARDS: dict[Any, Any] = {}
+
+
+def _class_covered(cls: type, wrapper: Any) -> bool:
+    for klass in cls.__mro__:
+        fwd = vars(klass).get("forward")
+        if fwd is not None:
+            return is_ours(fwd, wrapper)
+    return False
+
+
+def patch_instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], structural: Callable[[Any], bool],
+               patches: PatchSet, shim_id: str) -> bool:
+    changed = False
+    if not callable(getattr(model, "modules", None)):  # apply(model=...) with no torch module: nothing to patch
+        return False
+    for m in list(model.modules()):
+        cls = type(m)
+        if not name_test(cls.__name__):
+            continue
+        d = vars(m)
+        if "forward" in d:
+            if getattr(d["forward"], "__func__", None) is INSTANCE_FORWARDS[wrapper]:
+                continue
+            owner = conflicts.instance_override(m)
+            if owner is not None:
+                REGISTRY.report_conflict(f"{cls.__name__}.forward (instance)", owner, f"{shim_id} left it alone")
+            continue
+        if _class_covered(cls, wrapper) or conflicts.known_patcher(cls) is not None or not structural(m):
+            continue
+        patches.set(m, "forward", types.MethodType(INSTANCE_FORWARDS[wrapper], m))
+        changed = True
+    return changed
+
+
+def describe(fam: families.Family, module: Any) -> str:
+    """``"rms_norm, gated_mlp, rope"``; what is not patched says why."""
+    from . import gated_mlp, rms_norm, rope
+
+    done, other = [], []
+    for shim in (rms_norm.STATE, gated_mlp.STATE, rope.STATE):
+        ok, text = shim.describe(module)
+        (done if ok else other).append(text)
+    # what the structural probes turned down on the calls so far (native code kept there)
+    name = module.__name__
+    refused = gated_mlp.refused(name) + rope.refused(name) + rms_norm.refused(name)
+    if refused:
+        other.append("native after probe: " + ", ".join(refused))
+    return ", ".join(done + other)
+
+
+#: the upstream location every module shim names
+UPSTREAM = "transformers models/<family>/modeling_<family>.py, 4.45 .. 5.x"

@@ -1,0 +1,197 @@
+"""Each family's gated MLP routed to :func:`liger_compat.kernels.swiglu` / ``geglu``.
+
+Upstream: ``<Family>MLP.forward`` of ``transformers.models.<family>.modeling_<family>`` (4.45 ..
+5.x; ``MixtralBlockSparseTop2MLP`` before transformers 5): ``down(act(gate(x)) * up(x))`` with the
+activation and product replaced by one kernel. Phi3 and GLM-4 fuse gate and up into
+``gate_up_proj``; Mixtral's experts (4.x) name them w1/w3/w2; transformers 5 Mixtral has fused
+expert tensors (no per-expert MLP module: left native). The activation must be recognised as SiLU
+or tanh-GELU, and each class is checked once per input dtype against its native forward: an
+``*MLP`` that is no gated MLP of ours (gpt-oss's router and experts, Nemotron's relu^2, Falcon-H1's
+multipliers) keeps its native forward and the report lists it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .._log import log
+from .. import _config
+from ..compat import families
+from ._module_shims import (INSTANCE_FORWARDS, UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
+                            guarded, patch_instances, kernel_refusal, replaced_classes)
+from ._patching import PatchSet, ShimPatches
+from ._registry import register
+
+
+_SILU_NAMES = {"SiLU", "SiLUActivation"}
+_GELU_TANH_NAMES = {"GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"}
+
+
+def _is_mlp_name(name: str) -> bool:
+    return "MLP" in name
+
+
+def activation_kind(act: Any) -> str | None:
+    """``"silu"`` / ``"gelu_tanh"`` for activations our gated kernels implement, else None."""
+    import torch
+
+    name = type(act).__name__
+    if isinstance(act, torch.nn.SiLU) or name in _SILU_NAMES:
+        return "silu"
+    if isinstance(act, torch.nn.GELU):
+        return "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else None
+    if name in _GELU_TANH_NAMES:
+        return "gelu_tanh"
+    return None
+
+
+def _linear(m: Any, name: str) -> Any:
+    import torch
+
+    mod = getattr(m, name, None)
+    return mod if isinstance(mod, torch.nn.Module) else None
+
+
+def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
+    """``(layout, projections, activation module)`` of a gated MLP, found by attributes."""
+    act = None
+    for attr in ("act_fn", "activation_fn", "act"):
+        act = getattr(m, attr, None)
+        if act is not None:
+            break
+    if act is None:
+        return None
+    if all(_linear(m, n) is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        return "gate_up_down", (m.gate_proj, m.up_proj, m.down_proj), act
+    if _linear(m, "gate_up_proj") is not None and _linear(m, "down_proj") is not None:
+        return "fused_gate_up", (m.gate_up_proj, m.down_proj), act
+    if all(_linear(m, n) is not None for n in ("w1", "w3", "w2")):
+        return "w1_w3_w2", (m.w1, m.w3, m.w2), act
+    return None
+
+
+def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if len(args) != 1 or kwargs or instance is None:
+        return wrapped(*args, **kwargs)
+    found = mlp_layout(instance)
+    if found is None:
+        _not_gated(instance)
+        return wrapped(*args)
+    layout, projs, act = found
+    kind = activation_kind(act)
+    fam = families.BY_MODULE.get(type(instance).__module__)
+    if kind is None or (fam is not None and fam.mlp_act != kind):
+        _not_gated(instance)
+        return wrapped(*args)
+    from .. import kernels
+
+    kernel_name = kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind]
+    if not _config.kernel_enabled(kernel_name):
+        return wrapped(*args)
+
+    x = args[0]
+    down_proj = projs[-1]
+
+    def project_in(t: Any) -> tuple[Any, Any]:
+        if layout == "fused_gate_up":
+            return projs[0](t).chunk(2, dim=-1)
+        return projs[0](t), projs[1](t)
+
+    # x is our RMSNorm's output when the family's norm is patched: gate_proj / up_proj then keep
+    # nothing of it, it is recomputed from the norm's saved input in the backward
+    gate, up = kernels.project_norm_output(x, project_in)
+    # gate / up are this call's own projections, read by nothing after the forward: the kernel
+    # may overwrite them with their gradients in the backward. down_proj's input is rebuilt from
+    # them in the backward instead of being kept (kernels.gated_project).
+    def checks() -> None:
+        from ..kernels import _checks
+
+        _checks.float_dtype("gate", gate)
+        _checks.float_dtype("up", up)
+        if gate.shape != up.shape:
+            raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}")
+        _checks.same_dtype(gate=gate, up=up)
+        _checks.same_device(gate=gate, up=up)
+
+    refusal = kernel_refusal(checks)
+    if refusal is None and not _mlp_matches(wrapped, instance, x, project_in, down_proj, kind):
+        return wrapped(*args)
+    return guarded(kernel_name, kernel_refusal,
+                    lambda: kernels.gated_project(gate, up, down_proj, activation=kind, inplace_backward=True),
+                    lambda: down_proj(act(gate) * up))[0]
+
+
+#: (class, input dtype) -> whether ``down(act(gate) * up)`` reproduces the class's forward; (class,
+#: None) -> False for an ``*MLP`` class that is no gated MLP of ours (gpt-oss's router and experts,
+#: Nemotron's relu^2 MLP): recorded for the report
+_mlp_verdicts: dict[tuple[Any, Any], bool] = {}
+
+
+def _not_gated(m: Any) -> None:
+    key = (type(m), None)
+    if key not in _mlp_verdicts and not compiling():
+        _mlp_verdicts[key] = False
+
+
+def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[Any, Any]], down_proj: Any,
+                 kind: str) -> bool:
+    """The structural probe of a gated MLP: its native forward and the gated kernel on this input,
+    once per class and dtype. A class whose forward does more than ``down(act(gate) * up)`` (Falcon-H1's
+    gate / down multipliers, a clamped SwiGLU) fails it and keeps its native forward."""
+    key = (type(m), x.dtype)
+    hit = _mlp_verdicts.get(key)
+    if hit is not None or compiling():
+        return True if hit is None else hit
+    import torch
+
+    from .. import kernels
+
+    with torch.no_grad():
+        probe = x.detach()[..., :8, :] if x.dim() >= 2 else x.detach()
+        ref = native(probe)
+        gate, up = project_in(probe)
+        got = kernels.gated_project(gate.contiguous(), up.contiguous(), down_proj, activation=kind)
+    ok = isinstance(ref, torch.Tensor) and close(got, ref, x.dtype)
+    if not ok:
+        log.warning("liger_compat: %s keeps its native forward: it is not down(%s(gate) * up)", type(m).__name__, kind)
+    _mlp_verdicts[key] = ok
+    return ok
+
+
+def _patch_mlps(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
+    for name, owner in foreign_replacements(module, _is_mlp_name):
+        self.conflict(module, f"{module.__name__}.{name}", owner)
+    for cls in classes(module, _is_mlp_name):
+        self.wrap_class_forward(module, cls, mlp_forward, patches)
+
+
+def refused(module_name: str) -> list[str]:
+    """MLP classes of the module the probe turned down (native after probe)."""
+    return sorted({k[0].__name__ for k, ok in list(_mlp_verdicts.items()) if not ok and k[0].__module__ == module_name})
+
+
+STATE = ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps, replaced_classes(_is_mlp_name))
+
+
+def _mlp_instance_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return mlp_forward(type(self).forward.__get__(self, type(self)), self, args, kwargs)
+
+
+INSTANCE_FORWARDS[mlp_forward] = _mlp_instance_forward
+
+
+def _mlp_instances(model: Any, patches: PatchSet) -> bool:
+    def ok(m: Any) -> bool:
+        found = mlp_layout(m)
+        return found is not None and activation_kind(found[2]) is not None
+    return patch_instances(model, mlp_forward, _is_mlp_name, ok, patches, STATE.id)
+
+
+SHIM = register(
+    id=STATE.id, library="transformers", trigger="transformers",
+    target="<Family>MLP.forward (gate/up/down, gate_up_proj, w1/w3/w2) of the families",
+    upstream=UPSTREAM + " (Mixtral experts fused into tensors in 5.0)",
+    kernels=("swiglu", "geglu"), description="act(gate) * up routed to liger_compat.kernels.swiglu / geglu",
+    modules=families.family_modules, patch_module=STATE.patch_module, _revert=STATE.revert,
+    apply_to_model=_mlp_instances,
+)

@@ -1,0 +1,159 @@
+"""Each family's RMSNorm routed to :func:`liger_compat.kernels.rms_norm`.
+
+Upstream: ``<Family>RMSNorm.forward`` of ``transformers.models.<family>.modeling_<family>``
+(4.45 .. 5.x): ``pow``, ``mean``, ``rsqrt`` and two casts per call, replaced by one kernel. OLMo2's
+RMSNorm moved from Llama casting (cast, then multiply by the weight) to multiplying in fp32 (4.5x);
+Gemma's offset norm (``1 + w``) computes in fp32 throughout. Rather than a table per release, each
+class is checked once per dtype against its native forward on a small probe, both weight offsets
+and both castings tried, and the matching kernel mode is used; a class that matches none keeps its
+native forward and the report lists it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .._log import log
+from .. import _config
+from ..compat import families
+from ._module_shims import (INSTANCE_FORWARDS, UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
+                            guarded, patch_instances, kernel_refusal, replaced_classes)
+from ._patching import PatchSet, ShimPatches
+from ._registry import register
+
+
+_RMS = "rms_norm"
+_CASTINGS = ("llama", "gemma")
+#: (class, input dtype, weight dtype) -> (offset, casting) or the reason no kernel mode matches
+_rms_modes: dict[tuple[Any, Any, Any], tuple[float, str] | str] = {}
+
+
+def _is_rms_name(name: str) -> bool:
+    return name.endswith("RMSNorm")
+
+
+def _rms_eps(m: Any) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(m, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _rms_shape_ok(m: Any, x: Any) -> bool:
+    w = getattr(m, "weight", None)
+    return (w is not None and getattr(w, "dim", lambda: 0)() == 1 and x.dim() >= 1
+            and x.shape[-1] == w.shape[0] and w.is_floating_point() and x.is_floating_point())
+
+
+def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str] | str:
+    """Which kernel mode reproduces ``native``; probed once per class and dtypes."""
+    import torch
+
+    from .. import kernels
+
+    key = (type(m), x.dtype, m.weight.dtype)
+    hit = _rms_modes.get(key)
+    if hit is not None:
+        return hit
+    fam = families.BY_MODULE.get(type(m).__module__)
+    offset = fam.rms_offset if fam else 0.0
+    first = fam.rms_casting if fam else "llama"
+    # the table's mode first; the other offset too (Qwen3-Next / Qwen3.5 store w - 1 as Gemma does)
+    castings = [first] + [c for c in _CASTINGS if c != first]
+    order = [(offset, c) for c in castings] + [(1.0 - offset, c) for c in castings]
+    eps = _rms_eps(m)
+    g = torch.Generator().manual_seed(1234)
+    probe = (torch.randn(4, x.shape[-1], generator=g) * 3).to(device=x.device, dtype=x.dtype)
+    best: tuple[float, str] | None = None
+    best_err = float("inf")
+    with torch.no_grad():
+        ref = native(probe).float()
+        scale = ref.abs().max().clamp(min=1e-6)
+        for off, casting in order:  # the inputs passed the kernel's checks (_rms_checks) before this
+            y = kernels.rms_norm(probe, m.weight, eps, offset=off, casting=casting)
+            if y.shape != ref.shape:
+                continue
+            err = float(((y.float() - ref).abs().max() / scale).item())
+            if err < best_err:
+                best, best_err = (off, casting), err
+    tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else 1e-2
+    result: tuple[float, str] | str
+    if best is not None and best_err <= tol:
+        result = best
+    else:
+        result = f"no kernel mode matches {type(m).__name__} (offset {offset}: rel. error {best_err:.2g})"
+        log.warning("liger_compat: %s keeps its native forward: %s", type(m).__name__, result)
+    _rms_modes[key] = result
+    return result
+
+
+def _rms_checks(x: Any, w: Any) -> None:
+    from ..kernels import _checks
+
+    _checks.float_dtype("x", x)
+    _checks.float_dtype("weight", w)
+    _checks.same_device(x=x, weight=w)
+
+
+def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
+        return wrapped(*args, **kwargs)
+    x = args[0]
+    eps = _rms_eps(instance)
+    if eps is None or not _rms_shape_ok(instance, x):
+        return wrapped(x)
+    refusal = kernel_refusal(lambda: _rms_checks(x, instance.weight))
+    if refusal is not None:  # the mode probe below would run the kernel on these dtypes
+        return guarded("rms_norm", kernel_refusal, lambda: None, lambda: wrapped(x))[0]
+    if compiling():
+        fam = families.BY_MODULE.get(type(instance).__module__)
+        mode: Any = (fam.rms_offset, fam.rms_casting) if fam else None
+    else:
+        mode = _rms_mode(wrapped, instance, x)
+    if not isinstance(mode, tuple):
+        return wrapped(x)
+    from .. import kernels
+
+    return guarded("rms_norm", kernel_refusal, lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0],
+                                                                  casting=mode[1]), lambda: wrapped(x))[0]
+
+
+def _patch_norms(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
+    for name, owner in foreign_replacements(module, _is_rms_name):
+        self.conflict(module, f"{module.__name__}.{name}", owner)
+    for cls in classes(module, _is_rms_name):
+        self.wrap_class_forward(module, cls, rms_forward, patches)
+
+
+def refused(module_name: str) -> list[str]:
+    """RMSNorm classes of the module that no kernel mode reproduced (native after probe)."""
+    return sorted({k[0].__name__ for k, v in list(_rms_modes.items())
+                   if isinstance(v, str) and k[0].__module__ == module_name})
+
+
+STATE = ModuleShim("transformers.rms_norm", "rms_norm", _patch_norms, replaced_classes(_is_rms_name))
+
+
+def _rms_instance_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return rms_forward(type(self).forward.__get__(self, type(self)), self, args, kwargs)
+
+
+INSTANCE_FORWARDS[rms_forward] = _rms_instance_forward
+
+
+def _norm_instances(model: Any, patches: PatchSet) -> bool:
+    def ok(m: Any) -> bool:
+        w = getattr(m, "weight", None)
+        return _rms_eps(m) is not None and w is not None and getattr(w, "dim", lambda: 0)() == 1
+    return patch_instances(model, rms_forward, _is_rms_name, ok, patches, STATE.id)
+
+
+SHIM = register(
+    id=STATE.id, library="transformers", trigger="transformers",
+    target="<Family>RMSNorm.forward of " + ", ".join(f.name for f in families.FAMILIES),
+    upstream=UPSTREAM + " (OLMo2 RMSNorm casting changed in 4.5x)",
+    kernels=("rms_norm",), description="RMSNorm routed to liger_compat.kernels.rms_norm",
+    modules=families.family_modules, patch_module=STATE.patch_module, _revert=STATE.revert,
+    apply_to_model=_norm_instances,
+)
