@@ -114,14 +114,14 @@ rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 @torch.library.custom_op(f"{_NS}::rope", mutates_args=())
 def rope(q: Tensor, k: Tensor, cos_u: Tensor, sin_u: Tensor, backward: bool, out_q: torch.dtype,
-         out_k: torch.dtype, backend: str) -> tuple[Tensor, Tensor]:
+         out_k: torch.dtype, backend: str, variant: str) -> tuple[Tensor, Tensor]:
     from . import rope as _rope
 
     be = _backend("rope", backend, q.device)
     if be == "triton":
         from ._rope_triton import rope_triton
 
-        qe, ke = rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k)
+        qe, ke = rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k, variant=variant)
     else:
         qe = _rope._rotate(q, cos_u, sin_u, out_q, backward)
         ke = _rope._rotate(k, cos_u, sin_u, out_k, backward)
@@ -138,14 +138,14 @@ def _like(out: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @rope.register_fake
-def _(q, k, cos_u, sin_u, backward, out_q, out_k, backend):
+def _(q, k, cos_u, sin_u, backward, out_q, out_k, backend, variant):
     return torch.empty_like(q, dtype=out_q), torch.empty_like(k, dtype=out_k)
 
 
 def _rope_setup(ctx, inputs, output):
-    q, k, cos_u, sin_u, backward, out_q, out_k, backend = inputs
+    q, k, cos_u, sin_u, backward, out_q, out_k, backend, variant = inputs
     ctx.save_for_backward(cos_u, sin_u)
-    ctx.dtypes, ctx.backend = (q.dtype, k.dtype), backend
+    ctx.dtypes, ctx.backend, ctx.variant = (q.dtype, k.dtype), backend, variant
 
 
 def _rope_backward(ctx, gq, gk):
@@ -153,8 +153,8 @@ def _rope_backward(ctx, gq, gk):
     if gq is None or gk is None:
         gq = torch.zeros_like(gk) if gq is None else gq
         gk = torch.zeros_like(gq) if gk is None else gk
-    dq, dk = rope(gq, gk, cos_u, sin_u, True, ctx.dtypes[0], ctx.dtypes[1], ctx.backend)
-    return dq, dk, None, None, None, None, None, None
+    dq, dk = rope(gq, gk, cos_u, sin_u, True, ctx.dtypes[0], ctx.dtypes[1], ctx.backend, ctx.variant)
+    return dq, dk, None, None, None, None, None, None, None
 
 
 rope.register_autograd(_rope_backward, setup_context=_rope_setup)

@@ -5,8 +5,8 @@ stride 0 on broadcast dims, so one kernel serves the ``[B, heads, T, D]`` and ``
 D]`` layouts, per-batch or shared ``cos``, and partial rotary (channels ``rot..D`` copied
 through). Two kernels: "flat" (whole rows, q and k in one launch; 4-D q/k whose outputs share
 their strides, i.e. every layout transformers passes except slices of a fused qkv projection)
-and "rows" (half-row tiles, one launch per tensor; any dims and strides). ``outputs`` keep the
-inputs' memory layout, as the native ops do.
+and "rows" (half-row tiles, one launch per tensor; any dims and strides), picked by the ``variant``
+argument of :func:`rope_triton`. ``outputs`` keep the inputs' memory layout, as the native ops do.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import triton, tl, cdiv, next_pow2
+from .rope import check_variant
 
 __all__ = ["rope_triton"]
 
@@ -199,13 +200,12 @@ def _rope_one(x, cos_u, sin_u, backward, out_dtype):
     return out
 
 
-#: "flat" (whole rows of q and k in one launch) where its assumptions hold, else "rows" (half-row
-#: tiles, q and k in two launches: any number of dims, outputs laid out apart from the inputs)
-ROPE_KERNEL_VARIANT = "flat"
-
-
-def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k):
-    if ROPE_KERNEL_VARIANT == "flat":
+def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k, *, variant="flat"):
+    """Rotate ``q`` and ``k`` (``backward``: by the transpose) into new tensors of dtypes
+    ``out_q`` / ``out_k``. ``variant`` (:data:`liger_compat.kernels.rope.ROPE_VARIANTS`): "flat"
+    where its assumptions hold, else "rows"; or "rows" always."""
+    check_variant(variant)
+    if variant == "flat":
         if cos_u.stride(-1) != 1 or sin_u.stride(-1) != 1 or cos_u.stride() != sin_u.stride():
             cos_u, sin_u = cos_u.contiguous(), sin_u.contiguous()
         oq = torch.empty_like(q, dtype=out_q)

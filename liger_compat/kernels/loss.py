@@ -212,6 +212,29 @@ def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape
     return loss, z, acc
 
 
+def _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc):
+    """The loss Functions' outputs from per-row ``stats`` = (loss, z-loss, hit): the loss as
+    ``reduction`` asks, then z-loss and token accuracy, zeros where not asked for (neither is
+    differentiable)."""
+    loss_rows, zl_rows, correct = stats
+    loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (loss_rows.shape[0],), want_z,
+                           want_acc)
+    outs = (loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(()))
+    ctx.mark_non_differentiable(outs[1], outs[2])
+    return outs
+
+
+def _backward_tail(grads_of, g_loss, reduction, scale, n_inputs):
+    """The loss Functions' gradients: ``grads_of(row_scale)`` for the first inputs, where
+    ``row_scale`` weighs each row's loss (``grad_output`` per row, ``[N]``, for
+    ``reduction="none"``, else the 0-d ``grad_output * scale``), and None for the rest of the
+    ``n_inputs``."""
+    g = g_loss.float()
+    row_scale = g.reshape(-1) if reduction == "none" else (g * scale).reshape(())
+    grads = tuple(grads_of(row_scale))
+    return grads + (None,) * (n_inputs - len(grads))
+
+
 # --------------------------------------------------------------------------------------------
 # fused linear cross-entropy
 # --------------------------------------------------------------------------------------------
@@ -400,11 +423,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 ctx.needs = needs
                 ctx.save_for_backward(h, w, b, target)
         _target_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
-        loss_rows, zl_rows, correct = stats
-        loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
-        outs = [loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(())]
-        ctx.mark_non_differentiable(outs[1], outs[2])
-        return tuple(outs)
+        return _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc)
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
@@ -420,11 +439,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 gb = gb * g_loss.to(gb.dtype) if gb is not None else None
             return (gh, gw, gb) + (None,) * 8
         h, w, b, target = ctx.saved_tensors
-        _, gh, gw, gb = _flce_pass(
-            h, w, b, target, ctx.opt, ctx.backend, scale=g_loss.float().reshape(-1), grads=ctx.needs, want_stats=False,
-            knobs=ctx.knobs,
-        )
-        return (gh, gw, gb) + (None,) * 8
+
+        def grads_of(row_scale):
+            return _flce_pass(h, w, b, target, ctx.opt, ctx.backend, scale=row_scale, grads=ctx.needs,
+                              want_stats=False, knobs=ctx.knobs)[1:]
+
+        # recomputing is for reduction="none" only: no reduction scale
+        return _backward_tail(grads_of, g_loss, ctx.reduction, None, 11)
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,14 +552,11 @@ class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, w, b, target, opt, reduction, num_items, want_z, want_acc, config, compact_ignored):
         n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
         loss_rows, zl_rows, correct, idx, lse, ok = _lowmem_forward(h, w, b, target, opt, config, compact_ignored)
-        loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (h.shape[0],), want_z, want_acc)
         needs = tuple(ctx.needs_input_grad[:3])
         ctx.needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.reduction, ctx.config = opt, reduction, config
         ctx.save_for_backward(h, w, b, target, idx, lse, ok, scale)
-        outs = [loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(())]
-        ctx.mark_non_differentiable(outs[1], outs[2])
-        return tuple(outs)
+        return _forward_tail(ctx, (loss_rows, zl_rows, correct), n_valid, scale, reduction, want_z, want_acc)
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
@@ -546,9 +564,11 @@ class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):
         if not any(ctx.needs):
             return (None,) * 11
         h, w, b, target, idx, lse, ok, scale = ctx.saved_tensors
-        row_scale = g_loss.float().reshape(-1) if ctx.reduction == "none" else (g_loss.float() * scale).reshape(())
-        gh, gw, gb = _lowmem_backward(h, w, b, target, ctx.opt, idx, lse, ok, row_scale, ctx.needs, ctx.config)
-        return (gh, gw, gb) + (None,) * 8
+
+        def grads_of(row_scale):
+            return _lowmem_backward(h, w, b, target, ctx.opt, idx, lse, ok, row_scale, ctx.needs, ctx.config)
+
+        return _backward_tail(grads_of, g_loss, ctx.reduction, scale, 11)
 
 
 def _pick_mode(mode, h2, weight, backend) -> str:
@@ -725,10 +745,7 @@ class _CrossEntropy(torch.autograd.Function):
         _target_errors.watch(bad, "cross_entropy", v, opt.ignore_index)
         ctx.save_for_backward(logits, target, lse, scale)
         ctx.opt, ctx.backend, ctx.reduction, ctx.extra = opt, backend, reduction, extra
-        out, z, acc = _finish(loss, zl, correct, n_valid, scale, reduction, (n,), want_z, want_acc)
-        outs = [out, z if z is not None else out.new_zeros(()), acc if acc is not None else out.new_zeros(())]
-        ctx.mark_non_differentiable(outs[1], outs[2])
-        return tuple(outs)
+        return _forward_tail(ctx, (loss, zl, correct), n_valid, scale, reduction, want_z, want_acc)
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
@@ -737,19 +754,19 @@ class _CrossEntropy(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return (None,) * 9
         n, v = logits.shape
-        if ctx.reduction == "none":
-            sc = g_loss.float().reshape(-1)
-        else:
-            sc = (g_loss.float() * scale).reshape(())
-        grad = torch.empty_like(logits)
-        rows = _ce_row_chunks(n, v, ctx.backend, logits.device)
-        for s in range(0, n, rows):
-            e = min(n, s + rows)
-            _ce_rows(
-                ctx.backend, logits[s:e], target[s:e], ctx.opt,
-                scale=sc if sc.dim() == 0 else sc[s:e], grad=grad[s:e], lse=lse[s:e], **ctx.extra,
-            )
-        return (grad,) + (None,) * 8
+
+        def grads_of(sc):
+            grad = torch.empty_like(logits)
+            rows = _ce_row_chunks(n, v, ctx.backend, logits.device)
+            for s in range(0, n, rows):
+                e = min(n, s + rows)
+                _ce_rows(
+                    ctx.backend, logits[s:e], target[s:e], ctx.opt,
+                    scale=sc if sc.dim() == 0 else sc[s:e], grad=grad[s:e], lse=lse[s:e], **ctx.extra,
+                )
+            return (grad,)
+
+        return _backward_tail(grads_of, g_loss, ctx.reduction, scale, 9)
 
 
 def cross_entropy(

@@ -7,8 +7,9 @@ against ``q``/``k`` (``unsqueeze_dim=1`` for ``[B, heads, T, D]``, ``2`` for ``[
 ``position_ids`` is ignored as in transformers >= 4.38, except that when ``cos`` is still a 2-D
 ``[max_positions, rot]`` table (transformers < 4.38) it selects the rows, as it did then.
 
-Triton forward and backward in ``_rope_triton.py``; the torch reference below is what CPU
-tensors run. Gradients flow to ``q`` and ``k``; ``cos``/``sin`` are treated as constants.
+Triton forward and backward in ``_rope_triton.py`` (``variant`` picks its kernel); the torch
+reference below is what CPU tensors run, whatever the variant. Gradients flow to ``q`` and ``k``;
+``cos``/``sin`` are treated as constants.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ import torch
 from . import _checks, _dispatch, _ops
 
 __all__ = ["apply_rotary_pos_emb"]
+
+#: Values of ``variant`` (the Triton kernel): "flat" (the default: whole rows of q and k in one
+#: launch) where its assumptions hold, else "rows"; "rows": half-row tiles, q and k in two
+#: launches (any number of dims, outputs laid out apart from the inputs)
+ROPE_VARIANTS = ("flat", "rows")
+
+
+def check_variant(variant) -> str:
+    if variant not in ROPE_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(ROPE_VARIANTS)}, got {variant!r}")
+    return variant
 
 
 def _rotate(x, cos, sin, out_dtype, backward=False):
@@ -41,18 +53,18 @@ def _rotate(x, cos, sin, out_dtype, backward=False):
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos_u, sin_u, backend):
+    def forward(ctx, q, k, cos_u, sin_u, backend, variant):
         out_q = torch.promote_types(q.dtype, cos_u.dtype)
         out_k = torch.promote_types(k.dtype, cos_u.dtype)
         if backend == "triton":
             from ._rope_triton import rope_triton
 
-            qe, ke = rope_triton(q, k, cos_u, sin_u, False, out_q, out_k)
+            qe, ke = rope_triton(q, k, cos_u, sin_u, False, out_q, out_k, variant=variant)
         else:
             qe = _rotate(q, cos_u, sin_u, out_q)
             ke = _rotate(k, cos_u, sin_u, out_k)
         ctx.save_for_backward(cos_u, sin_u)
-        ctx.backend = backend
+        ctx.backend, ctx.variant = backend, variant
         ctx.dtypes = (q.dtype, k.dtype)
         return qe, ke
 
@@ -65,11 +77,11 @@ class _Rope(torch.autograd.Function):
         if ctx.backend == "triton":
             from ._rope_triton import rope_triton
 
-            dq, dk = rope_triton(gq, gk, cos_u, sin_u, True, *ctx.dtypes)
+            dq, dk = rope_triton(gq, gk, cos_u, sin_u, True, *ctx.dtypes, variant=ctx.variant)
         else:
             dq = _rotate(gq, cos_u, sin_u, ctx.dtypes[0], backward=True)
             dk = _rotate(gk, cos_u, sin_u, ctx.dtypes[1], backward=True)
-        return dq, dk, None, None, None
+        return dq, dk, None, None, None, None
 
 
 def _broadcasts_into(small, big) -> bool:
@@ -79,8 +91,11 @@ def _broadcasts_into(small, big) -> bool:
     return all(a == b or a == 1 for a, b in zip(reversed(small), reversed(big)))
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
-    """Rotate ``q`` and ``k``; returns ``(q_embed, k_embed)`` like transformers."""
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1, *, variant: str = "flat"):
+    """Rotate ``q`` and ``k``; returns ``(q_embed, k_embed)`` like transformers. ``variant``
+    (``"flat"``, ``"rows"``: :data:`ROPE_VARIANTS`) is the Triton path's kernel, for benchmarks
+    and tests; the torch reference ignores it."""
+    check_variant(variant)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _checks.tensor(name, t)
         _checks.float_dtype(name, t)
@@ -111,6 +126,6 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     if _ops.compiling():
         out_q = torch.promote_types(q.dtype, cos_u.dtype)
         out_k = torch.promote_types(k.dtype, cos_u.dtype)
-        return _ops.rope(q, k, cos_u, sin_u, False, out_q, out_k, "auto")
+        return _ops.rope(q, k, cos_u, sin_u, False, out_q, out_k, "auto", variant)
     backend = _dispatch.choose("rope", device)
-    return _Rope.apply(q, k, cos_u, sin_u, backend)
+    return _Rope.apply(q, k, cos_u, sin_u, backend, variant)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liger_compat.kernels import apply_rotary_pos_emb, geglu, last_backend, rms_norm, swiglu
+from liger_compat.kernels import HAS_TRITON, apply_rotary_pos_emb, geglu, last_backend, rms_norm, swiglu
 from harness import examples, expected_backend, tolerance
 from reference64 import geglu64, rel_err, rms_norm64, rope64, swiglu64
 
@@ -150,32 +150,52 @@ def test_rope_position_ids_with_table():
     assert rel_err(qe, ref) <= F32
 
 
+@pytest.mark.parametrize("path", ["eager", "op"])
 @pytest.mark.parametrize("variant", ["flat", "rows"])
 @pytest.mark.parametrize("layout", [1, 2])
 @pytest.mark.parametrize("dims", [(12, 8), (16, 16)])
-def test_rope_triton_kernel_variants(monkeypatch, variant, layout, dims):
+def test_rope_triton_kernel_variants(monkeypatch, path, variant, layout, dims):
     """Each Triton RoPE kernel (whole rows of q and k in one launch / half-row tiles), with and
-    without pass-through channels."""
+    without pass-through channels, picked by ``variant=`` for the forward and the backward, from
+    the public function and from the custom op that ``torch.compile`` traces."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
-    from liger_compat.kernels import _rope_triton
+    from liger_compat.kernels import _ops, _rope_triton
 
     calls = {"flat": [], "rows": []}
     for name, attr in (("flat", "_rope_flat"), ("rows", "_rope_one")):
         real = getattr(_rope_triton, attr)
         monkeypatch.setattr(_rope_triton, attr, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
-    monkeypatch.setattr(_rope_triton, "ROPE_KERNEL_VARIANT", variant)
     g = torch.Generator().manual_seed(5)
     q, k, cos, sin = _rope_inputs(g, 2, 3, 1, 5, dims[0], dims[1], torch.float32, layout, True)
-    qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout)
+    if path == "eager":
+        qe, ke = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=layout, variant=variant)
+    else:
+        cos_u, sin_u = cos.unsqueeze(layout), sin.unsqueeze(layout)
+        qe, ke = _ops.rope(q, k, cos_u, sin_u, False, q.dtype, k.dtype, "auto", variant)
     assert [n for n, c in calls.items() if c] == [variant]
     assert rel_err(qe, rope64(q, cos, sin, layout)) <= F32 and rel_err(ke, rope64(k, cos, sin, layout)) <= F32
+    forward_calls = len(calls[variant])
     gq, gk = torch.randn(qe.shape, generator=g), torch.randn(ke.shape, generator=g)
     dq, dk = torch.autograd.grad((qe * gq).sum() + (ke * gk).sum(), (q, k))
+    assert [n for n, c in calls.items() if c] == [variant] and len(calls[variant]) == 2 * forward_calls
     q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
     rq, rk = torch.autograd.grad((rope64(q64, cos, sin, layout) * gq).sum() + (rope64(k64, cos, sin, layout) * gk).sum(), (q64, k64))
     assert rel_err(dq, rq) <= F32 and rel_err(dk, rk) <= F32
 
+
+@pytest.mark.parametrize("variant", ["half", "FLAT", None])
+def test_rope_unknown_variant_raises(variant):
+    """The torch reference ignores ``variant`` but still refuses one the Triton path has not."""
+    g = torch.Generator().manual_seed(6)
+    q, k, cos, sin = _rope_inputs(g, 1, 2, 1, 3, 8, 8, torch.float32, 1, False)
+    with pytest.raises(ValueError, match=r"^variant must be one of flat, rows, got "):
+        apply_rotary_pos_emb(q, k, cos, sin, variant=variant)
+    if HAS_TRITON:
+        from liger_compat.kernels._rope_triton import rope_triton
+
+        with pytest.raises(ValueError, match=r"^variant must be one of flat, rows, got "):
+            rope_triton(q, k, cos[:, None], sin[:, None], False, q.dtype, k.dtype, variant=variant)
 
 
 def test_rope_on_slices_of_a_fused_qkv_projection(monkeypatch):
