@@ -73,10 +73,10 @@ def guarded(kernel: str, refusal: str | None, run_kernel: Callable[[], Any],
     error inside it is a bug, and raises."""
     if refusal is None:
         return run_kernel(), True
-    key = (kernel, kernel_refusal)
+    key = (kernel, refusal)
     if key not in _refused:
         _refused.add(key)
-        log.warning("liger_compat: %s kernel refuses an input, native code used: %s", kernel, kernel_refusal)
+        log.warning("liger_compat: %s kernel refuses an input, native code used: %s", kernel, refusal)
     return run_native(), False
 
 
@@ -115,13 +115,19 @@ class ModuleShim:
         self.left_alone.clear()
         self.patched.clear()
 
-    def wrap_class_forward(self, module: Any, cls: type, wrapper: Any, patches: ShimPatches) -> None:
-        current = vars(cls)["forward"]
+    def free(self, module: Any, current: Any, wrapper: Any, what: str) -> bool:
+        """Whether ``current`` is to be wrapped: not ours already, and not replaced by another library
+        (that is reported as a conflict and left alone)."""
         if is_ours(current, wrapper):
-            return
+            return False
         owner = conflicts.foreign_owner(current)
         if owner is not None:
-            self.conflict(module, f"{cls.__name__}.forward", owner)
+            self.conflict(module, what, owner)
+            return False
+        return True
+
+    def wrap_class_forward(self, module: Any, cls: type, wrapper: Any, patches: ShimPatches) -> None:
+        if not self.free(module, vars(cls)["forward"], wrapper, f"{cls.__name__}.forward"):
             return
         patches.wrap(cls, "forward", wrapper, traceable=True)
         self.patched.setdefault(module.__name__, []).append(cls.__name__)
@@ -153,9 +159,20 @@ def replaced_classes(test: Callable[[str], bool]) -> Callable[[Any], str | None]
     return check
 
 
-#: class-level wrapper -> the function bound to instances for the same job; a bound method (not a
-#: closure) so that ``copy.deepcopy(model)`` (trl's reference models) rebinds it to the copy
+#: class-level wrapper -> the function bound to instances for the same job, as a bound method so
+#: that ``copy.deepcopy(model)`` (trl's reference models) rebinds it to the copy
 INSTANCE_FORWARDS: dict[Any, Any] = {}
+
+
+def instance_forward(wrapper: Any) -> Any:
+    """The instance-level forward running ``wrapper`` around the class's own forward (one per wrapper)."""
+    fn = INSTANCE_FORWARDS.get(wrapper)
+    if fn is None:
+        def fn(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(type(self).forward.__get__(self, type(self)), self, args, kwargs)
+
+        INSTANCE_FORWARDS[wrapper] = fn
+    return fn
 
 
 def _class_covered(cls: type, wrapper: Any) -> bool:
@@ -177,7 +194,7 @@ def patch_instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], 
             continue
         d = vars(m)
         if "forward" in d:
-            if getattr(d["forward"], "__func__", None) is INSTANCE_FORWARDS[wrapper]:
+            if getattr(d["forward"], "__func__", None) is instance_forward(wrapper):
                 continue
             owner = conflicts.instance_override(m)
             if owner is not None:
@@ -185,7 +202,7 @@ def patch_instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], 
             continue
         if _class_covered(cls, wrapper) or conflicts.known_patcher(cls) is not None or not structural(m):
             continue
-        patches.set(m, "forward", types.MethodType(INSTANCE_FORWARDS[wrapper], m))
+        patches.set(m, "forward", types.MethodType(instance_forward(wrapper), m))
         changed = True
     return changed
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from .._log import log
 from .. import _config
 from ..compat import families
-from ._module_shims import (INSTANCE_FORWARDS, UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
+from ._module_shims import (UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
                             guarded, patch_instances, kernel_refusal, replaced_classes)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
@@ -116,7 +116,7 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     refusal = kernel_refusal(checks)
     if refusal is None and not _mlp_matches(wrapped, instance, x, project_in, down_proj, kind):
         return wrapped(*args)
-    return guarded(kernel_name, kernel_refusal,
+    return guarded(kernel_name, refusal,
                     lambda: kernels.gated_project(gate, up, down_proj, activation=kind, inplace_backward=True),
                     lambda: down_proj(act(gate) * up))[0]
 
@@ -171,13 +171,6 @@ def refused(module_name: str) -> list[str]:
 
 
 STATE = ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps, replaced_classes(_is_mlp_name))
-
-
-def _mlp_instance_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-    return mlp_forward(type(self).forward.__get__(self, type(self)), self, args, kwargs)
-
-
-INSTANCE_FORWARDS[mlp_forward] = _mlp_instance_forward
 
 
 def _mlp_instances(model: Any, patches: PatchSet) -> bool:

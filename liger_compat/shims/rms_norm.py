@@ -16,7 +16,7 @@ from typing import Any, Callable
 from .._log import log
 from .. import _config
 from ..compat import families
-from ._module_shims import (INSTANCE_FORWARDS, UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
+from ._module_shims import (UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
                             guarded, patch_instances, kernel_refusal, replaced_classes)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
@@ -105,7 +105,7 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
         return wrapped(x)
     refusal = kernel_refusal(lambda: _rms_checks(x, instance.weight))
     if refusal is not None:  # the mode probe below would run the kernel on these dtypes
-        return guarded("rms_norm", kernel_refusal, lambda: None, lambda: wrapped(x))[0]
+        return guarded("rms_norm", refusal, lambda: None, lambda: wrapped(x))[0]
     if compiling():
         fam = families.BY_MODULE.get(type(instance).__module__)
         mode: Any = (fam.rms_offset, fam.rms_casting) if fam else None
@@ -115,7 +115,7 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
         return wrapped(x)
     from .. import kernels
 
-    return guarded("rms_norm", kernel_refusal, lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0],
+    return guarded("rms_norm", refusal, lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0],
                                                                   casting=mode[1]), lambda: wrapped(x))[0]
 
 
@@ -133,13 +133,6 @@ def refused(module_name: str) -> list[str]:
 
 
 STATE = ModuleShim("transformers.rms_norm", "rms_norm", _patch_norms, replaced_classes(_is_rms_name))
-
-
-def _rms_instance_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-    return rms_forward(type(self).forward.__get__(self, type(self)), self, args, kwargs)
-
-
-INSTANCE_FORWARDS[rms_forward] = _rms_instance_forward
 
 
 def _norm_instances(model: Any, patches: PatchSet) -> bool:

@@ -132,7 +132,7 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
             log.warning("liger_compat: %s.%s keeps its native code: the rotary kernel does not reproduce it",
                         getattr(unwrap(wrapped), "__module__", "?"), _ROPE_FN)
             return wrapped(*args, **kwargs)
-    return guarded(_ROPE, kernel_refusal, run_kernel, lambda: wrapped(*args, **kwargs))[0]
+    return guarded(_ROPE, refusal, run_kernel, lambda: wrapped(*args, **kwargs))[0]
 
 
 #: (native function, head dim, rotary dim, cos rank, unsqueeze_dim, dtypes) -> kernel reproduces it
@@ -196,11 +196,7 @@ def _patch_rope(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
     current = vars(module).get(_ROPE_FN)
     if current is None or not callable(current):
         return
-    if is_ours(current, rope_forward):
-        return
-    owner = conflicts.foreign_owner(current)
-    if owner is not None:
-        self.conflict(module, f"{module.__name__}.{_ROPE_FN}", owner)
+    if not self.free(module, current, rope_forward, f"{module.__name__}.{_ROPE_FN}"):
         return
     params = signature(current).parameters
     if not {"q", "k", "cos", "sin"} <= set(params):
