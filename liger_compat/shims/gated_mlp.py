@@ -121,9 +121,9 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
                     lambda: down_proj(act(gate) * up))[0]
 
 
-#: (class, input dtype) -> whether ``down(act(gate) * up)`` reproduces the class's forward; (class,
-#: None) -> False for an ``*MLP`` class that is no gated MLP of ours (gpt-oss's router and experts,
-#: Nemotron's relu^2 MLP): recorded for the report
+#: (class, input dtype, autocast dtype or None) -> whether ``down(act(gate) * up)`` reproduces the
+#: class's forward; (class, None) -> False for an ``*MLP`` class that is no gated MLP of ours
+#: (gpt-oss's router and experts, Nemotron's relu^2 MLP): recorded for the report
 _mlp_verdicts: dict[tuple[Any, Any], bool] = {}
 
 
@@ -138,11 +138,15 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     """The structural probe of a gated MLP: its native forward and the gated kernel on this input,
     once per class and dtype. A class whose forward does more than ``down(act(gate) * up)`` (Falcon-H1's
     gate / down multipliers, a clamped SwiGLU) fails it and keeps its native forward."""
-    key = (type(m), x.dtype)
+    import torch
+
+    # under autocast the projections run in the autocast dtype: a verdict (and the tolerance) of its
+    # own, so one autocast call never turns the kernel off for the plain dtype or the other way round
+    autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+    key = (type(m), x.dtype, autocast)
     hit = _mlp_verdicts.get(key)
     if hit is not None or compiling():
         return True if hit is None else hit
-    import torch
 
     from .. import kernels
 
@@ -151,7 +155,7 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
         ref = native(probe)
         gate, up = project_in(probe)
         got = kernels.gated_project(gate.contiguous(), up.contiguous(), down_proj, activation=kind)
-    ok = isinstance(ref, torch.Tensor) and close(got, ref, x.dtype)
+    ok = isinstance(ref, torch.Tensor) and close(got, ref, autocast or x.dtype)
     if not ok:
         log.warning("liger_compat: %s keeps its native forward: it is not down(%s(gate) * up)", type(m).__name__, kind)
     _mlp_verdicts[key] = ok

@@ -147,9 +147,13 @@ def _probe_rope_function(fn: Any) -> None:
 
     from .. import kernels
 
-    g = torch.Generator().manual_seed(7)
-    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 3, 8, generator=g)
-    angles = torch.randn(1, 3, 4, generator=g)
+    # on the CPU whatever the default device: a modeling module is often first imported inside
+    # ``with torch.device("cuda" / "meta")`` (model construction), where tensors made without a
+    # device would land there and the probe, and with it the module's patch, would fail
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q = torch.randn(1, 2, 3, 8, generator=g, device="cpu")
+    k = torch.randn(1, 1, 3, 8, generator=g, device="cpu")
+    angles = torch.randn(1, 3, 4, generator=g, device="cpu")
     results = []
     # a full-width cos (Llama's layout) and a half-width one (partial rotary, or gpt-oss's halves)
     for cos, sin in ((torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)),

@@ -328,3 +328,64 @@ def test_patched_norm_and_mlp_keep_neither_activation_and_pass_down_projs_errors
     finally:
         liger_compat.revert()
         liger_compat.apply()
+
+
+_DEFAULT_DEVICE_SCRIPT = """
+import json, sys, torch, liger_compat, transformers
+from liger_compat import kernels
+from liger_compat.compat.tiny_models import build, modeling_module
+from liger_compat.compat.families import BY_NAME
+from liger_compat.shims import REGISTRY
+how, family = sys.argv[1], sys.argv[2]
+name = BY_NAME[family].module
+if how == "context":
+    with torch.device("meta"):
+        __import__(name)
+else:
+    torch.set_default_device("meta")
+    __import__(name)
+    torch.set_default_device("cpu")
+model = build(family).train()
+g = torch.Generator().manual_seed(5)
+ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=g)
+kernels.last_backend.clear()
+model(input_ids=ids, labels=ids).loss.backward()
+print(json.dumps({"errors": {s.id: s.module_errors for s in REGISTRY.shims() if s.module_errors},
+                  "kernels": sorted(kernels.last_backend)}))
+"""
+
+
+@pytest.mark.parametrize("how", ["context", "set_default_device"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_modeling_module_imported_under_another_default_device_is_patched(how, family):
+    """Models are often built inside ``with torch.device("cuda" / "meta")`` or after
+    ``torch.set_default_device``, and that is where transformers first imports the modeling module:
+    the patch-time probes must not make their tensors there (the RoPE probe did, and the module
+    kept its native rotary function: about 8 % of a Llama-3.2-1B training step on an H100)."""
+    import json
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_SCRIPT, how, family], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["errors"] == {}, out["errors"]
+    assert {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"} <= set(out["kernels"]), out["kernels"]
+
+
+def test_an_autocast_call_leaves_the_plain_dtype_on_the_kernel(monkeypatch):
+    """The gated-MLP probe decides once per class and dtype; under autocast the projections run in
+    bf16 while the input is float32, so that call is judged on its own (at bf16's tolerance) and a
+    float32 call afterwards still takes the kernel, with the native loss."""
+    monkeypatch.setattr(gated_mlp, "_mlp_verdicts", {})
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=21)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=labels)
+    kernels.last_backend.clear()
+    out = model(input_ids=ids, labels=labels)
+    assert "swiglu" in kernels.last_backend, sorted(kernels.last_backend)
+    with native():
+        ref = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert all(ok for key, ok in gated_mlp._mlp_verdicts.items() if key[0].__name__ == "LlamaMLP"), gated_mlp._mlp_verdicts
