@@ -8,7 +8,9 @@ Inference, where training-step tables say nothing: the patched model decodes one
 step, so every RMSNorm, rotary and MLP kernel runs on a handful of rows and launch/wrapper
 overhead shows. Models as in ``benchmarks.e2e`` (random weights from config, bf16, SDPA, eval
 mode, the same seed everywhere), prompts of ``BxS`` random ids, ``model.generate`` greedy with
-exactly ``--new-tokens`` new tokens (no EOS), the default dynamic cache. Each
+exactly ``--new-tokens`` new tokens (no EOS), the default dynamic cache. liger_compat runs the
+decode steps' RMSNorm, RoPE and MLP natively by default (``LIGER_COMPAT_DECODE_NATIVE``);
+``liger_compat_decode_kernels`` is liger_compat with its kernels there too. Each
 (model, implementation) runs in a fresh interpreter (patches never leak), all shapes in it;
 with ``--repeats R`` the implementations run R times, in the given order and then reversed.
 
@@ -34,14 +36,18 @@ from pathlib import Path
 from . import _results
 from .e2e import MODELS as E2E_MODELS
 
-IMPLS = ("native", "liger_kernel", "liger_compat")
+IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_decode_kernels")
+DEFAULT_IMPLS = IMPLS[:3]
+#: liger_compat under other settings: its kernels in the decode steps too (they run natively by default)
+VARIANTS = {"liger_compat_decode_kernels": {"LIGER_COMPAT_DECODE_NATIVE": "0"}}
 #: the e2e models, plus a tiny Llama to try the script on a CPU (``--models tiny-llama --device cpu``)
 MODELS = {**E2E_MODELS, "tiny-llama": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512)}
 
 
 def _build(model_name: str, impl: str, device: str):
-    if impl == "liger_compat":
+    if impl.startswith("liger_compat"):
+        os.environ.update(VARIANTS.get(impl, {}))
         import liger_compat  # noqa: F401  (first import, as a user would)
     import torch
     import transformers
@@ -111,7 +117,7 @@ def _one(model_name: str, shapes: list[str], impl: str, new_tokens: int, calls: 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     applied = None
-    if impl == "liger_compat":
+    if impl.startswith("liger_compat"):
         import liger_compat
 
         applied = sorted(s["id"] for s in liger_compat.check().shims if s["state"] == "applied")
@@ -142,7 +148,7 @@ def _one(model_name: str, shapes: list[str], impl: str, new_tokens: int, calls: 
                        new_tokens_per_s=bsz * new_tokens / t)
         except torch.OutOfMemoryError:
             res.update(status="OOM")
-        if impl == "liger_compat" and res.get("status") == "ok":
+        if impl.startswith("liger_compat") and res.get("status") == "ok":
             res["per_call_us"] = _per_call(model, cfg, bsz, device, sync)
         rows.append(res)
     return rows
@@ -214,15 +220,15 @@ def _markdown(rows: list[dict]) -> str:
     per = [r for r in rows if r.get("per_call_us")]
     if per:
         lines += ["", "Per call at a decode step (`[batch, 1, hidden]`, bf16, no grad), the first layer's modules "
-                  "in the liger_compat process: patched vs the same module's native forward, microseconds "
+                  "in each liger_compat process: patched vs the same module's native forward, microseconds "
                   "(CPU-bound: launches and Python).", "",
-                  "| model | batch | RMSNorm patched / native | MLP patched / native | RoPE patched / native |",
-                  "|---|---:|---|---|---|"]
+                  "| model | batch | impl | RMSNorm patched / native | MLP patched / native | RoPE patched / native |",
+                  "|---|---:|---|---|---|---|"]
         for r in per:
             c = r["per_call_us"]
             cell = lambda k: f"{c[k]['patched_us']:.0f} / {c[k]['native_us']:.0f}" if k in c else "-"  # noqa: E731
-            lines.append(f"| {r['model']} | {r['shape'].split('x')[0]} | {cell('rms_norm')} | {cell('gated_mlp')} | "
-                         f"{cell('rope')} |")
+            lines.append(f"| {r['model']} | {r['shape'].split('x')[0]} | {r['impl']} | {cell('rms_norm')} | "
+                         f"{cell('gated_mlp')} | {cell('rope')} |")
     if applied:
         lines += ["", "liger_compat shims applied: " + ", ".join(applied)]
     return "\n".join(lines) + "\n"
@@ -234,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1x512,8x512", help="BATCHxPROMPT, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--calls", type=int, default=3, help="timed generate calls per shape (after one warm-up)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help=f"any of {', '.join(IMPLS)}")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"any of {', '.join(IMPLS)}")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     ap.add_argument("--name", default="generate")

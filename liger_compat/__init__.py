@@ -27,7 +27,7 @@ from .shims import load_all as _load_all
 
 
 def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
-              return_logits: bool | None = None) -> None:
+              return_logits: bool | None = None, decode_native: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -36,9 +36,14 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     turns on input checks that need a host sync: targets outside the vocabulary then raise
     before the loss runs on the GPU, instead of being reported by the kernel after it.
     ``return_logits=True`` makes the fused causal-LM loss return the logits too, unless a call
-    passes its own ``return_logits=`` (``LIGER_COMPAT_RETURN_LOGITS``).
+    passes its own ``return_logits=`` (``LIGER_COMPAT_RETURN_LOGITS``). ``decode_native=False``
+    keeps the RMSNorm, RoPE and MLP kernels in decode steps too (``LIGER_COMPAT_DECODE_NATIVE``:
+    by default a call with no autograd graph and one position per sequence runs natively).
     """
     s = _config.settings
+    if decode_native is not None:
+        s.decode_native = _config.parse_bool(decode_native, "decode_native")
+        s.source["decode_native"] = "configure()"
     if kernels is not None:
         s.kernels = _config.parse_kernels(kernels)  # raises before anything changes
         s.source["kernels"] = "configure()"

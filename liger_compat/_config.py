@@ -74,6 +74,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("flce_logits", "LIGER_COMPAT_FLCE_LOGITS", "auto", ", ".join(FLCE_LOGITS)),
     Setting("mlp_recompute", "LIGER_COMPAT_MLP_RECOMPUTE", "1",
             f"1, 0, or comma-separated names from {', '.join(MLP_RECOMPUTE_PARTS)}"),
+    Setting("decode_native", "LIGER_COMPAT_DECODE_NATIVE", "1", _ONOFF),
 )
 _BY_ATTR = {s.attr: s for s in SETTINGS}
 
@@ -122,11 +123,12 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 class Settings(Record):
     _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
-               "mlp_recompute", "source")
+               "mlp_recompute", "decode_native", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
                  source: dict[str, str] | None = None, flce_mode: str = "auto", return_logits: bool = False,
-                 flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1") -> None:
+                 flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1",
+                 decode_native: bool = True) -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
@@ -138,6 +140,8 @@ class Settings(Record):
         self.flce_chunk_mb = flce_chunk_mb
         self.flce_logits = flce_logits
         self.mlp_recompute = mlp_recompute
+        #: a decode step (no grad, one position per sequence) runs the RMSNorm, RoPE and MLP natively
+        self.decode_native = decode_native
         #: where a setting came from, for the report (absent: the default)
         self.source: dict[str, str] = {} if source is None else source
 
@@ -149,7 +153,7 @@ def _from_env(environ: Any = None) -> Settings:
         raw = env.get(spec.env)
         if raw is None:
             continue
-        if spec.attr in ("disabled", "debug", "return_logits", "kernels"):
+        if spec.attr in ("disabled", "debug", "return_logits", "kernels", "decode_native"):
             # used at import or on every call: a bad value is reported and ignored, never breaks the import
             try:
                 value: Any = parse_kernels(raw) if spec.attr == "kernels" else parse_bool(raw, spec.env)
@@ -257,7 +261,7 @@ def describe() -> list[dict[str, str]]:
 def _shown(attr: str) -> str:
     if attr == "kernels":
         return ",".join(k for k in ALL_KERNELS if k in settings.kernels) or "none"
-    if attr in ("disabled", "debug", "return_logits"):
+    if attr in ("disabled", "debug", "return_logits", "decode_native"):
         return "1" if getattr(settings, attr) else "0"
     if attr == "flce_mode":
         return flce_mode()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import types
 from typing import Any, Callable
 
+from .. import _config
 from .._log import log
 from ..compat import conflicts, families
 from ._patching import PatchSet, ShimPatches, is_ours
@@ -49,6 +50,22 @@ def foreign_replacements(module: Any, test: Callable[[str], bool]) -> list[tuple
             if owner is not None:
                 out.append((cls_name, owner))
     return out
+
+
+def decode_step(x: Any) -> bool:
+    """Whether a module call on ``x`` is a decode step that runs transformers' own code
+    (``LIGER_COMPAT_DECODE_NATIVE``, on by default): no autograd graph is being built
+    (``no_grad`` / ``inference_mode``, as in ``generate``), not under ``torch.compile``, and one
+    position per sequence (``x.shape[-2] == 1``: hidden states ``[batch, 1, hidden]``, or the
+    rotary ``cos`` ``[batch, 1, dim]``). There each kernel gets a handful of rows, where its launch
+    costs more than the native ops it replaces, and with no backward there is no memory to save.
+    Calls over whole sequences (prefill, evaluation, a reference model's forward) keep the kernels,
+    so a policy and its reference model still compute the same way."""
+    import torch
+
+    if not _config.settings.decode_native or torch.is_grad_enabled():
+        return False
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] == 1 and not compiling()
 
 
 _refused: set[tuple[str, str]] = set()
