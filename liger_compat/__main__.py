@@ -1,7 +1,8 @@
-"""The command line: ``python -m liger_compat check [--json] [--deep]`` (also ``liger-compat``).
+"""The command line (``liger-compat`` or ``python -m liger_compat``): ``check [--json] [--deep]``;
+``run [OPTIONS] -- COMMAND``, ``enable`` and ``disable`` (:mod:`liger_compat.launcher`).
 
-Exit codes: 0 all is well, 1 an unmitigated known issue applies or a scenario failed,
-2 usage error.
+Exit codes of ``check``: 0 all is well, 1 an unmitigated known issue applies or a scenario failed,
+2 usage error. ``run`` exits with the command's exit code.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ _TARGETS = ("transformers", "trl")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="liger-compat", description="liger_compat diagnostics")
+    p = argparse.ArgumentParser(prog="liger-compat", description="liger_compat diagnostics and launcher")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     c = sub.add_parser("check", help="report versions, shims, known issues and matrix status")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -24,6 +25,23 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default=None, help="device for --deep (default: cuda if available, else cpu)")
     c.add_argument("--no-import", action="store_true",
                    help="do not import transformers/trl first (shims then show as waiting)")
+    from . import launcher
+
+    r = sub.add_parser("run", usage="liger-compat run [OPTIONS] -- COMMAND [ARGS ...]", help="run a command with liger_compat active in every Python process it starts",
+                       description="Run COMMAND with liger_compat active in every Python process it starts, "
+                                   "children included (torchrun, accelerate, deepspeed workers, trl / axolotl "
+                                   "command lines), without editing any script. The options set the "
+                                   "LIGER_COMPAT_* variables; the exit code is the command's.",
+                       epilog="example: liger-compat run --kernels fused_linear_cross_entropy,rms_norm -- "
+                              "torchrun --nproc_per_node 8 train.py")
+    launcher.add_run_arguments(r)
+    r.set_defaults(subparser=r)
+    target_help = "site-packages directory (default: this Python's, %s)"
+    e = sub.add_parser("enable", help="activate liger_compat in every Python of this environment at start-up "
+                                      "(writes a .pth file; undone by disable)")
+    e.add_argument("--target", metavar="DIR", default=None, help=target_help % launcher.STARTUP_FILE)
+    d = sub.add_parser("disable", help="remove the start-up file that enable wrote")
+    d.add_argument("--target", metavar="DIR", default=None, help=target_help % launcher.STARTUP_FILE)
     return p
 
 
@@ -34,6 +52,8 @@ def _progress(i: int, n: int, sc) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # exits 2 on a usage error
+    if args.command in ("run", "enable", "disable"):
+        return _launcher_command(args, parser)
     if args.command != "check":
         parser.print_help(sys.stderr)
         return 2
@@ -56,6 +76,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(report)
     return report.exit_code
+
+
+def _launcher_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import launcher
+
+    if args.command == "run":
+        return launcher.main_run(args, args.subparser)
+    try:
+        if args.command == "enable":
+            path = launcher.enable(args.target)
+            print(f"liger-compat: every Python reading {path.parent} now activates liger_compat at start-up "
+                  f"({path.name}); liger-compat disable{' --target ' + args.target if args.target else ''} undoes it")
+        else:
+            removed = launcher.disable(args.target)
+            print(f"liger-compat: removed {removed}" if removed else
+                  "liger-compat: no start-up file there; nothing to do")
+    except (ValueError, OSError) as exc:
+        print(f"liger-compat {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -272,3 +272,21 @@ def _shown(attr: str) -> str:
         return flce_logits()
     parts = mlp_recompute_parts()
     return "+".join(sorted(parts)) or "off"
+
+
+def check_value(attr: str, raw: str) -> str:
+    """``raw``, spelled as the variable of setting ``attr`` would be, checked as it is when used:
+    the value in the report's words, or the ``ValueError`` naming the variable. Used to reject a
+    bad value before a program starts (``liger-compat run``) rather than when a kernel runs."""
+    global settings
+    spec = _BY_ATTR[attr]
+    if attr == "kernels":
+        parse_kernels(raw)
+    elif attr in ("disabled", "debug", "return_logits", "decode_native"):
+        parse_bool(raw, spec.env)
+    probe = _from_env({spec.env: raw})
+    saved, settings = settings, probe
+    try:
+        return _shown(attr)
+    finally:
+        settings = saved

@@ -51,6 +51,7 @@ class Report:
     distributed: dict[str, Any] | None = None  # compat.distributed.detect(): launcher, engine, warnings
     heads: dict[str, str] = field(default_factory=dict)  # trl trainer -> the head that computes its loss
     advice: list[dict[str, Any]] = field(default_factory=list)  # compat.advice.advise()
+    activation: dict[str, Any] = field(default_factory=dict)  # how and in which process liger_compat was activated
 
     # -- verdict ----------------------------------------------------------------------------
     @property
@@ -87,6 +88,7 @@ class Report:
             "distributed": self.distributed,
             "heads": self.heads,
             "advice": self.advice,
+            "activation": self.activation,
             "ok": self.ok,
         }
 
@@ -136,6 +138,8 @@ def format_text(r: Report) -> str:
     tuning = s.get("tuning") or {}
     if tuning:
         out.append("  tuning: " + ", ".join(f"{k} {v}" for k, v in tuning.items()))
+    if r.activation:
+        out += ["", "Activation"] + _activation_lines(r.activation)
     variables = s.get("variables") or []
     if variables:
         out += ["", "Settings"]
@@ -188,6 +192,30 @@ def format_text(r: Report) -> str:
                                "PROBLEMS: " + ", ".join([f"{i.id} not mitigated" for i in r.unmitigated] +
                                                         [f"scenario {x.id} failed" for x in r.failed_scenarios]))]
     return "\n".join(out)
+
+
+def _activation_lines(a: dict[str, Any]) -> list[str]:
+    if "error" in a:
+        return [f"  unknown: {a['error']}"]
+    proc = a["process"]
+    line = f"  by {a['by']}, in pid {a['pid']}"
+    if proc["pid"] != a["pid"]:
+        line += f"; this process (pid {proc['pid']}) inherited it from there"
+    out = [line]
+    if a["ranks"]:
+        out.append("  rank variables: " + ", ".join(f"{k}={v}" for k, v in a["ranks"].items()))
+    files = a.get("startup_files") or []
+    out.append("  start-up file (liger-compat enable): " + (", ".join(files) if files else "none"))
+    return out
+
+
+def _activation() -> dict[str, Any]:
+    try:
+        from .. import _activation as activation, launcher
+
+        return {**activation.describe(), "startup_files": launcher.startup_files()}
+    except Exception as exc:  # the report always answers
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _issue_status(issue: known_issues.KnownIssue, shim_states: dict[str, str],
@@ -258,6 +286,7 @@ def build(deep: bool = False, ctx: scenarios.Context | None = None, progress: An
         distributed=_distributed_section(),
         heads=_heads(),
         advice=_advice(installed, matrix, issues),
+        activation=_activation(),
     )
 
 
