@@ -44,9 +44,9 @@ def activate(way):
 
 
 def _chain():
-    here = os.path.normcase(os.path.realpath(os.path.dirname(os.path.abspath(__file__))))
-    rest = [p for p in sys.path
-            if os.path.normcase(os.path.realpath(os.path.abspath(p or os.curdir))) != here]
+    # site has made the entries absolute; the launcher puts this directory resolved on PYTHONPATH
+    here = os.path.normcase(os.path.dirname(os.path.abspath(__file__)))
+    rest = [p for p in sys.path if os.path.normcase(os.path.abspath(p or os.curdir)) != here]
     sys.path[:] = rest
     from importlib.machinery import PathFinder
 

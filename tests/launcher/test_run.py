@@ -256,3 +256,10 @@ def test_check_reports_the_launcher_and_the_process():
     assert act["ranks"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
     plain = _run([sys.executable, "-c", code], env=_env())
     assert json.loads(plain.stdout)["how"] == "import"
+
+
+def test_readme_shows_the_current_help():
+    proc = _run([sys.executable, "-m", "liger_compat", "run", "--help"], env=_env(COLUMNS="100"))
+    assert proc.returncode == 0
+    readme = (ROOT / "README.md").read_text()
+    assert f"```\n{proc.stdout.rstrip()}\n```" in readme
