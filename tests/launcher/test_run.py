@@ -69,7 +69,9 @@ def _assert_fused_equals_native(fused: list[dict], native: list[dict]) -> None:
 
 def test_python_script_takes_the_fused_path_with_native_loss(tmp_path):
     seed = random.randrange(2**31)
-    fused = _train(tmp_path, "fused", LAUNCH + ["--", sys.executable], seed)
+    script = Path(sys.executable).with_name("liger-compat")  # the installed command, where there is one
+    launch = [str(script), "run"] if script.exists() else LAUNCH
+    fused = _train(tmp_path, "fused", launch + ["--", sys.executable], seed)
     native = _train(tmp_path, "native", [sys.executable], seed)
     assert len(fused) == len(native) == 1
     _assert_fused_equals_native(fused, native)
@@ -263,3 +265,20 @@ def test_readme_shows_the_current_help():
     assert proc.returncode == 0
     readme = (ROOT / "README.md").read_text()
     assert f"```\n{proc.stdout.rstrip()}\n```" in readme
+
+
+def test_check_value_names_the_variable_and_changes_nothing():
+    from liger_compat import _config
+
+    settings = _config.settings
+    before = repr(settings)
+    assert _config.check_value("flce_mode", "LowMem") == "lowmem"
+    assert _config.check_value("kernels", "rope,rmsnorm") == "rms_norm,rope"
+    assert _config.check_value("flce_chunk_mb", "64") == "64"
+    for attr, raw, variable in (("flce_mode", "fast", "LIGER_COMPAT_FLCE_MODE"),
+                                ("flce_chunk_mb", "0", "LIGER_COMPAT_FLCE_CHUNK_MB"),
+                                ("mlp_recompute", "weights", "LIGER_COMPAT_MLP_RECOMPUTE"),
+                                ("debug", "sometimes", "LIGER_COMPAT_DEBUG")):
+        with pytest.raises(ValueError, match=variable):
+            _config.check_value(attr, raw)
+    assert _config.settings is settings and repr(settings) == before
