@@ -186,11 +186,19 @@ def test_a_broken_sitecustomize_is_reported_as_python_does(tmp_path):
 
 
 def _broken_package(tmp_path: Path) -> Path:
-    """A directory whose ``liger_compat`` fails at import: a simulated broken activation (a missing
-    dependency, a bug) in the processes that find it first."""
+    """A directory whose ``liger_compat`` fails at import after the real package has activated its
+    hooks (it runs the real ``__init__`` over the real submodules, then raises): a simulated broken
+    activation (a bug, a missing dependency) in the processes that find it first."""
     broken = tmp_path / "broken"
     (broken / "liger_compat").mkdir(parents=True)
-    (broken / "liger_compat" / "__init__.py").write_text("raise RuntimeError('simulated failure at import')\n")
+    real = ROOT / "liger_compat"
+    (broken / "liger_compat" / "__init__.py").write_text(textwrap.dedent(f"""
+        __path__[:] = [{str(real)!r}]
+        _init = {str(real / "__init__.py")!r}
+        exec(compile(open(_init).read(), _init, "exec"))
+        assert _REGISTRY.active
+        raise RuntimeError("simulated failure at import")
+    """))
     return broken
 
 
