@@ -4,7 +4,7 @@ start-up ``sitecustomize`` (liger_compat's import included) and for the ``sitecu
 
     python benchmarks/launcher_startup.py [--runs 30]
 
-Wall times are the minimum over the runs (the machine's noise only adds); modules load from cached
+Wall times are the minimum over the runs, the three cases interleaved (the machine's noise only adds); modules load from cached
 bytecode, as in an installed package (a first run writes it). CPU only.
 """
 
@@ -23,13 +23,15 @@ sys.path.insert(0, str(ROOT))
 from liger_compat import launcher  # noqa: E402
 
 
-def _wall(cmd: list[str], env: dict[str, str], runs: int) -> float:
-    best = float("inf")
+def _walls(cases: dict[str, tuple[list[str], dict[str, str]]], runs: int) -> dict[str, float]:
+    """Best wall milliseconds of each case, the cases interleaved so that load changes hit them alike."""
+    best = dict.fromkeys(cases, float("inf"))
     for _ in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+        for name, (cmd, env) in cases.items():
+            t0 = time.perf_counter()
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: t * 1e3 for name, t in best.items()}
 
 
 def _importtime(env: dict[str, str], runs: int) -> tuple[float, float]:
@@ -59,9 +61,10 @@ def main() -> None:
     base.pop("PYTHONDONTWRITEBYTECODE", None)
     launched = launcher.command_env({}, base)
     subprocess.run([sys.executable, "-c", "import liger_compat"], env=launched, check=True)
-    native = _wall([sys.executable, "-c", "pass"], base, args.runs)
-    under = _wall([sys.executable, "-c", "pass"], launched, args.runs)
-    plain_import = _wall([sys.executable, "-c", "import liger_compat"], base, args.runs)
+    walls = _walls({"native": ([sys.executable, "-c", "pass"], base),
+                    "under": ([sys.executable, "-c", "pass"], launched),
+                    "import": ([sys.executable, "-c", "import liger_compat"], base)}, args.runs)
+    native, under, plain_import = walls["native"], walls["under"], walls["import"]
     site_ms, lc_ms = _importtime(launched, args.runs)
     print(f"python -c pass, native:                    {native:7.1f} ms")
     print(f"python -c pass, under liger-compat run:    {under:7.1f} ms  (+{under - native:.1f} ms)")
