@@ -3,6 +3,8 @@
 ``import liger_compat`` as the first line of a training script installs post-import hooks:
 shims for a library are applied when, and only when, that library is imported (before or
 after liger_compat). Importing this package does not import torch, transformers or trl.
+``liger-compat run -- COMMAND`` does the same in every Python process a command starts, for code
+that cannot be edited (:mod:`liger_compat.launcher`).
 
 Public API: :func:`check`, :func:`apply`, :func:`revert`, :func:`configure`, ``__version__``.
 ``LIGER_COMPAT_DISABLE=1`` turns everything off; ``LIGER_COMPAT_KERNELS`` picks kernels.
