@@ -88,7 +88,10 @@ def _message(bad: list[tuple[_Pending, list[int]]]) -> str:
     )
     if len(values) > 1:
         msg += f", also {values[1]}"
-    msg += "; their loss rows are NaN and their gradient rows zero)"
+    if p.op == "fused_linear_logprobs":
+        msg += "; their rows are scored as ignored: zero, with no gradient)"
+    else:
+        msg += "; their loss rows are NaN and their gradient rows zero)"
     if p.event is not None:
         msg += "; found on the GPU and read back without a sync, so raised after that call returned"
     if len(bad) > 1:
