@@ -6,7 +6,8 @@ A tiny random Llama (2 layers, hidden 32, vocabulary 256, 2 x 16 tokens): forwar
 and backward, so the step is almost all per-call host work (Python, dispatch), the regime where
 wrappers cost the most. Native and patched (``liger_compat.revert()`` / ``apply()``) alternate in
 batches of ``--steps`` steps, ``--rounds`` times; the figure is the ratio of the medians of the
-per-step times, and of the fastest batches. Prints one JSON line.
+per-step times, and of the fastest batches; and the Python calls of one step of each
+(:func:`call_counts`, independent of the machine's load). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -72,12 +73,43 @@ def step_times(steps: int = 200, rounds: int = 5, seed: int = 0) -> dict:
     }
 
 
+def call_counts(seed: int = 0) -> dict:
+    """Python function calls (``sys.setprofile``'s ``call`` and ``c_call`` events) of one native and
+    one patched step, after a warm-up: a figure the machine's load does not move."""
+    import liger_compat
+
+    model, ids, labels = tiny_llama(seed)
+
+    def one() -> int:
+        n = [0]
+
+        def prof(frame, event, arg):
+            if event in ("call", "c_call"):
+                n[0] += 1
+
+        model.zero_grad(set_to_none=True)
+        sys.setprofile(prof)
+        try:
+            model(input_ids=ids, labels=labels).loss.backward()
+        finally:
+            sys.setprofile(None)
+        return n[0]
+
+    out = {}
+    for label, switch in (("native", liger_compat.revert), ("patched", liger_compat.apply)):
+        switch()
+        one()
+        out[label] = one()
+    out["ratio"] = out["patched"] / out["native"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
-    print(json.dumps(step_times(a.steps, a.rounds)))
+    print(json.dumps({**step_times(a.steps, a.rounds), "python_calls": call_counts()}))
     return 0
 
 

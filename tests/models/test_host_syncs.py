@@ -1,0 +1,141 @@
+"""The training hot path makes no host sync the native step does not make, and costs little host time.
+
+* CPU, Triton's interpreter: the aten ops that read a value on the host (each a sync on the GPU)
+  during a patched tiny-Llama step (forward with labels, backward), the fused loss in both modes
+  and the log-prob head, counted against the native step (``host_reads.py`` says what is counted).
+* GPU (skipped here): the same steps under ``torch.cuda.set_sync_debug_mode("error")``.
+* CPU wall time of a tiny model's step, patched against native, in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+@pytest.fixture(scope="module")
+def interpreted_counts():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(HERE / "host_reads.py")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("patched, native", [
+    ("llama_patched", "llama_native"),
+    ("flce_chunked", "flce_native"),
+    ("flce_lowmem", "flce_native"),
+    ("logprob_uniform", "logprob_native"),
+    ("logprob_recompute", "logprob_native"),
+])
+def test_no_more_host_reads_than_native(interpreted_counts, patched, native):
+    counts = interpreted_counts
+    # the Triton kernels ran (interpreted), not the torch reference
+    assert {"fused_linear_cross_entropy", "rms_norm", "rope", "swiglu", "fused_linear_logprobs"} <= set(
+        k for k, v in counts["backends"].items() if v == "triton"), counts["backends"]
+    assert len(counts[patched]) <= len(counts[native]), (counts[patched], counts[native])
+
+
+def test_the_counter_sees_host_reads():
+    """The dispatch mode counts what it should: ``bool``, ``item``, ``nonzero``, masks, ``equal``."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from host_reads import count
+    finally:
+        sys.path.remove(str(HERE))
+    pytest.importorskip("triton")
+    x = torch.randn(5)
+    reads = count(lambda: (bool(x.sum() > 0), x.max().item(), (x > 0).nonzero(), x[x > 0], torch.equal(x, x)))
+    names = [r.split(" at ")[0] for r in reads]
+    for op in ("aten::_local_scalar_dense", "aten::nonzero", "aten::equal"):
+        assert op in names, reads
+    assert count(lambda: (x * 2).sum()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: no sync at all in the patched step (skipped without CUDA)
+# --------------------------------------------------------------------------------------------
+
+
+def _gpu_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).to("cuda", dtype).train()
+    ids = torch.randint(0, 32000, (2, 128), device="cuda")
+    labels = ids.clone()
+    labels[:, :17] = -100
+    return model, ids, labels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_step_makes_no_host_sync_on_gpu(dtype):
+    import liger_compat
+    from liger_compat.kernels import fused_linear_cross_entropy, fused_linear_logprobs, raise_target_errors
+
+    liger_compat.apply()
+    model, ids, labels = _gpu_llama(dtype)
+    h = torch.randn(300, 256, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(32000, 256, device="cuda", dtype=dtype) / 16).requires_grad_(True)
+    t = torch.randint(0, 32000, (300,), device="cuda")
+    t[::7] = -100
+    weights = torch.rand(300, device="cuda")
+
+    def steps():
+        model(input_ids=ids, labels=labels).loss.backward()
+        for mode in ("chunked", "lowmem"):
+            fused_linear_cross_entropy(h, w, t, mode=mode, return_token_accuracy=True).loss.backward()
+        out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy", "is_top1"), grad_mode="uniform")
+        (-out.log_probs.sum() / 300).backward()
+        out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy"), grad_mode="recompute")
+        (-(out.log_probs * weights).sum() + out.entropy.mean()).backward()
+
+    for _ in range(2):  # warm-up: Triton compiles, the structural probes run, auto picks its mode
+        steps()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            steps()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    raise_target_errors()  # good targets: nothing to report
+
+
+# --------------------------------------------------------------------------------------------
+# CPU wall time
+# --------------------------------------------------------------------------------------------
+
+
+#: the goal for a tiny model's patched CPU step against native's (per-call host work only)
+CPU_STEP_RATIO_GOAL = 1.1
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="the CPU path runs the kernels' torch references (more aten ops than native's modules); "
+                          "measured 2.6x after the host-sync work, see benchmarks.cpu_step", strict=False)
+def test_tiny_model_cpu_step_close_to_native():
+    """Alternating batches in one process, median step time (``benchmarks.cpu_step``). Marked
+    xfail, not skipped, so that the figure is printed and a run that meets the goal shows XPASS."""
+    from benchmarks.cpu_step import step_times
+
+    res = step_times(steps=60, rounds=5)
+    print(json.dumps(res))
+    assert res["ratio_median"] <= CPU_STEP_RATIO_GOAL, res
