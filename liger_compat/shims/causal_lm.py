@@ -55,6 +55,7 @@ along that flat sequence, as transformers' loss shifts them).
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any
 
@@ -283,6 +284,7 @@ def _plain_head(model: Any) -> Any:
 #: where ``get_text_config`` looks for a composite model's text part
 _TEXT_KEYS = ("text_encoder", "decoder", "generator", "text_config")
 _MISSING = object()
+_MISSINGS = (_MISSING,) * 3  # the default of each attribute read, for map(dict.get, names, _MISSINGS)
 #: id(config) -> (weak reference to it, its _TEXT_KEYS values, its text config)
 _text_configs: dict[int, tuple[Any, tuple, Any]] = {}
 #: (id(config), family) -> (weak reference, _TEXT_KEYS values, ((attribute, value), ...), quirks)
@@ -291,11 +293,11 @@ _quirks: dict[tuple[int, str], tuple[Any, tuple, tuple, tuple]] = {}
 
 def _subconfigs(config: Any) -> tuple:
     d = getattr(config, "__dict__", None)
-    return tuple(d.get(k) for k in _TEXT_KEYS) if d is not None else ()
+    return tuple(map(d.get, _TEXT_KEYS)) if d is not None else ()
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(operator.is_, a, b))  # identity: no config __eq__
 
 
 def _remember(cache: dict, key: Any, config: Any, entry: tuple) -> None:
@@ -351,8 +353,8 @@ def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None,
     key = (id(config), fam.name)
     hit = _quirks.get(key)
     if hit is not None and hit[0]() is config and _same(hit[1], _subconfigs(config)):
-        stored = _text_config(config).__dict__
-        if all(stored.get(name, _MISSING) == value for name, value in hit[2]):
+        names, values = hit[2]
+        if tuple(map(_text_config(config).__dict__.get, names, _MISSINGS)) == values:
             return hit[3]
     cfg = _text_config(config)
     result = _read_quirks(cfg, fam)
@@ -360,7 +362,8 @@ def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None,
     names = [getattr(type(cfg), "attribute_map", {}).get(a, a) for a in names]
     stored = getattr(cfg, "__dict__", None)
     if stored is not None and not any(isinstance(getattr(type(cfg), a, None), property) for a in names):
-        _remember(_quirks, key, config, (_subconfigs(config), tuple((a, stored.get(a, _MISSING)) for a in names),
+        names = tuple(names)
+        _remember(_quirks, key, config, (_subconfigs(config), (names, tuple(map(stored.get, names, _MISSINGS))),
                                          result))
     return result
 
