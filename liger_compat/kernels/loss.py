@@ -193,7 +193,8 @@ def _reduction_scale(target, opt, reduction, num_items_in_batch, device) -> tupl
         if isinstance(num_items_in_batch, torch.Tensor):
             n = num_items_in_batch.to(device=device, dtype=torch.float32)
         else:
-            n = torch.tensor(float(num_items_in_batch), device=device)
+            # filled on the device: torch.tensor(x, device=cuda) would copy from pageable memory (a sync)
+            n = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
         return n_valid, 1.0 / n
     if reduction == "mean":
         return n_valid, 1.0 / n_valid.clamp(min=1).float()

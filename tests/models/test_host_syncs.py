@@ -99,8 +99,10 @@ def test_patched_step_makes_no_host_sync_on_gpu(dtype):
 
     def steps():
         model(input_ids=ids, labels=labels).loss.backward()
+        model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(200, device="cuda")).loss.backward()
         for mode in ("chunked", "lowmem"):
             fused_linear_cross_entropy(h, w, t, mode=mode, return_token_accuracy=True).loss.backward()
+            fused_linear_cross_entropy(h, w, t, mode=mode, num_items_in_batch=250).backward()
         out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy", "is_top1"), grad_mode="uniform")
         (-out.log_probs.sum() / 300).backward()
         out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy"), grad_mode="recompute")
