@@ -63,6 +63,7 @@ from .. import _config
 from ..compat import conflicts, families
 from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
                             normalize_keep, pop_keep, stable_key)
+from ._module_shims import compiling
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
@@ -315,6 +316,8 @@ def _remember(cache: dict, key: Any, config: Any, entry: tuple) -> None:
 def _text_config(config: Any) -> Any:
     """The language model's config (``config.text_config`` of a vision-language model, else
     itself); looked up again whenever one of the config's text parts is replaced."""
+    if compiling():  # traced: the config's reads become guards; a cache filled while tracing would not
+        return _lookup_text_config(config)
     hit = _text_configs.get(id(config))
     if hit is not None and hit[0]() is config and _same(hit[1], _subconfigs(config)):
         return config if hit[2] is None else hit[2]
@@ -350,6 +353,8 @@ def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None,
     the attributes read change (they are compared as stored in the config's ``__dict__``; a
     config whose attribute is a property is read every time)."""
     config = model.config
+    if compiling():  # as in _text_config
+        return _read_quirks(_text_config(config), fam)
     key = (id(config), fam.name)
     hit = _quirks.get(key)
     if hit is not None and hit[0]() is config and _same(hit[1], _subconfigs(config)):
