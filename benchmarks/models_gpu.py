@@ -5,6 +5,14 @@ patched vs native with the same weights.
     python -m benchmarks.models_gpu [--families llama,qwen2,...] [--batch 2] [--seq 2048]
                                     [--hidden 1024] [--layers 2] [--vocab 128256] [--out DIR] [--name models_gpu]
     python -m benchmarks.models_gpu --device cpu --seq 64 --hidden 128 --vocab 512 --iters 1   # smoke run
+    python -m benchmarks.models_gpu --small --fresh 3 [--steps 30]   # timing only, fresh processes
+
+``--fresh N`` times instead of checking: native (``LIGER_COMPAT_DISABLE=1``) and patched each in
+their own fresh process, alternating, N processes of each; every process builds each family's
+bf16 model with the same weights, warms up, and times ``--steps`` forward + backward steps (CUDA
+events, median). The report gives per family the median over the processes and the ratio
+patched / native (below 1: faster than native), and the spread of the processes. ``--small``
+is the host-bound shape: 2 layers, hidden 1024, vocabulary 128256, 2 x 1024 tokens.
 
 For each family it reports
 
@@ -235,6 +243,100 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(out)
 
 
+def time_family(family: str, args) -> dict:
+    """This process's median step time of ``family`` (whatever liger_compat's state: the parent
+    starts native processes with ``LIGER_COMPAT_DISABLE=1``)."""
+    fam = BY_NAME.get(family)
+    if fam is None:
+        return {"family": family, "skipped": "not in the family table"}
+    if fam.why_native():
+        return {"family": family, "skipped": f"native forward: {fam.why_native()}"}
+    try:
+        model = make_model(family, args, torch.bfloat16)
+    except FamilyUnavailable as exc:
+        return {"family": family, "skipped": str(exc)}
+    kw, labels = batch(model, args, family)
+    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
+    for _ in range(3):  # warm-up: kernels compile, caches fill, the allocator settles
+        model.zero_grad(set_to_none=True)
+        model(**kw, labels=labels, use_cache=False).loss.backward()
+    ms = timed(model, kw, labels, args.steps)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"family": family, "ms": ms}
+
+
+def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    if which == "native":
+        env["LIGER_COMPAT_DISABLE"] = "1"
+    else:
+        env.pop("LIGER_COMPAT_DISABLE", None)
+    cmd = [sys.executable, "-m", "benchmarks.models_gpu", "--time-only", "--families", ",".join(families),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
+           "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--vocab", str(args.vocab),
+           "--steps", str(args.steps), "--device", args.device]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows[r["family"]] = r
+    if proc.returncode:
+        log(proc.stderr[-3000:])
+    return rows
+
+
+def fresh_timing(args, families: list[str]) -> list[dict]:
+    runs: dict[str, dict[str, list]] = {"native": {}, "patched": {}}
+    skipped: dict[str, str] = {}
+    for r in range(args.fresh):
+        for which in ("native", "patched") if r % 2 == 0 else ("patched", "native"):
+            t0 = time.perf_counter()
+            for fam, row in _child_times(which, args, families).items():
+                if "ms" in row:
+                    runs[which].setdefault(fam, []).append(row["ms"])
+                else:
+                    skipped[fam] = row.get("skipped") or row.get("error", "?")
+            log(f"round {r + 1}/{args.fresh} {which}: {time.perf_counter() - t0:.0f} s")
+    rows = []
+    for fam in families:
+        n, p = runs["native"].get(fam, []), runs["patched"].get(fam, [])
+        if not n or not p:
+            rows.append({"family": fam, "skipped": skipped.get(fam, "no timing (see the log)")})
+            continue
+        rows.append({"family": fam, "ms_native": statistics.median(n), "ms_patched": statistics.median(p),
+                     "ratio": statistics.median(p) / statistics.median(n),
+                     "ms_native_runs": n, "ms_patched_runs": p,
+                     "native_spread": (max(n) - min(n)) / statistics.median(n)})
+    return rows
+
+
+def timing_markdown(rows: list[dict], meta: dict) -> str:
+    out = [f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
+           f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; "
+           f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)", "",
+           "| family | ms native | ms patched | patched / native | native spread over processes |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['family']} | {r['skipped']} | | | |")
+            continue
+        out.append(f"| {r['family']} | {r['ms_native']:.2f} | {r['ms_patched']:.2f} | {r['ratio']:.3f} "
+                   f"| {100 * r['native_spread']:.0f} % |")
+    timed_rows = [r for r in rows if "ratio" in r]
+    if timed_rows:
+        slower = [r["family"] for r in timed_rows if r["ratio"] > 1.0]
+        out += ["", f"patched slower than native on {len(slower)} of {len(timed_rows)} families"
+                + (f": {', '.join(slower)}" if slower else "")]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(f.name for f in FAMILIES))
@@ -248,7 +350,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="models_gpu", help="result files <name>.json and <name>.md")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny sizes advised)")
+    ap.add_argument("--small", action="store_true",
+                    help="the host-bound shape: 2 layers, hidden 1024, vocabulary 128256, 2 x 1024 tokens")
+    ap.add_argument("--fresh", type=int, default=0,
+                    help="timing only: N fresh processes each of native and patched, alternating")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per family and process (--fresh)")
+    ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)  # one --fresh child
     args = ap.parse_args(argv)
+    if args.small:
+        args.layers, args.hidden, args.vocab, args.batch, args.seq = 2, 1024, 128256, 2, 1024
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    if args.time_only:
+        for family in families:
+            try:
+                row = time_family(family, args)
+            except Exception as exc:  # one family failing must not hide the others
+                row = {"family": family, "error": f"{type(exc).__name__}: {exc}"}
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         log("needs a CUDA GPU (or --device cpu for a smoke run)")
         return 2
@@ -263,6 +385,14 @@ def main(argv=None) -> int:
     from benchmarks import _results
 
     cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
+    if args.fresh:
+        meta.update(fresh=args.fresh, steps=args.steps)
+        rows = fresh_timing(args, families)
+        (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
+        md = _results.md_line(cmd) + timing_markdown(rows, meta)
+        (out / f"{args.name}.md").write_text(md + "\n")
+        log(md)
+        return 0
 
     def write() -> str:  # after every family, so a run cut short keeps what it measured
         (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
@@ -271,7 +401,7 @@ def main(argv=None) -> int:
         return md
 
     md = ""
-    for family in [f.strip() for f in args.families.split(",") if f.strip()]:
+    for family in families:
         t0 = time.perf_counter()
         try:
             row = run_family(family, args)

@@ -16,6 +16,15 @@ warm-up, the peak allocated memory over them, and the first logged loss. Impleme
 * ``trl_liger_compat``: ``import liger_compat`` first, default settings.
 
 Each runs in a fresh interpreter.
+
+``--profile`` adds, per implementation, a ``torch.profiler`` record of ``--profile-steps`` steps
+after the warm-up (not timed with the others) and writes ``<name>_<impl>_profile.txt``: the time
+of each phase of the step (data, forward + loss, backward, optimizer, logging: ranges this
+script marks on the trainer's own methods), the host syncs (``cudaStreamSynchronize``,
+``cudaDeviceSynchronize``, ``cudaEventSynchronize``, synchronous copies, and the aten ops that read
+a value on the host: ``item`` / ``_local_scalar_dense``, ``nonzero``, ``equal``, ``masked_select``),
+the GPU kernel time against the wall time, and the top operators by self CPU and by GPU time. The
+result row gets the phase times and sync counts.
 """
 
 from __future__ import annotations
@@ -52,7 +61,64 @@ def _tokenizer():
                                    unk_token="<unk>")
 
 
-def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dict:
+#: profiler event names that wait for the GPU (runtime calls) or read a device value on the host (aten)
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+               "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::masked_select",
+               "aten::is_nonzero")
+#: trainer methods whose calls are marked as phases of the step in the profile
+PHASES = {"get_batch_samples": "data", "compute_loss": "forward+loss", "_maybe_log_save_evaluate": "logging"}
+
+
+def _mark_phases(trainer) -> None:
+    """Wrap the trainer's phase methods (and the accelerator's backward, the optimizer's step once it
+    exists) in ``record_function`` ranges named ``phase:<name>``."""
+    import functools
+
+    from torch.profiler import record_function
+
+    def marked(fn, label):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            with record_function(f"phase:{label}"):
+                return fn(*a, **k)
+        return inner
+
+    for meth, label in PHASES.items():
+        if hasattr(trainer, meth):
+            setattr(trainer, meth, marked(getattr(trainer, meth), label))
+    trainer.accelerator.backward = marked(trainer.accelerator.backward, "backward")
+
+
+def _profile_summary(prof, n_steps: int, wall_ms: float) -> tuple[str, dict]:
+    ev = prof.key_averages()
+    per = lambda x: x / n_steps / 1e3  # noqa: E731  (us in total -> ms per step)
+    phases = {e.key[len("phase:"):]: per(e.cpu_time_total) for e in ev if e.key.startswith("phase:")}
+    opt = [e for e in ev if e.key.startswith("Optimizer.step#")]
+    if opt:
+        phases["optimizer"] = per(sum(e.cpu_time_total for e in opt))
+    syncs = {}
+    for e in ev:
+        for name in SYNC_EVENTS:
+            if e.key == name or (name == "cudaMemcpy" and e.key.startswith("cudaMemcpy") and "Async" not in e.key):
+                syncs[e.key] = syncs.get(e.key, 0) + e.count / n_steps
+    gpu_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+    kernels_ms = per(sum(getattr(e, gpu_attr, 0) for e in ev if e.device_type.name == "CPU"))
+    lines = [f"profile of {n_steps} steps; per step: wall {wall_ms:.2f} ms, GPU self time of all ops {kernels_ms:.2f} ms",
+             "", "phases (host time per step, ms; nested ranges overlap):"]
+    lines += [f"  {k:14s} {v:8.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])]
+    lines += ["", "host syncs per step:"] + [f"  {k:28s} {v:6.1f}" for k, v in sorted(syncs.items())]
+    lines += ["", "top operators by self CPU time:", ev.table(sort_by="self_cpu_time_total", row_limit=25)]
+    sort_gpu = "self_cuda_time_total" if gpu_attr == "self_cuda_time_total" else "self_device_time_total"
+    try:
+        lines += ["", "top operators by GPU time:", ev.table(sort_by=sort_gpu, row_limit=25)]
+    except Exception:  # no GPU events (CPU smoke run)
+        pass
+    summary = {"phases_ms": phases, "syncs_per_step": syncs, "gpu_self_ms": kernels_ms, "profiled_wall_ms": wall_ms}
+    return "\n".join(lines), summary
+
+
+def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profile_steps: int = 0,
+         out_dir: str | None = None, name: str = "trl_step") -> dict:
     if impl == "trl_liger_compat":
         import liger_compat  # noqa: F401  (first import, as a user would)
     import tempfile
@@ -76,11 +142,13 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
     with torch.device("cuda" if cuda else "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16 if cuda else torch.float32)
     g = torch.Generator().manual_seed(1)
-    rows = torch.randint(3, cfg.vocab_size, (bsz * (steps + warmup), seq), generator=g)
+    rows = torch.randint(3, cfg.vocab_size, (bsz * (steps + warmup + profile_steps), seq), generator=g)
     ds = Dataset.from_dict({"input_ids": rows.tolist()})
     tok = _tokenizer()
 
     times: list[float] = []
+    prof_state: dict = {}
+    last_timed = warmup + steps  # the profiled steps come after the timed ones
 
     class Timer(TrainerCallback):
         t0 = 0.0
@@ -90,21 +158,33 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             sync()
+            if profile_steps and state.global_step == last_timed:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                prof_state["prof"] = profile(activities=acts)
+                prof_state["prof"].__enter__()
+                prof_state["t0"] = time.perf_counter()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             sync()
-            if state.global_step > warmup:
+            if warmup < state.global_step <= last_timed:
                 times.append(time.perf_counter() - self.t0)
+            if "prof" in prof_state and state.global_step == last_timed + profile_steps:
+                prof_state["wall_ms"] = (time.perf_counter() - prof_state["t0"]) * 1e3 / profile_steps
+                prof_state["prof"].__exit__(None, None, None)
 
     res = {"model": model_name, "shape": shape, "impl": impl, "tokens": bsz * seq, "torch": torch.__version__,
            "transformers": transformers.__version__, "trl": trl.__version__, "gpu": torch.cuda.get_device_name(0) if cuda else "cpu"}
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(output_dir=out, per_device_train_batch_size=bsz, max_length=seq, bf16=cuda, use_cpu=not cuda,
-                         max_steps=steps + warmup, learning_rate=1e-5, logging_steps=1, report_to="none",
+                         max_steps=steps + warmup + profile_steps, learning_rate=1e-5, logging_steps=1, report_to="none",
                          save_strategy="no", optim="adamw_torch_fused" if cuda else "adamw_torch", dataloader_num_workers=0,
                          use_liger_kernel=impl == "trl_liger_kernel", gradient_checkpointing=False)
         trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+        if profile_steps:
+            _mark_phases(trainer)
         try:
             trainer.train()
         except torch.OutOfMemoryError:
@@ -114,6 +194,15 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
     step = statistics.median(times)
     res.update(status="ok", step_ms=step * 1e3, tokens_per_s=bsz * seq / step, steps_ms=[t * 1e3 for t in times],
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), first_loss=losses[0] if losses else None)
+    if "wall_ms" in prof_state:
+        text, summary = _profile_summary(prof_state["prof"], profile_steps, prof_state["wall_ms"])
+        res["profile"] = summary
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, f"{name}_{model_name}_{shape}_{impl}_profile.txt")
+            with open(path, "w") as f:
+                f.write(f"{impl}, {model_name}, {shape}\n{text}\n")
+            res["profile_file"] = path
     if impl == "trl_liger_compat":
         import liger_compat
 
@@ -155,10 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     ap.add_argument("--name", default="trl_step")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile --profile-steps steps after the timed ones: <name>_<model>_<shape>_<impl>_profile.txt")
+    ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
-        print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup)), flush=True)
+        print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup,
+                                          profile_steps=a.profile_steps if a.profile else 0, out_dir=a.out,
+                                          name=a.name)), flush=True)
         return 0
     for m in a.models.split(","):
         if m not in MODEL_SPECS:
@@ -177,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in a.shapes.split(","):
             for impl in a.impls.split(","):
                 cmd = [sys.executable, "-m", "benchmarks.trl_step", "--one", m, s, impl,
-                       "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                       "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", a.out, "--name", a.name]
+                if a.profile:
+                    cmd += ["--profile", "--profile-steps", str(a.profile_steps)]
                 p = subprocess.run(cmd, capture_output=True, text=True)
                 got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 if got:

@@ -220,16 +220,25 @@ def mlp_recompute_parts() -> frozenset[str]:
     """The parts ``settings.mlp_recompute`` names (``1``/``all``: both, ``0``/``none``: neither);
     a ``ValueError`` naming ``LIGER_COMPAT_MLP_RECOMPUTE`` for anything else."""
     raw = settings.mlp_recompute
+    key = (type(raw), raw)
+    parts = _mlp_parts.get(key)  # parsed once per value: the MLP asks on every call
+    if parts is not None:
+        return parts
     value = str(raw).strip().lower()
     if value in TRUE_VALUES or value == "all":
-        return frozenset(MLP_RECOMPUTE_PARTS)
-    if value in FALSE_VALUES or value == "none":
-        return frozenset()
-    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
-    if not parts <= set(MLP_RECOMPUTE_PARTS):
-        raise ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from "
-                         f"{', '.join(MLP_RECOMPUTE_PARTS)}; got {raw!r}")
+        parts = frozenset(MLP_RECOMPUTE_PARTS)
+    elif value in FALSE_VALUES or value == "none":
+        parts = frozenset()
+    else:
+        parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+        if not parts <= set(MLP_RECOMPUTE_PARTS):
+            raise ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from "
+                             f"{', '.join(MLP_RECOMPUTE_PARTS)}; got {raw!r}")
+    _mlp_parts[key] = parts
     return parts
+
+
+_mlp_parts: dict[tuple, frozenset[str]] = {}
 
 
 def return_logits() -> bool:

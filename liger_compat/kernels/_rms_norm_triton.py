@@ -68,9 +68,21 @@ def _warps(block_h: int, override: int | None) -> int:
     return 16 if block_h >= 8192 else 8 if block_h >= 2048 else 4
 
 
+#: CUDA device index -> its multiprocessor count (``get_device_properties`` costs ~10 us a call)
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 def _programs(n: int, device: torch.device) -> int:
     if device.type == "cuda":
-        return max(1, min(n, torch.cuda.get_device_properties(device).multi_processor_count * BWD_PROGRAMS_PER_SM))
+        return max(1, min(n, _sm_count(device) * BWD_PROGRAMS_PER_SM))
     return max(1, min(n, 4))
 
 

@@ -7,14 +7,13 @@ NaN, its gradient zero, and the kernel records it in a three-element int64 tenso
 target or 0]``), folded into the launch that already reads the target.
 
 Reading that tensor on the host as soon as the loss returns would wait for the GPU. Instead
-:func:`watch` copies it without blocking into pinned host memory and records a CUDA event;
+:func:`watch` copies it without blocking into pinned host memory and records a CUDA event (both
+reused: a small pool, one buffer and event per call still in flight, usually one or two);
 :func:`poll` reads the copies whose event has completed (``event.query()``, which never waits)
-and raises :class:`TargetOutOfRangeError`. The loss functions poll when they are entered,
-when they return, at the start of their backward, and right after the fused loss's own host
-sync (the count of non-ignored rows), where every earlier call has finished. So a bad target
-on the GPU raises in that call's backward when the GPU has caught up by then, and at the latest
-in the next call of a fused loss. On CPU tensors the flag is read at once (no sync to save):
-the call itself raises. :func:`raise_target_errors` waits for the pending copies (their events
+and raises :class:`TargetOutOfRangeError`. The loss functions poll when they are entered and at
+the start of their backward. So a bad target on the GPU raises in that call's backward when the
+GPU has caught up by then, and at the latest in a later call of a loss. On CPU tensors the flag
+is read at once (no sync to save): the call itself raises. :func:`raise_target_errors` waits for the pending copies (their events
 only) and raises; ``settings.debug`` still checks the targets up front, synchronously.
 
 Inside CUDA graph capture nothing is watched (a replay could not report it): bad rows there
@@ -41,10 +40,13 @@ class _Pending(NamedTuple):
     op: str
     num_classes: int
     ignore_index: int
+    pooled: bool = False  # flag and event belong to _spare: handed back once read
 
 
 _pending: list[_Pending] = []
 _lock = threading.Lock()
+#: pinned host buffers and their events, free for the next :func:`watch`
+_spare: list[tuple[torch.Tensor, object]] = []
 
 
 def new_flag(device: torch.device) -> torch.Tensor:
@@ -63,20 +65,22 @@ def watch(flag: torch.Tensor, op: str, num_classes: int, ignore_index: int) -> N
     elif flag.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return
-        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        with _lock:
+            host, event = _spare.pop() if _spare else (None, None)
+        if host is None:
+            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+            event = torch.cuda.Event()
         host.copy_(flag, non_blocking=True)
-        event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(flag.device))  # where the copy was queued
-        entry = _Pending(host, event, op, num_classes, ignore_index)
+        entry = _Pending(host, event, op, num_classes, ignore_index, True)
     else:  # other accelerators run the torch reference; settings.debug checks up front there
         return
     with _lock:
         _pending.append(entry)
 
 
-def _message(bad: list[_Pending]) -> str:
-    p = bad[0]
-    count, high, low = (int(x) for x in p.flag.tolist())
+def _message(bad: list[tuple[_Pending, list[int]]]) -> str:
+    p, (count, high, low) = bad[0]
     values = [x for x in (high, low) if x != 0]
     msg = (
         f"target holds {values[0]}, outside the vocabulary [0, {p.num_classes}) and not ignore_index={p.ignore_index} "
@@ -84,7 +88,10 @@ def _message(bad: list[_Pending]) -> str:
     )
     if len(values) > 1:
         msg += f", also {values[1]}"
-    msg += "; their loss rows are NaN and their gradient rows zero)"
+    if p.op == "fused_linear_logprobs":
+        msg += "; their rows are scored as ignored: zero, with no gradient)"
+    else:
+        msg += "; their loss rows are NaN and their gradient rows zero)"
     if p.event is not None:
         msg += "; found on the GPU and read back without a sync, so raised after that call returned"
     if len(bad) > 1:
@@ -105,7 +112,13 @@ def poll() -> None:
         if not done:
             return
         _pending[:] = [p for p in _pending if not any(p is d for d in done)]
-    bad = [p for p in done if int(p.flag[0]) > 0]
+        bad = []
+        for p in done:
+            values = p.flag.tolist()  # host memory: the copy (its event has completed) or a CPU flag
+            if values[0] > 0:
+                bad.append((p, values))
+            if p.pooled:
+                _spare.append((p.flag, p.event))
     if bad:
         raise TargetOutOfRangeError(_message(bad))
 

@@ -16,7 +16,11 @@ recomputes each chunk's logits, turns them in place into ``d / d logits`` and ma
 the log-probs, SFT): the forward then also forms the gradients of ``sum(log_probs)`` (3 matmuls
 in all), and the backward scales them when the upstream gradient is the same for every
 non-ignored row and no entropy gradient arrives; otherwise it recomputes as above, so the result
-is the same either way. ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` carry no gradient.
+is the same either way. An upstream broadcast from one value (the gradient of ``sum``) is seen to
+be uniform without a host sync; any other upstream is compared on the device and read once.
+A target outside ``[0, V)`` (not ``ignore_index``) raises :class:`TargetOutOfRangeError` naming
+it: on CPU tensors from the call, on the GPU without a host sync, as the fused loss does
+(``raise_target_errors``); its row is scored as ignored meanwhile. ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` carry no gradient.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Callable, ContextManager, NamedTuple, Sequence
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _target_errors
 from .loss import FLCE_CHUNK_BYTES_CPU, _chunk_rows
 
 __all__ = ["fused_linear_logprobs", "LogProbOutput", "FIELDS", "lp_rows_torch"]
@@ -137,19 +141,24 @@ def _lp_rows(backend, *args, **kwargs):
 # --------------------------------------------------------------------------------------------
 
 
+def _watch_targets(t1: torch.Tensor, v: int, ignore_index: int) -> None:
+    """Targets outside ``[0, V)`` (not ``ignore_index``) recorded in a flag that
+    ``_target_errors`` reads back without a host sync (the row kernels score such rows as
+    ignored); on CPU tensors (the interpreter) it is read at once."""
+    t64 = t1.long()
+    oob = ((t64 < 0) | (t64 >= v)) & (t64 != ignore_index)
+    zero = t64.new_zeros(())
+    flag = torch.stack((oob.sum(), torch.where(oob & (t64 >= v), t64, zero).max(),
+                        torch.where(oob & (t64 < 0), t64, zero).min()))
+    _target_errors.watch(flag, "fused_linear_logprobs", v, ignore_index)
+    if flag.device.type != "cuda":
+        _target_errors.poll()
+
+
 def _rows_per_chunk(n, v, h, elem, backend, device):
     if device.type == "cpu":
         return max(1, min(n, FLCE_CHUNK_BYTES_CPU // (4 * v)))
     return _chunk_rows(n, v, h, elem, backend, device)
-
-
-def _valid_rows(target, opt, backend):
-    """Indices of the non-ignored rows (``None`` when that is all of them); one host sync."""
-    n = target.numel()
-    if n == 0:
-        return None
-    idx = (target != opt.ignore_index).nonzero().squeeze(1)
-    return None if idx.numel() == n else idx
 
 
 def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g_ent=None, lse=None, entropy=None):
@@ -240,14 +249,17 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
     return out, gh, gw, gb
 
 
-def _is_uniform(g: torch.Tensor, idx) -> torch.Tensor | None:
-    """The common value of ``g`` over the rows ``idx`` (all when ``None``) as a 0-d tensor, or
-    ``None`` when the rows differ (one host sync)."""
-    gv = g if idx is None else g.index_select(0, idx)
-    if gv.numel() == 0:
+def _is_uniform(g: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The common value of ``g`` over the non-ignored rows as a 0-d tensor, or ``None`` when
+    they differ. An upstream broadcast from one value (the gradient of a sum: stride 0) is
+    uniform by its layout, read without a host sync; any other takes one sync to compare."""
+    if g.numel() == 0:
         return g.new_zeros(())
-    first = gv[0]
-    return first if bool((gv == first).all()) else None
+    if g.numel() == 1 or g.stride(0) == 0:
+        return g.reshape(-1)[0]
+    valid = target != ignore_index
+    first = g.gather(0, valid.to(torch.uint8).argmax().reshape(1)).reshape(())  # the first valid row's
+    return first if bool(torch.where(valid, g == first, True).all()) else None
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
@@ -255,7 +267,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     def forward(ctx, h, w, b, target, opt, backend, cdt, grad_mode, backward_context):
         ctx.set_materialize_grads(False)
         ctx.backward_context = backward_context
-        idx = _valid_rows(target, opt, backend)
+        idx = None  # every row: skipping ignored ones would need their count on the host
         needs = tuple(ctx.needs_input_grad[:3])
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.cdt, ctx.needs, ctx.idx = opt, backend, cdt, needs, idx
@@ -275,19 +287,19 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, *_):
+        _target_errors.poll()
         if not any(ctx.needs) or (g_lp is None and g_ent is None):
             ctx.unit = None
             return (None,) * 9
         idx = ctx.idx
         if ctx.unit is not None and g_ent is None:
-            c = _is_uniform(g_lp, idx)
+            c = _is_uniform(g_lp, ctx.saved_tensors[3], ctx.opt.ignore_index)
             if c is not None:
                 gh, gw, gb = ctx.unit
                 ctx.unit = None
-                if not bool(c == 1):  # in place: these buffers are the forward's own
-                    for g in (gh, gw, gb):
-                        if g is not None:
-                            g.mul_(c.to(g.dtype))
+                for g in (gh, gw, gb):  # in place: these buffers are the forward's own
+                    if g is not None:
+                        g.mul_(c.to(g.dtype))
                 return gh, gw, gb, None, None, None, None, None, None
         ctx.unit = None
         h, w, b, target, lse, ent = ctx.saved_tensors
@@ -318,7 +330,7 @@ def fused_linear_logprobs(
     ``[N, V]`` logits, and the other fields of :class:`LogProbOutput` named in ``want``.
 
     ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``target`` ``hidden.shape[:-1]`` (or flat)
-    class ids; rows whose target is ``ignore_index`` are skipped (all fields 0 there). The
+    class ids; rows whose target is ``ignore_index`` get all fields 0 and no gradient. The
     distribution is over ``softcap * tanh(logits * logit_scale / softcap) / temperature``.
     ``log_probs`` and ``entropy`` are differentiable in hidden, weight and bias with any upstream
     gradient; ``grad_mode="uniform"`` forms the gradient of ``sum(log_probs)`` in the forward
@@ -372,20 +384,17 @@ def fused_linear_logprobs(
     cdt = hidden.dtype if compute_dtype is None else compute_dtype
     _checks.float_dtype("compute_dtype", torch.empty((), dtype=cdt))
     t1 = target.reshape(-1)
-    if t1.numel():
-        bad = ((t1 < 0) | (t1 >= v)) & (t1 != ignore_index)
-        if bool(bad.any()):
-            first = int(t1[bad][0])
-            raise _checks.TargetOutOfRangeError(
-                f"target holds {first}, outside the vocabulary [0, {v}) and not ignore_index={ignore_index}"
-            )
+    backend = _dispatch.choose("fused_linear_logprobs", device)
+    _target_errors.poll()
+    _checks.target_range("target", t1, v, ignore_index, kernel_reports=backend == "triton")
+    if t1.numel() and (backend == "triton" or device.type == "cuda"):
+        _watch_targets(t1, v, int(ignore_index))
     opt = LPOptions(
         ignore_index=int(ignore_index), inv_t=1.0 / temperature,
         softcap=None if softcap is None else float(softcap), logit_scale=logit_scale,
         entropy="entropy" in want, is_top1="is_top1" in want,
         log_sum_sq="log_sum_sq_probs" in want, mean_logits="mean_logits" in want,
     )
-    backend = _dispatch.choose("fused_linear_logprobs", device)
     h2 = hidden.reshape(-1, hdim)
     if not h2.is_contiguous():
         h2 = h2.contiguous()

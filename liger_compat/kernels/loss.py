@@ -193,7 +193,8 @@ def _reduction_scale(target, opt, reduction, num_items_in_batch, device) -> tupl
         if isinstance(num_items_in_batch, torch.Tensor):
             n = num_items_in_batch.to(device=device, dtype=torch.float32)
         else:
-            n = torch.tensor(float(num_items_in_batch), device=device)
+            # filled on the device: torch.tensor(x, device=cuda) would copy from pageable memory (a sync)
+            n = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
         return n_valid, 1.0 / n
     if reduction == "mean":
         return n_valid, 1.0 / n_valid.clamp(min=1).float()
@@ -266,8 +267,11 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
 #: than cuBLAS plus the pass (NOTES.md, "logits GEMM epilogue"). ``LIGER_COMPAT_FLCE_LOGITS`` sets it
 #: (:func:`liger_compat._config.flce_logits`); ``logits_impl=`` of :func:`fused_linear_cross_entropy` overrides it.
 #:
-#: ``compact_ignored`` (default True): skip ignore_index rows on the Triton path (one host sync to
-#: count them); their rows of grad_hidden are zero and they cost no matmul work. Under
+#: ``compact_ignored`` (default False): skip ignore_index rows on the Triton path. That needs their
+#: count on the host, one host sync a call, which a host-bound step pays for in full (the GPU
+#: idles while the host catches up); by default every row is computed instead and ignored rows
+#: get zero gradient rows from the row kernel, as native's logits cost them too. True saves
+#: their matmul work where it outweighs the sync (large heads with many ignored rows). Under
 #: ``torch.compile`` the sync happens inside the custom op's real implementation, where the tracer
 #: does not see it; while a CUDA graph is captured all rows are computed instead.
 #:
@@ -279,7 +283,7 @@ class FlceKnobs(NamedTuple):
     (the defaults are the fastest measured; the benchmarks compare the others)."""
 
     logits_impl: str = "auto"
-    compact_ignored: bool = True
+    compact_ignored: bool = False
     ce_variant: str = "split"
 
 
@@ -317,8 +321,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     f32 = torch.float32
     idx = None
     if backend == "triton" and knobs.compact_ignored and n > 0 and not _capturing(dev):
-        idx = (target != opt.ignore_index).nonzero().squeeze(1)  # the one host sync
-        _target_errors.poll()  # every earlier call has finished here: report its bad targets
+        idx = (target != opt.ignore_index).nonzero().squeeze(1)  # a host sync (opt-in)
         if idx.numel() == n:
             idx = None
     m = n if idx is None else idx.numel()
@@ -433,10 +436,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if ctx.mode == "saved":
             gh, gw, gb = ctx.grads
             ctx.grads = None
-            if not torch.equal(g_loss, torch.ones_like(g_loss)):
-                gh = gh * g_loss.to(gh.dtype) if gh is not None else None
-                gw = gw * g_loss.to(gw.dtype) if gw is not None else None
-                gb = gb * g_loss.to(gb.dtype) if gb is not None else None
+            # always scaled (in place: the buffers are this forward's own); comparing grad_output
+            # with 1 first would read it on the host
+            for g in (gh, gw, gb):
+                if g is not None:
+                    g.mul_(g_loss.to(g.dtype))
             return (gh, gw, gb) + (None,) * 8
         h, w, b, target = ctx.saved_tensors
 
@@ -469,7 +473,8 @@ def flce_mode_for(n: int, v: int, hdim: int, elem: int, backend: str, device: to
                   mode: str | None = None) -> str:
     """``"chunked"`` or ``"lowmem"`` for a fused loss of ``n`` rows: ``mode``, or when ``None``
     ``LIGER_COMPAT_FLCE_MODE`` (``ValueError`` naming it for a bad value); under ``auto``, low-memory when the Triton path
-    runs and one chunk's logits and gathered rows would not fit in :func:`_free_bytes`. The low
+    runs and one chunk's logits and gathered rows would not fit in :func:`_free_bytes` (read the
+    first time a shape is seen, :data:`_auto_modes`). The low
     memory mode needs the Triton path; the torch reference (CPU) always runs in chunks."""
     if mode is None:
         mode = _config.flce_mode()
@@ -477,26 +482,32 @@ def flce_mode_for(n: int, v: int, hdim: int, elem: int, backend: str, device: to
         return "chunked"
     if mode != "auto":
         return mode
-    free = _free_bytes(device)
-    if free is None:
-        return "chunked"
     rows = _chunk_rows(max(n, 1), v, hdim, elem, backend, device)
-    need = rows * (v + hdim) * elem
-    return "lowmem" if need > free else "chunked"
+    key = (rows, n, v, hdim, elem, device)
+    chosen = _auto_modes.get(key)
+    if chosen is None:
+        free = _free_bytes(device)
+        chosen = "lowmem" if free is not None and rows * (v + hdim) * elem > free else "chunked"
+        _auto_modes[key] = chosen
+    return chosen
 
 
-def _lowmem_rows_index(target, opt, dev, compact_ignored=True):
-    """The rows the low-memory kernels work on: the non-ignored ones (one host sync), or all
-    rows while a CUDA graph is captured or without ``compact_ignored``."""
+#: ``auto``'s choice per (chunk rows, rows, vocabulary, hidden, element size, device): the free
+#: memory is read once per shape (``torch.cuda.mem_get_info`` and the allocator's statistics
+#: cost ~0.3 ms, more than a small step's loss); the chunk rows carry the chunk-size setting.
+_auto_modes: dict[tuple, str] = {}
+
+
+def _lowmem_rows_index(target, opt, dev, compact_ignored=False):
+    """The rows the low-memory kernels work on: all of them, or with ``compact_ignored`` the
+    non-ignored ones (one host sync; all rows while a CUDA graph is captured)."""
     n = target.shape[0]
     if n and compact_ignored and not _capturing(dev):
-        idx = (target != opt.ignore_index).nonzero().squeeze(1)
-        _target_errors.poll()  # every earlier call has finished here: report its bad targets
-        return idx
+        return (target != opt.ignore_index).nonzero().squeeze(1)  # a host sync (opt-in)
     return torch.arange(n, device=dev)
 
 
-def _lowmem_forward(h, w, b, target, opt, config, compact_ignored=True):
+def _lowmem_forward(h, w, b, target, opt, config, compact_ignored=False):
     """Per row of ``h``: loss, z-loss, argmax hit (``[N]``), and for the backward the row index,
     the rows' lse and whether each row gets a gradient (the last three per index row)."""
     from ._lowmem_triton import lowmem_stats
@@ -620,7 +631,7 @@ def fused_linear_cross_entropy(
     mode: str | None = None,
     config: str | None = None,
     logits_impl: str | None = None,
-    compact_ignored: bool = True,
+    compact_ignored: bool = False,
     ce_variant: str = "split",
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without ``[N, V]`` logits.
@@ -641,7 +652,8 @@ def fused_linear_cross_entropy(
 
     How the GPU (Triton) path runs, for benchmarks and tests: ``logits_impl`` (``"auto"``,
     ``"cublas"``, ``"triton"``; ``None``: ``LIGER_COMPAT_FLCE_LOGITS``) computes each chunk's
-    logits; ``compact_ignored=False`` computes ignored rows too instead of skipping them;
+    logits; ``compact_ignored=True`` skips ignored rows instead of computing them (one host sync
+    a call to count them, :class:`FlceKnobs`);
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout.
     """
     if not _ops.compiling():  # while tracing, the ops' real implementations poll
@@ -700,12 +712,12 @@ def fused_linear_cross_entropy(
         loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
             h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config, knobs.compact_ignored
         )
-        _target_errors.poll()
     else:
         loss, z, acc = _FusedLinearCrossEntropy.apply(
             h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc, knobs
         )
-        _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
+    if not compiling and device.type != "cuda":
+        _target_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
     if reduction == "none":
         shape = tuple(hidden.shape[:-1])
         loss = loss.view(shape)
@@ -806,7 +818,8 @@ def cross_entropy(
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
     loss, z, acc = _CrossEntropy.apply(l2, target.reshape(-1), opt, reduction, num_items_in_batch, backend, want_z, want_acc,
                                        knobs.ce_variant)
-    _target_errors.poll()
+    if device.type != "cuda":
+        _target_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
     if reduction == "none":
         shape = tuple(logits.shape[:-1])
         loss = loss.view(shape)

@@ -55,6 +55,7 @@ along that flat sequence, as transformers' loss shifts them).
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any
 
@@ -62,6 +63,7 @@ from .. import _config
 from ..compat import conflicts, families
 from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
                             normalize_keep, pop_keep, stable_key)
+from ._module_shims import compiling
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
@@ -280,8 +282,52 @@ def _plain_head(model: Any) -> Any:
     return inner
 
 
+#: where ``get_text_config`` looks for a composite model's text part
+_TEXT_KEYS = ("text_encoder", "decoder", "generator", "text_config")
+_MISSING = object()
+_MISSINGS = (_MISSING,) * 3  # the default of each attribute read, for map(dict.get, names, _MISSINGS)
+#: id(config) -> (weak reference to it, its _TEXT_KEYS values, its text config)
+_text_configs: dict[int, tuple[Any, tuple, Any]] = {}
+#: (id(config), family) -> (weak reference, _TEXT_KEYS values, ((attribute, value), ...), quirks)
+_quirks: dict[tuple[int, str], tuple[Any, tuple, tuple, tuple]] = {}
+
+
+def _subconfigs(config: Any) -> tuple:
+    d = getattr(config, "__dict__", None)
+    return tuple(map(d.get, _TEXT_KEYS)) if d is not None else ()
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))  # identity: no config __eq__
+
+
+def _remember(cache: dict, key: Any, config: Any, entry: tuple) -> None:
+    """``cache[key] = (weakref(config), *entry)``, dropped with the config (nothing cached for a
+    config that takes no weak reference)."""
+    import weakref
+
+    try:
+        ref = weakref.ref(config, lambda _r, c=cache, k=key: c.pop(k, None))
+    except TypeError:
+        return
+    cache[key] = (ref,) + entry
+
+
 def _text_config(config: Any) -> Any:
-    """The language model's config (``config.text_config`` of a vision-language model, else itself)."""
+    """The language model's config (``config.text_config`` of a vision-language model, else
+    itself); looked up again whenever one of the config's text parts is replaced."""
+    if compiling():  # traced: the config's reads become guards; a cache filled while tracing would not
+        return _lookup_text_config(config)
+    hit = _text_configs.get(id(config))
+    if hit is not None and hit[0]() is config and _same(hit[1], _subconfigs(config)):
+        return config if hit[2] is None else hit[2]
+    text = _lookup_text_config(config)
+    # the config itself is not stored (None): the entry must not keep it alive
+    _remember(_text_configs, id(config), config, (_subconfigs(config), None if text is config else text))
+    return text
+
+
+def _lookup_text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     if get is not None:
         try:
@@ -301,8 +347,33 @@ def _first_attr(*pairs: tuple[Any, str]) -> Any:
 
 def _final_logit_quirks(model: Any, fam: families.Family) -> tuple[float | None, float | None]:
     """``(softcap, divisor)``: final logits = softcap * tanh(h W^T / divisor / softcap). A family's
-    multiplier m is returned as the divisor 1 / m (logits are ``lm_head(h) * m`` natively)."""
-    cfg = _text_config(model.config)
+    multiplier m is returned as the divisor 1 / m (logits are ``lm_head(h) * m`` natively).
+
+    Cached per config object and family, and read again when the config's text parts or any of
+    the attributes read change (they are compared as stored in the config's ``__dict__``; a
+    config whose attribute is a property is read every time)."""
+    config = model.config
+    if compiling():  # as in _text_config
+        return _read_quirks(_text_config(config), fam)
+    key = (id(config), fam.name)
+    hit = _quirks.get(key)
+    if hit is not None and hit[0]() is config and _same(hit[1], _subconfigs(config)):
+        names, values = hit[2]
+        if tuple(map(_text_config(config).__dict__.get, names, _MISSINGS)) == values:
+            return hit[3]
+    cfg = _text_config(config)
+    result = _read_quirks(cfg, fam)
+    names = [a for a in (fam.softcap_attr, fam.logit_divisor_attr, fam.logit_multiplier_attr) if a]
+    names = [getattr(type(cfg), "attribute_map", {}).get(a, a) for a in names]
+    stored = getattr(cfg, "__dict__", None)
+    if stored is not None and not any(isinstance(getattr(type(cfg), a, None), property) for a in names):
+        names = tuple(names)
+        _remember(_quirks, key, config, (_subconfigs(config), (names, tuple(map(stored.get, names, _MISSINGS))),
+                                         result))
+    return result
+
+
+def _read_quirks(cfg: Any, fam: families.Family) -> tuple[float | None, float | None]:
     softcap = getattr(cfg, fam.softcap_attr, None) if fam.softcap_attr else None
     divisor = getattr(cfg, fam.logit_divisor_attr, None) if fam.logit_divisor_attr else None
     if fam.logit_multiplier_attr:
@@ -425,7 +496,12 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     with torch.autocast(h.device.type, enabled=False):
         res = _distributed.fused_head_loss(model.lm_head, h if auto is None else h.to(auto), target,
                                            dtype=auto, **opts)
-    return res.loss, res.token_accuracy
+    loss = res.loss
+    if num_items is None:
+        # native's loss is a mean over the labelled positions: NaN (0 / 0) when there are none (every
+        # label ignore_index, a sequence of one token); the kernel's mean is 0 there. Gradients stay zero.
+        loss = torch.where((target != ignore_index).any(), loss, loss.new_full((), float("nan")))
+    return loss, res.token_accuracy
 
 
 def _unfused_loss(model: Any, fam: families.Family, hidden: Any, target: Any, ignore_index: int, num_items: Any):

@@ -223,9 +223,11 @@ def test_triton_row_kernel_variants_agree_with_reference(variant):
     assert rel_err(ga, gb) <= tol
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_flce_triton_driver_chunks_and_compaction(monkeypatch, reduction):
-    """The GPU driver: several chunks, ignored rows compacted away (fp32: the cuBLAS logits)."""
+def test_flce_triton_driver_chunks_and_compaction(monkeypatch, reduction, compact):
+    """The GPU driver: several chunks, ignored rows computed (the default) or compacted away
+    (``compact_ignored=True``); fp32: the cuBLAS logits."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     import liger_compat.kernels.loss as ce_mod
@@ -233,7 +235,8 @@ def test_flce_triton_driver_chunks_and_compaction(monkeypatch, reduction):
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 70 * 9)  # 9 rows per chunk
     hid, w, b, t = _inputs(13, 40, 24, 70, torch.float32, 0.3, True)
     ps = [x.clone().requires_grad_(True) for x in (hid, w, b)]
-    loss = fused_linear_cross_entropy(ps[0], ps[1], t, bias=ps[2], reduction=reduction, lse_square_scale=1e-3)
+    loss = fused_linear_cross_entropy(ps[0], ps[1], t, bias=ps[2], reduction=reduction, lse_square_scale=1e-3,
+                                      compact_ignored=compact)
     p64 = [x.double().requires_grad_(True) for x in (hid, w, b)]
     ref, _, _ = ce64(p64[0] @ p64[1].T + p64[2], t, reduction=reduction, lse_square_scale=1e-3)
     gout = torch.rand(ref.shape, dtype=torch.float64) + 0.5

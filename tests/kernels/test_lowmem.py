@@ -141,15 +141,21 @@ def test_lowmem_forward_without_grad_matches_chunked():
     assert torch.equal(a.token_accuracy, c.token_accuracy)
 
 
+def _free(monkeypatch, value):
+    """A free-memory probe reporting ``value``, with ``auto``'s per-shape choices forgotten."""
+    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: value)
+    monkeypatch.setattr(loss_mod, "_auto_modes", {})
+
+
 def test_auto_takes_lowmem_when_a_chunk_does_not_fit(monkeypatch):
     """``auto``: the free-memory probe decides; with the Triton path (the interpreter here) a
     probe that reports less than one chunk picks the low-memory kernels, plenty picks chunks."""
     hid, w, _, t = _inputs(4, 37, 48, 300, torch.float32)
     monkeypatch.setattr(_config.settings, "flce_mode", "auto")
-    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 1024)
+    _free(monkeypatch, 1024)
     small = fused_linear_cross_entropy(hid, w, t)
     assert loss_mod.last_flce_mode == _mode()
-    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 2**40)
+    _free(monkeypatch, 2**40)
     big = fused_linear_cross_entropy(hid, w, t)
     assert loss_mod.last_flce_mode == "chunked"
     assert rel_err(small.detach(), big.detach()) < tolerance(torch.float32, n=48 * 300)
@@ -157,22 +163,38 @@ def test_auto_takes_lowmem_when_a_chunk_does_not_fit(monkeypatch):
     fused_linear_cross_entropy(hid, w, t)
     assert loss_mod.last_flce_mode == _mode()
     monkeypatch.setattr(_config.settings, "flce_mode", "chunked")
-    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 0)
+    _free(monkeypatch, 0)
     fused_linear_cross_entropy(hid, w, t)
     assert loss_mod.last_flce_mode == "chunked"
+
+
+def test_auto_reads_free_memory_once_per_shape(monkeypatch):
+    """The probe (``memory_stats`` on the GPU, ~0.3 ms) runs the first time a shape is seen; the
+    same shape again reuses the choice, another shape or element size probes again."""
+    reads = []
+    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: reads.append(device) or 10 * 2**30)
+    monkeypatch.setattr(loss_mod, "_auto_modes", {})
+    monkeypatch.setattr(_config.settings, "flce_mode", "auto")
+    dev = torch.device("cpu")
+    for _ in range(3):
+        assert loss_mod.flce_mode_for(8192, 128256, 4096, 2, "triton", dev) == "chunked"
+    assert len(reads) == 1
+    loss_mod.flce_mode_for(8192, 128256, 4096, 4, "triton", dev)
+    loss_mod.flce_mode_for(4096, 128256, 4096, 2, "triton", dev)
+    assert len(reads) == 3
 
 
 def test_mode_choice_rules(monkeypatch):
     """flce_mode_for itself (no kernel runs): the setting, the probe and the backend."""
     dev = torch.device("cpu")
     monkeypatch.setattr(_config.settings, "flce_mode", "auto")
-    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 10 * 2**30)
+    _free(monkeypatch, 10 * 2**30)
     assert loss_mod.flce_mode_for(8192, 128256, 4096, 2, "triton", dev) == "chunked"
-    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 2**20)
+    _free(monkeypatch, 2**20)
     assert loss_mod.flce_mode_for(8192, 128256, 4096, 2, "triton", dev) == "lowmem"
     assert loss_mod.flce_mode_for(8192, 128256, 4096, 2, "torch", dev) == "chunked"  # no low-memory reference
     assert loss_mod.flce_mode_for(8192, 128256, 4096, 2, "triton", dev, "chunked") == "chunked"
-    monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: None)  # unknown: the fast path
+    _free(monkeypatch, None)  # unknown: the fast path
     assert loss_mod.flce_mode_for(8192, 128256, 4096, 2, "triton", dev) == "chunked"
     monkeypatch.setattr(_config.settings, "flce_mode", "lowmem")
     assert loss_mod.flce_mode_for(10, 100, 16, 2, "triton", dev) == "lowmem"

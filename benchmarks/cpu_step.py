@@ -1,0 +1,117 @@
+"""A tiny model's training step on the CPU, native against patched, in one process.
+
+    python -m benchmarks.cpu_step [--steps 200] [--rounds 5]
+
+A tiny random Llama (2 layers, hidden 32, vocabulary 256, 2 x 16 tokens): forward with labels
+and backward, so the step is almost all per-call host work (Python, dispatch), the regime where
+wrappers cost the most. Native and patched (``liger_compat.revert()`` / ``apply()``) alternate in
+batches of ``--steps`` steps, ``--rounds`` times; the figure is the ratio of the medians of the
+per-step times, and of the fastest batches; and the Python calls of one step of each
+(:func:`call_counts`, independent of the machine's load). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def tiny_llama(seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return model, ids, labels
+
+
+def step_times(steps: int = 200, rounds: int = 5, seed: int = 0) -> dict:
+    """Per-step seconds of native and patched steps, ``rounds`` alternating batches of ``steps``."""
+    import torch
+
+    import liger_compat
+
+    model, ids, labels = tiny_llama(seed)
+
+    def run(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=labels).loss.backward()
+            out.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        return out
+
+    torch.set_num_threads(1)  # the shared CI machine: fewer threads, less noise
+    native, patched = [], []
+    for _ in range(2):  # warm both up
+        liger_compat.revert()
+        run(20)
+        liger_compat.apply()
+        run(20)
+    for _ in range(rounds):
+        liger_compat.revert()
+        native.append(run(steps))
+        liger_compat.apply()
+        patched.append(run(steps))
+    flat_n = [t for b in native for t in b]
+    flat_p = [t for b in patched for t in b]
+    return {
+        "steps": steps * rounds,
+        "native_ms": statistics.median(flat_n) * 1e3,
+        "patched_ms": statistics.median(flat_p) * 1e3,
+        "ratio_median": statistics.median(flat_p) / statistics.median(flat_n),
+        "ratio_best_batch": min(statistics.median(b) for b in patched) / min(statistics.median(b) for b in native),
+    }
+
+
+def call_counts(seed: int = 0) -> dict:
+    """Python function calls (``sys.setprofile``'s ``call`` and ``c_call`` events) of one native and
+    one patched step, after a warm-up: a figure the machine's load does not move."""
+    import liger_compat
+
+    model, ids, labels = tiny_llama(seed)
+
+    def one() -> int:
+        n = [0]
+
+        def prof(frame, event, arg):
+            if event in ("call", "c_call"):
+                n[0] += 1
+
+        model.zero_grad(set_to_none=True)
+        sys.setprofile(prof)
+        try:
+            model(input_ids=ids, labels=labels).loss.backward()
+        finally:
+            sys.setprofile(None)
+        return n[0]
+
+    out = {}
+    for label, switch in (("native", liger_compat.revert), ("patched", liger_compat.apply)):
+        switch()
+        one()
+        out[label] = one()
+    out["ratio"] = out["patched"] / out["native"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    print(json.dumps({**step_times(a.steps, a.rounds), "python_calls": call_counts()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
