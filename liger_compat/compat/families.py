@@ -253,3 +253,9 @@ def all_modeling_modules() -> list[str]:
 
 def family_modules() -> list[str]:
     return list(ALL_BY_MODULE)
+
+
+def _installed_transformers() -> str | None:
+    from ..compat import versions
+
+    return versions.installed("transformers").raw
