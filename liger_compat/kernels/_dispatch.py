@@ -55,7 +55,9 @@ def compiling() -> bool:
 
 
 #: the kernels' custom ops, registered by ``_ops.py`` (which the package imports after the kernel
-#: modules: they call the ops through this namespace and never import ``_ops`` back)
+#: modules: they call the ops through this namespace and never import ``_ops`` back). Callers take
+#: an op's ``.default`` overload, what the op objects of ``_ops.py`` call, so a traced graph holds
+#: the same node either way.
 OPS = torch.ops.liger_compat
 
 

@@ -181,7 +181,7 @@ def _prepare(name: str, gate, up):
 
 def _apply_gated(g, u, kind: str, backend: str, inplace: bool):
     if _dispatch.compiling():  # one custom op for the tracer; its backward never works in place
-        return _dispatch.OPS.gated_fwd(g, u, kind, backend)
+        return _dispatch.OPS.gated_fwd.default(g, u, kind, backend)
     return _Gated.apply(g, u, kind, backend, inplace)
 
 

@@ -586,18 +586,18 @@ def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowm
     n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
     args = (opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, opt.softcap)
     if lowmem:
-        loss_rows, zl, hits, _lse = _dispatch.OPS.flce_lowmem_rows(h, w, b, target, *args, config, knobs.compact_ignored)
+        loss_rows, zl, hits, _lse = _dispatch.OPS.flce_lowmem_rows.default(h, w, b, target, *args, config, knobs.compact_ignored)
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
         zero = loss.new_zeros(())
         return loss, z if z is not None else zero, acc if acc is not None else zero
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
     if reduction != "none" and any(needs):
-        loss, zl, hits, _, _, _ = _dispatch.OPS.flce_with_grads(h, w, b, target, scale, *args, *needs, "auto", *knobs)
+        loss, zl, hits, _, _, _ = _dispatch.OPS.flce_with_grads.default(h, w, b, target, scale, *args, *needs, "auto", *knobs)
         z = zl.sum() * scale if want_z else None
         acc = hits.sum() / n_valid.clamp(min=1).float() if want_acc else None
     else:
-        loss_rows, zl, hits = _dispatch.OPS.flce_rows(h, w, b, target, *args, "auto", *knobs)
+        loss_rows, zl, hits = _dispatch.OPS.flce_rows.default(h, w, b, target, *args, "auto", *knobs)
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
     zero = loss.new_zeros(())
     return loss, z if z is not None else zero, acc if acc is not None else zero

@@ -119,7 +119,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        return _dispatch.OPS.rms_norm_fwd(x2, weight, float(eps), float(offset), casting, "auto")[0].view(x.shape)
+        return _dispatch.OPS.rms_norm_fwd.default(x2, weight, float(eps), float(offset), casting, "auto")[0].view(x.shape)
     backend = _dispatch.choose("rms_norm", device)
     return _RMSNorm.apply(x, weight, float(eps), float(offset), casting, backend)
 

@@ -120,6 +120,6 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     if _dispatch.compiling():
         out_q = torch.promote_types(q.dtype, cos_u.dtype)
         out_k = torch.promote_types(k.dtype, cos_u.dtype)
-        return _dispatch.OPS.rope(q, k, cos_u, sin_u, False, out_q, out_k, "auto", variant)
+        return _dispatch.OPS.rope.default(q, k, cos_u, sin_u, False, out_q, out_k, "auto", variant)
     backend = _dispatch.choose("rope", device)
     return _Rope.apply(q, k, cos_u, sin_u, backend, variant)
