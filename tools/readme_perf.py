@@ -1,7 +1,8 @@
-"""Write the README's performance section from the committed benchmark results.
+"""Write the performance tables of docs/performance.md and the README's headline table from the
+committed benchmark results.
 
-    python tools/readme_perf.py          # rewrite the block between the perf markers
-    python tools/readme_perf.py --check  # exit 1 when the README block is stale
+    python tools/readme_perf.py          # rewrite the blocks between the markers
+    python tools/readme_perf.py --check  # exit 1 when a block is stale
 
 Reads benchmarks/results/{kernels,e2e,e2e_settings,overhead}.json. Every ratio compares
 implementations measured together.
@@ -22,6 +23,10 @@ from benchmarks import _results  # noqa: E402
 from benchmarks.e2e import VARIANTS, combine  # noqa: E402  (stdlib only at import)
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
+HEADLINE_START, HEADLINE_END = "<!-- perf-headline:start -->", "<!-- perf-headline:end -->"
+FILES_START, FILES_END = "<!-- perf-files:start -->", "<!-- perf-files:end -->"
+#: where each block lives
+PERF_PAGE, README = ROOT / "docs" / "performance.md", ROOT / "README.md"
 PEERS = ("torch eager", "torch.compile", "liger-kernel", "cut-cross-entropy")
 
 
@@ -93,7 +98,9 @@ def _by_shape(rows: list[dict]) -> dict:
     return by
 
 
-def _e2e(rows: list[dict], settings_rows: list[dict] | None = None, settings_file: str = "e2e.md") -> list[str]:
+def _e2e(rows: list[dict], settings_rows: list[dict] | None = None, settings_file: str = "e2e.md",
+         *, headline: bool = False) -> list[str]:
+    """The training-step table; unless ``headline``, then the other settings' table."""
     by = _by_shape(rows)
     r0 = next((r for d in by.values() for r in d.values() if "gpu" in r), {})
     reps = max((r.get("repeats", 1) for d in by.values() for r in d.values()), default=1)
@@ -114,6 +121,8 @@ def _e2e(rows: list[dict], settings_rows: list[dict] | None = None, settings_fil
         n, lk, me = d.get("native"), d.get("liger_kernel"), d.get("liger_compat")
         out.append(f"| {m} | {s} | {tps(n)} | {tps(lk)} | {tps(me)} ({_x(me, n, 'tokens_per_s')}, "
                    f"{_x(me, lk, 'tokens_per_s')}) | {peak(n)} / {peak(lk)} / {peak(me)} ({_x(me, lk, 'peak_gib', 3)}) |")
+    if headline:
+        return out
     # other settings: from e2e.json when it has them, else from the settings file
     sby = by if any(v.startswith("liger_compat_") for d in by.values() for v in d) else _by_shape(settings_rows or [])
     labels = [v for v in _VARIANT_LABELS if any(v in d for d in sby.values())]
@@ -165,22 +174,80 @@ def render() -> str:
     return START + "\n" + "\n".join(parts) + "\n" + END
 
 
+def render_headline() -> str:
+    """The README's one table: the training step of e2e.json."""
+    e = _load("e2e.json")
+    body = _e2e(_results.rows(e), headline=True)[1:] if e else []
+    return HEADLINE_START + "\n" + "\n".join(body) + "\n" + HEADLINE_END
+
+
+def _command(stem: str) -> str:
+    md, js = RESULTS / f"{stem}.md", RESULTS / f"{stem}.json"
+    if js.exists():
+        return json.loads(js.read_text())["regenerate"]
+    m = re.match(r"regenerate: `([^`]+)`", md.read_text())
+    return m.group(1) if m else "-"
+
+
+def _what(stem: str) -> str:
+    """The first line of the result's markdown after its command: its title or set-up."""
+    md = RESULTS / f"{stem}.md"
+    if not md.exists():
+        return "-"
+    lines = [x.strip().lstrip("#").strip() for x in md.read_text().splitlines()[1:]]
+    first = next((x for x in lines if x and not x.startswith(("`", "|"))), "-")
+    what = first.split(". ")[0].rstrip(".:").replace("|", "/")
+    device = _device(stem)
+    return what if device is None or device in what else f"{what} ({device})"
+
+
+def _device(stem: str) -> str | None:
+    js = RESULTS / f"{stem}.json"
+    if not js.exists():
+        return None
+    data = json.loads(js.read_text())
+    rows = data.get("rows") or [{}]
+    found = (data.get("meta") or {}).get("device") or data.get("device") or (rows[0] or {}).get("gpu")
+    return found if isinstance(found, str) else None
+
+
+def render_files() -> str:
+    """Every result under benchmarks/results with the command that regenerates it; a plot
+    ``<stem>_*.png`` belongs to the longest result stem it starts with."""
+    stems = sorted({p.stem for p in RESULTS.iterdir() if p.suffix in (".json", ".md")})
+    plots: dict[str, list[str]] = {}
+    for png in sorted(RESULTS.glob("*.png")):
+        owner = max((s for s in stems if png.stem.startswith(s + "_")), key=len, default=None)
+        plots.setdefault(owner or png.stem, []).append(png.name)
+    out = ["| result | what | regenerate |", "|---|---|---|"]
+    for s in stems:
+        files = " ".join(f"`{p.name}`" for p in sorted(RESULTS.glob(f"{s}.*")) if p.suffix in (".json", ".md"))
+        files += "".join(f" `{x}`" for x in plots.get(s, []))
+        out.append(f"| {files} | {_what(s)} | `{_command(s)}` |")
+    return FILES_START + "\n" + "\n".join(out) + "\n" + FILES_END
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if START not in text:
-        raise SystemExit(f"README.md has no {START} marker")
-    new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: render(), text, flags=re.S)
-    if a.check:
-        if new != text:
-            print("README performance section is stale: run python tools/readme_perf.py", file=sys.stderr)
-            return 1
-        return 0
-    readme.write_text(new)
-    print("README performance section written")
+    stale = []
+    blocks = ((PERF_PAGE, START, END, render), (PERF_PAGE, FILES_START, FILES_END, render_files),
+              (README, HEADLINE_START, HEADLINE_END, render_headline))
+    for path, start, end, block in blocks:
+        text = path.read_text()
+        if start not in text or end not in text:
+            raise SystemExit(f"{path.relative_to(ROOT)} has no {start} / {end} markers")
+        new = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block(), text, flags=re.S)
+        if new == text:
+            continue
+        stale.append(str(path.relative_to(ROOT)))
+        if not a.check:
+            path.write_text(new)
+    if a.check and stale:
+        print(f"performance tables are stale in {', '.join(stale)}: run python tools/readme_perf.py", file=sys.stderr)
+        return 1
+    print(f"performance tables written: {', '.join(stale) or 'none changed'}")
     return 0
 
 

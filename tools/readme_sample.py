@@ -1,8 +1,8 @@
-"""Put a real `liger-compat check --deep` report into README.md (between the sample-report markers).
+"""Put a real `liger-compat check --deep` report into docs/usage.md (between the sample-report markers).
 
     python tools/readme_sample.py [--device cpu]
 
-Runs the installed CLI in a fresh interpreter and pastes its stdout verbatim, so the README
+Runs the installed CLI in a fresh interpreter and pastes its stdout verbatim, so the documented
 sample is always output the code really produced.
 """
 
@@ -20,7 +20,7 @@ START, END = "<!-- sample-report:start -->", "<!-- sample-report:end -->"
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--readme", default=str(Path(__file__).resolve().parents[1] / "README.md"))
+    ap.add_argument("--readme", default=str(Path(__file__).resolve().parents[1] / "docs" / "usage.md"))
     a = ap.parse_args(argv)
     p = subprocess.run([sys.executable, "-m", "liger_compat", "check", "--deep", "--device", a.device],
                        capture_output=True, text=True)

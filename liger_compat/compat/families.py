@@ -32,8 +32,12 @@ loss path, materialising ``[B, T, V]`` logits, and nothing says so:
 Embedding scaling (Gemma's ``sqrt(hidden_size)``, Granite's ``embedding_multiplier``) happens
 inside the decoder, which the fused forward calls unchanged, so it needs no entry.
 
-Families outside this table keep their native forward; :func:`family_states` says so for any
-``*ForCausalLM`` class of an imported transformers modeling module.
+Families outside this table keep their native forward;
+:func:`liger_compat.shims._family_states.family_states` (what ``check()`` shows per family) says so
+for any ``*ForCausalLM`` class of an imported transformers modeling module.
+
+This module is data that both sides read: it imports no shim (the shims import it); what a
+family's patch state is, the shims say themselves.
 
 transformers imports its modeling modules lazily: the model shims name
 :func:`family_modules` (or :func:`all_modeling_modules`) as their ``modules``, and the shim
@@ -44,8 +48,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 
 #: vision-language families were checked against the native model from transformers 5.0 (on 4.51,
@@ -252,73 +255,7 @@ def family_modules() -> list[str]:
     return list(ALL_BY_MODULE)
 
 
-# --------------------------------------------------------------------------------------------
-# the report
-# --------------------------------------------------------------------------------------------
-
-
 def _installed_transformers() -> str | None:
     from ..compat import versions
 
     return versions.installed("transformers").raw
-
-
-def family_states() -> dict[str, str]:
-    """One line per family for ``check()``: what is patched, or why not.
-
-    Reads the shims' bookkeeping and ``sys.modules``; imports nothing.
-    """
-    from ..shims import causal_lm, gated_mlp, rms_norm, rope  # noqa: F401  (their registries of patched classes)
-
-    tf = _installed_transformers()
-    out: dict[str, str] = {}
-    for fam in FAMILIES:
-        if tf is None:
-            out[fam.name] = "transformers not installed"
-            continue
-        mod = sys.modules.get(fam.module)
-        if mod is None:
-            if importlib.util.find_spec is not None and not _module_exists(fam.module):
-                out[fam.name] = f"not in transformers {tf} (added in {fam.since})"
-            elif fam.why_native(tf):
-                out[fam.name] = f"native forward ({fam.why_native(tf)})"
-            else:
-                out[fam.name] = "waiting (patched when its modeling module is imported)"
-            continue
-        if not hasattr(mod, fam.causal_lm):
-            out[fam.name] = f"no {fam.causal_lm} in transformers {tf}"
-            continue
-        out[fam.name] = "; ".join(_family_parts(fam, mod))
-    # other causal LMs of imported modeling modules keep their native forward
-    for name, mod in list(sys.modules.items()):
-        if (not name.startswith("transformers.models.") or name.startswith("transformers.models.auto.")
-                or name in BY_MODULE or mod is None):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if not leaf.startswith("modeling_"):
-            continue
-        for cls_name, obj in list(vars(mod).items()):
-            if (cls_name.endswith("ForCausalLM") and isinstance(obj, type)
-                    and obj.__module__ == name and family_of(obj) is None):
-                out[cls_name] = "native forward (family not in the table)"
-    return out
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _family_parts(fam: Family, mod: Any) -> list[str]:
-    """Short enough for the report's table: ``fused forward; rms_norm, gated_mlp, rope``."""
-    from ..shims import _module_shims, causal_lm
-
-    parts = []
-    for describe in (causal_lm.describe, _module_shims.describe):
-        try:
-            parts.append(describe(fam, mod))
-        except Exception as exc:
-            parts.append(f"error {type(exc).__name__}: {exc}")
-    return parts

@@ -232,12 +232,13 @@ def _issue_status(issue: known_issues.KnownIssue, shim_states: dict[str, str],
 
 
 def _families() -> dict[str, str]:
+    """Each family's patch state, as the model shims describe it."""
     try:
-        from . import families
+        from ..shims._family_states import family_states
     except ImportError:
         return {}
     try:
-        return dict(families.family_states())
+        return dict(family_states())
     except Exception as exc:
         return {"(error)": f"{type(exc).__name__}: {exc}"}
 

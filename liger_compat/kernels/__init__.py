@@ -24,6 +24,7 @@ from .gated_mlp import gated_project, geglu, swiglu
 from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
 from ._target_errors import TargetOutOfRangeError, raise_target_errors
+from . import _ops  # noqa: F401,E402  (registers the custom ops the functions above call under torch.compile)
 
 __all__ = [
     "fused_linear_cross_entropy",

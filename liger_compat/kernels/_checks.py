@@ -15,6 +15,20 @@ from ._target_errors import TargetOutOfRangeError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: the RoPE kernel's launches (described at ``rope.ROPE_VARIANTS``)
+ROPE_VARIANTS = ("flat", "rows")
+
+
+def rope_variant(variant) -> str:
+    if variant not in ROPE_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(ROPE_VARIANTS)}, got {variant!r}")
+    return variant
+
+
+def norm_out_dtype(x: torch.Tensor, w: torch.Tensor, casting: str) -> torch.dtype:
+    """The RMSNorm output's dtype: Llama's casting promotes to the weight's, Gemma's keeps the input's."""
+    return torch.promote_types(x.dtype, w.dtype) if casting == "llama" else x.dtype
+
 
 def tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):

@@ -46,6 +46,21 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def compiling() -> bool:
+    """True while TorchDynamo traces (the public functions then call the custom ops of :data:`OPS`)."""
+    try:
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # pragma: no cover - torch without torch.compiler
+        return False
+
+
+#: the kernels' custom ops, registered by ``_ops.py`` (which the package imports after the kernel
+#: modules: they call the ops through this namespace and never import ``_ops`` back). Callers take
+#: an op's ``.default`` overload, what the op objects of ``_ops.py`` call, so a traced graph holds
+#: the same node either way.
+OPS = torch.ops.liger_compat
+
+
 def interpret_mode() -> bool:
     """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (:func:`liger_compat._config.triton_interpret`)."""
     return _config.triton_interpret()

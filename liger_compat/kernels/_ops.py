@@ -10,7 +10,10 @@ picked by :func:`liger_compat.kernels._dispatch.choose` when the backend argumen
 Whatever the real implementation does (a host sync to skip ignored rows, a bool view) happens at
 run time, invisible to the tracer.
 
-The public functions route here while ``torch.compiler.is_compiling()``; eager calls keep their
+This module registers the ops and imports the kernel modules whose functions they run; the kernel
+modules never import it back. The package imports it after them, and their public functions call
+the ops through ``torch.ops.liger_compat`` (:data:`._dispatch.OPS`) while
+``torch.compiler.is_compiling()``; eager calls keep their
 ``autograd.Function`` (same numbers, no dispatcher cost, and the MLP recompute of
 ``_recompute.py`` reads those nodes; it steps aside under compile anyway).
 
@@ -32,13 +35,6 @@ from torch import Tensor
 from . import _checks, _dispatch
 
 _NS = "liger_compat"
-
-
-def compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:  # pragma: no cover - torch without torch.compiler
-        return False
 
 
 def _backend(kernel: str, backend: str, device: torch.device) -> str:
@@ -65,9 +61,7 @@ def rms_norm_fwd(x2: Tensor, w: Tensor, eps: float, offset: float, casting: str,
 
 @rms_norm_fwd.register_fake
 def _(x2, w, eps, offset, casting, backend):
-    from .norm import _out_dtype
-
-    return x2.new_empty(x2.shape, dtype=_out_dtype(x2, w, casting)), x2.new_empty(x2.shape[0], dtype=torch.float32)
+    return x2.new_empty(x2.shape, dtype=_checks.norm_out_dtype(x2, w, casting)), x2.new_empty(x2.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::rms_norm_bwd", mutates_args=())

@@ -24,14 +24,9 @@ from typing import Any, Callable
 
 import torch
 
+from ._dispatch import compiling
+
 __all__ = ["call_recomputing", "applies"]
-
-
-def compiling() -> bool:
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:  # pragma: no cover - torch without torch.compiler
-        return False
 
 
 def _outer_hooks_active() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import norm_out_dtype
 from ._dispatch import triton, tl, next_pow2
 
 __all__ = ["rms_norm_forward_triton", "rms_norm_backward_triton"]
@@ -97,10 +98,8 @@ def _rows_per_program(n: int, block: int, device: torch.device) -> int:
 
 
 def rms_norm_forward_triton(x2, w, eps, offset, casting):
-    from .norm import _out_dtype
-
     n, h = x2.shape
-    y = torch.empty((n, h), dtype=_out_dtype(x2, w, casting), device=x2.device)
+    y = torch.empty((n, h), dtype=norm_out_dtype(x2, w, casting), device=x2.device)
     rstd = torch.empty(n, dtype=torch.float32, device=x2.device)
     if n == 0:
         return y, rstd

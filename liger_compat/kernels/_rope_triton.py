@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import triton, tl, cdiv, next_pow2
-from .rope import check_variant
+from ._checks import rope_variant
 
 __all__ = ["rope_triton"]
 
@@ -204,7 +204,7 @@ def rope_triton(q, k, cos_u, sin_u, backward, out_q, out_k, *, variant="flat"):
     """Rotate ``q`` and ``k`` (``backward``: by the transpose) into new tensors of dtypes
     ``out_q`` / ``out_k``. ``variant`` (:data:`liger_compat.kernels.rope.ROPE_VARIANTS`): "flat"
     where its assumptions hold, else "rows"; or "rows" always."""
-    check_variant(variant)
+    rope_variant(variant)
     if variant == "flat":
         if cos_u.stride(-1) != 1 or sin_u.stride(-1) != 1 or cos_u.stride() != sin_u.stride():
             cos_u, sin_u = cos_u.contiguous(), sin_u.contiguous()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.modules.module as _module
 
 from .. import _config
-from . import _checks, _dispatch, _ops, _recompute
+from . import _checks, _dispatch, _recompute
 
 __all__ = ["swiglu", "geglu", "gated_project"]
 
@@ -173,15 +173,15 @@ def _prepare(name: str, gate, up):
         raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}; they must match")
     _checks.same_dtype(gate=gate, up=up)
     device = _checks.same_device(gate=gate, up=up)
-    backend = "auto" if _ops.compiling() else _dispatch.choose(name, device)
+    backend = "auto" if _dispatch.compiling() else _dispatch.choose(name, device)
     g = gate if gate.is_contiguous() else gate.contiguous()
     u = up if up.is_contiguous() else up.contiguous()
     return g, u, backend
 
 
 def _apply_gated(g, u, kind: str, backend: str, inplace: bool):
-    if _ops.compiling():  # one custom op for the tracer; its backward never works in place
-        return _ops.gated_fwd(g, u, kind, backend)
+    if _dispatch.compiling():  # one custom op for the tracer; its backward never works in place
+        return _dispatch.OPS.gated_fwd.default(g, u, kind, backend)
     return _Gated.apply(g, u, kind, backend, inplace)
 
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _config
-from . import _checks, _dispatch, _ops, _target_errors
+from . import _checks, _dispatch, _target_errors
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
@@ -597,18 +597,18 @@ def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowm
     n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
     args = (opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, opt.softcap)
     if lowmem:
-        loss_rows, zl, hits, _lse = _ops.flce_lowmem_rows(h, w, b, target, *args, config, knobs.compact_ignored)
+        loss_rows, zl, hits, _lse = _dispatch.OPS.flce_lowmem_rows.default(h, w, b, target, *args, config, knobs.compact_ignored)
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
         zero = loss.new_zeros(())
         return loss, z if z is not None else zero, acc if acc is not None else zero
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
     if reduction != "none" and any(needs):
-        loss, zl, hits, _, _, _ = _ops.flce_with_grads(h, w, b, target, scale, *args, *needs, "auto", *knobs)
+        loss, zl, hits, _, _, _ = _dispatch.OPS.flce_with_grads.default(h, w, b, target, scale, *args, *needs, "auto", *knobs)
         z = zl.sum() * scale if want_z else None
         acc = hits.sum() / n_valid.clamp(min=1).float() if want_acc else None
     else:
-        loss_rows, zl, hits = _ops.flce_rows(h, w, b, target, *args, "auto", *knobs)
+        loss_rows, zl, hits = _dispatch.OPS.flce_rows.default(h, w, b, target, *args, "auto", *knobs)
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
     zero = loss.new_zeros(())
     return loss, z if z is not None else zero, acc if acc is not None else zero
@@ -656,7 +656,7 @@ def fused_linear_cross_entropy(
     a call to count them, :class:`FlceKnobs`);
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout.
     """
-    if not _ops.compiling():  # while tracing, the ops' real implementations poll
+    if not _dispatch.compiling():  # while tracing, the ops' real implementations poll
         _target_errors.poll()
     _checks.tensor("hidden", hidden)
     _checks.tensor("weight", weight)
@@ -681,7 +681,7 @@ def fused_linear_cross_entropy(
     _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
     if v == 0:
         raise ValueError("weight has 0 rows (vocabulary size 0)")
-    compiling = _ops.compiling()
+    compiling = _dispatch.compiling()
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
         raise ValueError("num_items_in_batch must be a number or a one-element tensor")
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _ops, _recompute
+from . import _checks, _dispatch, _recompute
 
 __all__ = ["rms_norm", "project_norm_output"]
 
 CASTINGS = ("llama", "gemma")
 
 
-def _out_dtype(x: torch.Tensor, w: torch.Tensor, casting: str) -> torch.dtype:
-    return torch.promote_types(x.dtype, w.dtype) if casting == "llama" else x.dtype
+_out_dtype = _checks.norm_out_dtype
 
 
 def rms_norm_forward_torch(x2, w, eps, offset, casting):
@@ -116,11 +115,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     device = _checks.same_device(x=x, weight=weight)
-    if _ops.compiling():
+    if _dispatch.compiling():
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        return _ops.rms_norm_fwd(x2, weight, float(eps), float(offset), casting, "auto")[0].view(x.shape)
+        return _dispatch.OPS.rms_norm_fwd.default(x2, weight, float(eps), float(offset), casting, "auto")[0].view(x.shape)
     backend = _dispatch.choose("rms_norm", device)
     return _RMSNorm.apply(x, weight, float(eps), float(offset), casting, backend)
 

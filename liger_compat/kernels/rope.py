@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, _dispatch, _ops
+from . import _checks, _dispatch
 
 __all__ = ["apply_rotary_pos_emb"]
 
 #: Values of ``variant`` (the Triton kernel): "flat" (the default: whole rows of q and k in one
 #: launch) where its assumptions hold, else "rows"; "rows": half-row tiles, q and k in two
 #: launches (any number of dims, outputs laid out apart from the inputs)
-ROPE_VARIANTS = ("flat", "rows")
-
-
-def check_variant(variant) -> str:
-    if variant not in ROPE_VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(ROPE_VARIANTS)}, got {variant!r}")
-    return variant
+ROPE_VARIANTS = _checks.ROPE_VARIANTS
 
 
 def _rotate(x, cos, sin, out_dtype, backward=False):
@@ -95,7 +89,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     """Rotate ``q`` and ``k``; returns ``(q_embed, k_embed)`` like transformers. ``variant``
     (``"flat"``, ``"rows"``: :data:`ROPE_VARIANTS`) is the Triton path's kernel, for benchmarks
     and tests; the torch reference ignores it."""
-    check_variant(variant)
+    _checks.rope_variant(variant)
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _checks.tensor(name, t)
         _checks.float_dtype(name, t)
@@ -123,9 +117,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
                 f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
                 f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
             )
-    if _ops.compiling():
+    if _dispatch.compiling():
         out_q = torch.promote_types(q.dtype, cos_u.dtype)
         out_k = torch.promote_types(k.dtype, cos_u.dtype)
-        return _ops.rope(q, k, cos_u, sin_u, False, out_q, out_k, "auto", variant)
+        return _dispatch.OPS.rope.default(q, k, cos_u, sin_u, False, out_q, out_k, "auto", variant)
     backend = _dispatch.choose("rope", device)
     return _Rope.apply(q, k, cos_u, sin_u, backend, variant)

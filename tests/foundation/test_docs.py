@@ -1,4 +1,4 @@
-"""The README's generated sections match what the generators produce from committed data."""
+"""The generated sections of the README and docs/ match what the generators produce from committed data."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ _HISTORY = re.compile(r"\b(issue|session)\s*#?\d+|\brun\s*\d+[a-z]?\b|_run_?\d+"
 
 
 def _prose_files() -> list[Path]:
-    files = [ROOT / "README.md", ROOT / "benchmarks" / "NOTES.md"]
+    files = [ROOT / "README.md", ROOT / "benchmarks" / "NOTES.md"] + sorted((ROOT / "docs").glob("*.md"))
     files += sorted((ROOT / "liger_compat").rglob("*.py"))
     files += sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
     files += sorted((ROOT / "benchmarks" / "results").glob("*.md"))
@@ -94,3 +94,37 @@ def test_benchmark_commands_name_the_files_they_write():
         assert (named.group(1) if named else defaults[m.group(1)]) == stem, (stem, cmd)
         md = ROOT / "benchmarks" / "results" / f"{stem}.md"
         assert md.read_text().splitlines()[0] == f"regenerate: `{cmd}`", stem
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _links(text: str) -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of the README and docs/ names a file that exists and, with ``#``, one of
+    its headings."""
+    pages = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    assert len(pages) > 5
+    bad = []
+    for page in pages:
+        for link in _links(page.read_text()):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                bad.append(f"{page.name}: {link} (no such file)")
+            elif anchor and anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", target.read_text(), re.M)}:
+                bad.append(f"{page.name}: {link} (no such heading)")
+    assert not bad, bad
+
+
+def test_link_and_anchor_parsing():
+    assert _links("see [a](docs/usage.md#settings) and [b](http://x.org)") == ["docs/usage.md#settings", "http://x.org"]
+    assert _slug("Labels outside the vocabulary") == "labels-outside-the-vocabulary"
+    assert _slug("trl's LM heads") == "trls-lm-heads"

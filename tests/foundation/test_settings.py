@@ -1,5 +1,5 @@
 """The package's settings: every environment variable is parsed in ``_config``, documented in the
-README, shown by ``check()`` with its source, and a bad value gives an error naming the variable."""
+docs/usage.md, shown by ``check()`` with its source, and a bad value gives an error naming the variable."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def test_readme_documents_every_variable():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_document_every_variable():
+    readme = (ROOT / "docs" / "usage.md").read_text()
     assert len(_config.ENV_VARS) == len(set(_config.ENV_VARS)) == len(_config.SETTINGS) + 1
-    # each variable in the README's table of variables
+    # each variable in the settings table of the usage page
     missing = [v for v in _config.ENV_VARS if f"| `{v}` |" not in readme]
     assert missing == []
 

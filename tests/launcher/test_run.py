@@ -268,11 +268,11 @@ def test_check_reports_the_launcher_and_the_process():
     assert json.loads(plain.stdout)["how"] == "import"
 
 
-def test_readme_shows_the_current_help():
+def test_usage_page_shows_the_current_help():
     proc = _run([sys.executable, "-m", "liger_compat", "run", "--help"], env=_env(COLUMNS="100"))
     assert proc.returncode == 0
-    readme = (ROOT / "README.md").read_text()
-    assert f"```\n{proc.stdout.rstrip()}\n```" in readme
+    page = (ROOT / "docs" / "usage.md").read_text()
+    assert f"```\n{proc.stdout.rstrip()}\n```" in page
 
 
 def test_check_value_names_the_variable_and_changes_nothing():

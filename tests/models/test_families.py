@@ -16,7 +16,8 @@ import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import causal_lm
 from liger_compat.compat import tiny_vlms
-from liger_compat.compat.families import BY_NAME, FAMILIES, family_states
+from liger_compat.compat.families import BY_NAME, FAMILIES
+from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
 from model_helpers import grads, manual_accuracy, native, random_batch, tiny
 

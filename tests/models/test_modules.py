@@ -11,7 +11,8 @@ import torch
 import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import REGISTRY, _module_shims, causal_lm, gated_mlp, rms_norm
-from liger_compat.compat.families import BY_NAME, family_states
+from liger_compat.compat.families import BY_NAME
+from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
 from liger_compat.shims.logits_to_keep import translate
 from model_helpers import FAMILY_NAMES, native, random_batch, tiny

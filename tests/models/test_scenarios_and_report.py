@@ -12,7 +12,8 @@ import torch
 
 from liger_compat.compat import scenarios
 from liger_compat.shims import causal_lm
-from liger_compat.compat.families import FAMILIES, family_states
+from liger_compat.compat.families import FAMILIES
+from liger_compat.shims._family_states import family_states
 from liger_compat.shims._forward_args import forward_params
 from liger_compat.shims._patching import is_ours
 from liger_compat.shims.logits_to_keep import translate
