@@ -1,0 +1,74 @@
+"""The benchmarks' logit regimes (``benchmarks/regimes.py``) have the properties they claim, checked
+against an independent float64 softmax at a small vocabulary on CPU."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import regimes  # noqa: E402
+
+N, H, V = 384, 64, 3000
+
+
+def _entropy64(h, w, t, softcap=None):
+    keep = t != regimes.IGNORE_INDEX
+    z = h[keep].double() @ w.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp = torch.log_softmax(z, -1)
+    ent = float(-(logp.exp() * logp).sum(-1).mean())
+    loss = float(-logp.gather(1, t[keep].unsqueeze(1)).mean())
+    return ent, loss
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_trained_like_regime_hits_its_entropy(softcap):
+    h, w, t, info = regimes.make_inputs("trained", N, H, V, softcap=softcap, device="cpu", seed=4)
+    assert h.shape == (N, H) and w.shape == (V, H) and h.dtype == torch.bfloat16
+    ent, loss = _entropy64(h, w, t, softcap)
+    assert abs(ent - regimes.TRAINED_ENTROPY) < 0.1, ent  # the bisection's rows are a subset of the rows
+    assert info["alpha"] > 0
+    assert math.isclose(info["entropy"], ent, abs_tol=1e-3) and math.isclose(info["loss"], loss, abs_tol=1e-3)
+    # the constant hidden feature carries the log-prior through weight column 0
+    assert torch.all(h[:, 0] == 1)
+    assert float(w[:, 0].float().max()) < 0 < float(w[:, 0].float().std())
+
+
+def test_trained_like_targets_follow_the_permuted_zipf_prior():
+    g = torch.Generator().manual_seed(0)
+    prior = regimes.zipf_prior(V, g, "cpu")
+    assert math.isclose(float(prior.sum()), 1.0, rel_tol=1e-9)
+    ranked = prior.sort(descending=True).values
+    assert torch.allclose(ranked[:3] / ranked[0], torch.tensor([1.0, 2 ** -1.1, 3 ** -1.1], dtype=torch.float64))
+    assert int(prior.argmax()) != 0  # a permutation, not token 0 first (with this seed)
+    _, w, t, _ = regimes.make_inputs("trained", 4096, 16, V, device="cpu", seed=1)
+    kept = t[t != regimes.IGNORE_INDEX]
+    top = int(w[:, 0].float().argmax())  # the most likely token by the log-prior column
+    counts = torch.bincount(kept, minlength=V).double()
+    assert int(counts.argmax()) == top
+    assert abs(counts[top] / kept.numel() - float(ranked[0])) < 0.03
+    ignored = float((t == regimes.IGNORE_INDEX).double().mean())
+    assert abs(ignored - regimes.IGNORED) < 0.03
+
+
+def test_init_and_spread_regimes_are_near_uniform_and_spread():
+    hi, wi, ti, info_i = regimes.make_inputs("init", N, H, V, device="cpu")
+    hs, ws, ts, info_s = regimes.make_inputs("spread", N, H, V, device="cpu")
+    ent_i, _ = _entropy64(hi, wi, ti)
+    ent_s, _ = _entropy64(hs, ws, ts)
+    assert math.log(V) - 0.05 < ent_i <= math.log(V)
+    # Gaussian logits of standard deviation 2: entropy about log V - 2
+    assert abs(ent_s - (math.log(V) - 2.0)) < 0.4, ent_s
+    assert info_i["entropy"] > info_s["entropy"] > regimes.TRAINED_ENTROPY
+
+
+def test_unknown_regime_is_refused():
+    with pytest.raises(ValueError, match="regime"):
+        regimes.make_inputs("peaked", 4, 4, 4, device="cpu")
