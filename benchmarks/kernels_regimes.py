@@ -64,7 +64,7 @@ def _append(path: Path, row: dict) -> None:
 def _impls(softcap):
     import torch
 
-    from benchmarks.kernels import _eager_loss
+    from benchmarks.kernels_flce import _eager_loss
     from liger_compat.kernels import _lowmem_triton, fused_linear_cross_entropy
 
     out = {
@@ -135,7 +135,8 @@ def _matmul_tflops() -> float:
 def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) -> None:
     import torch
 
-    from benchmarks.kernels import _ref_grads_fp32, rel
+    from benchmarks.kernels_common import rel
+    from benchmarks.kernels_lowmem import _ref_grads_fp32
     from benchmarks.regimes import make_inputs
     from liger_compat.kernels import _lowmem_triton
 
@@ -304,9 +305,13 @@ def main(argv=None) -> int:
         (out / f"{args.name}.md").write_text(report(_load(path)))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    cmd = "python -m benchmarks.kernels_regimes " + " ".join(a for a in (argv if argv is not None else sys.argv[1:])
-                                                              if "--out" not in a)
-    path.write_text(json.dumps({"regenerate": cmd.strip(), "meta": _meta(), "rows": []}, indent=1))
+    from benchmarks import _results
+
+    given = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--name" or a.startswith("--name=") for a in given):
+        given += ["--name", args.name]  # the command names the file it writes
+    cmd = _results.command("benchmarks.kernels_regimes", given)
+    path.write_text(json.dumps({"regenerate": cmd, "meta": _meta(), "rows": []}, indent=1))
     deadline = time.time() + args.budget_s
     for head in heads:
         if time.time() > deadline:
