@@ -78,3 +78,26 @@ def test_ruled_out_tokens_are_skipped_with_the_gradient_kept():
     ref = torch.autograd.grad(torch.nn.functional.cross_entropy(z, t, ignore_index=-100), ins)
     for got, want in zip((gh, gw, gbias), ref):
         assert rel_err(got, want) <= 8e-3
+
+
+@pytest.mark.parametrize("mode", ["chunked", "lowmem", "logprob"])
+def test_peaked_rows_keep_their_target_gradient_on_gpu(mode):
+    """Rows at p_t in [1 - 10^-4.5, 1 - 10^-5] (fp32 inputs with a bias: cuBLAS fp32 logits, no
+    TF32): the target columns of grad_bias to bf16-level relative error against float64."""
+    from liger_compat.kernels import fused_linear_cross_entropy
+    from liger_compat.kernels.logprob import fused_linear_logprobs
+    from test_peaked_rows import V, _peaked, _target_rel_err
+
+    h, w, t = _peaked(3, 4.5, 5.0)
+    b = torch.zeros(V, requires_grad=True)
+    hc, wc, tc = h.cuda(), w.cuda(), t.cuda()
+    bc = b.detach().cuda().requires_grad_(True)
+    if mode == "logprob":
+        out = -fused_linear_logprobs(hc, wc, tc, bias=bc, want=("log_probs",)).log_probs.sum()
+    else:
+        out = fused_linear_cross_entropy(hc, wc, tc, bias=bc, reduction="sum", mode=mode)
+    (gb,) = torch.autograd.grad(out, bc)
+    b64 = b.detach().double().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(h.double() @ w.double().t() + b64, t, reduction="sum")
+    (gb64,) = torch.autograd.grad(ref, b64)
+    assert _target_rel_err(gb.cpu(), gb64, t) <= 2.0 ** -8

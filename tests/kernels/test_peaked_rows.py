@@ -75,3 +75,23 @@ def test_fused_loss_keeps_the_target_gradient_of_peaked_rows(lo, hi, opts, mode)
         ref = ref + opts["lse_square_scale"] * torch.logsumexp(z, -1) ** 2
     (gb64,) = torch.autograd.grad(ref.sum(), b64)
     assert _target_rel_err(gb, gb64, t) <= 2.0 ** -8
+
+
+@pytest.mark.parametrize("lo,hi", [(3.0, 3.5), (4.5, 5.0)])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 60.0, "temperature": 0.9}, {"want": ("log_probs", "entropy")}])
+def test_logprob_head_keeps_the_target_gradient_of_peaked_rows(lo, hi, opts):
+    """d sum(log_probs) / d bias at the (distinct) targets: 1 - p_t of each peaked row, less other
+    rows' tiny p."""
+    from liger_compat.kernels.logprob import fused_linear_logprobs
+    from reference64 import logprobs64
+
+    h, w, t = _peaked(2, lo, hi)
+    b = torch.zeros(V, requires_grad=True)
+    kw = {k: v for k, v in opts.items() if k != "want"}
+    out = fused_linear_logprobs(h, w, t, bias=b, want=opts.get("want", ("log_probs",)), **kw)
+    (gb,) = torch.autograd.grad(out.log_probs.sum(), b)
+    b64 = b.detach().double().requires_grad_(True)
+    lp64 = logprobs64(h, w, b64, t, **kw)[0]
+    (gb64,) = torch.autograd.grad(lp64.sum(), b64)
+    assert float(gb64[t].abs().min()) > 0
+    assert _target_rel_err(gb, gb64, t) <= 2.0 ** -8
