@@ -8,7 +8,8 @@ regimes: forward+backward ms, extra MiB, grad_hidden and grad_weight error again
 Each head runs in its own process (one CUDA context, every implementation on fresh copies of the
 inputs, the allocator emptied between them); rows go to ``<name>.json`` as they are measured, so a
 run cut short keeps what it has. ``--budget-s``: no measurement starts after that many seconds
-(the heads are taken in the order given; the rest is recorded as not run). ms: median of ``--reps``
+(the heads are taken in the order given; the rest is recorded as not run; ``--append`` adds a
+second call's heads to the same file). ms: median of ``--reps``
 timed calls after one warm-up call (the warm-up's gradients give the errors); extra MiB: peak
 allocated during one forward+backward beyond the inputs and the gradients it returns.
 """
@@ -225,11 +226,13 @@ def report(data: dict) -> str:
              "w ~ N(0, 4/H); trained = Zipf(1.1) targets over a permuted vocabulary, a log-prior weight column, "
              "h = noise + alpha W[target] with mean entropy 2.5 nats. 10 % of targets ignored; bf16 inputs; "
              "errors against an all-fp32 head.", ""]
+    for r in rows:
+        r.setdefault("shape", r.get("head", "?"))
     heads = list(dict.fromkeys(r["shape"] for r in rows))
     for shape in heads:
         lines += [f"## {shape}", ""]
         for regime in REGIMES:
-            rr = [r for r in rows if r["shape"] == shape and r["regime"] == regime]
+            rr = [r for r in rows if r["shape"] == shape and r.get("regime") == regime]
             if not rr:
                 continue
             ent = next((r for r in rr if "entropy" in r), {})
@@ -288,6 +291,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     p.add_argument("--report", action="store_true", help="only write <name>.md from <name>.json")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows of other heads already in <name>.json (a run split over several calls)")
     args = p.parse_args(argv)
     heads = _pick(args.heads, HEADS, "--heads", p)
     regimes = _pick(args.regimes, REGIMES, "--regimes", p)
@@ -311,7 +316,12 @@ def main(argv=None) -> int:
     if not any(a == "--name" or a.startswith("--name=") for a in given):
         given += ["--name", args.name]  # the command names the file it writes
     cmd = _results.command("benchmarks.kernels_regimes", given)
-    path.write_text(json.dumps({"regenerate": cmd, "meta": _meta(), "rows": []}, indent=1))
+    data = {"regenerate": cmd, "meta": _meta(), "rows": []}
+    if args.append and path.exists():
+        old = _load(path)
+        data["rows"] = [r for r in old["rows"] if r.get("head") not in heads]
+        data["regenerate"] = f"{old.get('regenerate', '')}; {cmd}".lstrip("; ")
+    path.write_text(json.dumps(data, indent=1))
     deadline = time.time() + args.budget_s
     for head in heads:
         if time.time() > deadline:

@@ -93,3 +93,23 @@ def test_regime_benchmark_refuses_bad_arguments_and_reports_rows(tmp_path, capsy
     assert "### trained: entropy 2.50 nats, loss 1.50; dense 3-matmul floor 10.0 ms" in md
     assert "| liger_compat lowmem | 12.00 | 1.20 | 15 | 3.0e-03 | 4.0e-03 | 25.0 % of tiles skipped |" in md
     assert "| cce | | | | | | error OOM |" in md
+
+
+def test_regime_benchmark_appends_a_second_call_and_stops_at_its_budget(tmp_path, capsys):
+    import json
+
+    from benchmarks import kernels_regimes as kr
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"regenerate": "python -m benchmarks.kernels_regimes --heads qwen2-7b --name r",
+                                "meta": {}, "rows": [{"section": "flce_regimes", "head": "qwen2-7b", "impl": "cce"},
+                                                     {"section": "flce_regimes", "head": "llama3-8b", "impl": "old"}]}))
+    # a budget already spent: no worker starts, every regime of the head is recorded as not run
+    kr.main(["--heads", "llama3-8b", "--append", "--budget-s", "1e-9", "--out", str(tmp_path), "--name", "r"])
+    data = json.loads(path.read_text())
+    assert [r.get("impl") for r in data["rows"] if r["head"] == "qwen2-7b"] == ["cce"]
+    mine = [r for r in data["rows"] if r["head"] == "llama3-8b"]
+    assert [r["regime"] for r in mine] == list(kr.REGIMES) and {r["status"] for r in mine} == {"not run (budget)"}
+    assert data["regenerate"] == ("python -m benchmarks.kernels_regimes --heads qwen2-7b --name r; "
+                                  "python -m benchmarks.kernels_regimes --heads llama3-8b --append --budget-s 1e-9 --name r")
+    capsys.readouterr()
