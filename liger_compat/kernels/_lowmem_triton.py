@@ -217,7 +217,7 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
         cells = live[:, None] & nmask[None, :]
         n_big = tl.sum(tl.sum(tl.where(cells & (~is_t) & (p >= thr[:, None]), 1, 0), axis=1), axis=0)
         keep = n_big > 0
-        if not keep:
+        if n_big == 0:
             tl.atomic_add(cnt_ptr, 1, sem="relaxed")
     if keep:
         _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc, offs_n, mmask, nmask, K, V,
