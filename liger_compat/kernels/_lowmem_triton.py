@@ -9,7 +9,12 @@ logit and the row sum (label smoothing). Each program writes those five numbers 
 
 Backward (:func:`lowmem_grads`): the same tiles are computed again, turned into
 ``scale_row * d loss / d logits`` from the saved lse, and multiplied straight away by the
-weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics.
+weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics. A tile
+whose non-target softmax entries are all negligible (below :data:`SKIP_REL` / V of their row's
+non-target mass) skips those two matmuls. The targets' own entries ``p_t - 1`` are not part of the
+tiles: every tile adds its rows' softmax mass outside the target, and a last small kernel adds
+``-(that mass)`` times the target's weight row and hidden row (exact where ``p_t`` is near 1,
+whatever tiles were skipped).
 ``grad_hidden`` is summed in an fp32 scratch of one group of rows at a time (at most
 :data:`GH_SCRATCH_BYTES`), so every element is rounded to the output dtype once;
 ``grad_weight`` is added in its own dtype, in the output tensor itself; ``grad_bias`` in fp32
