@@ -3,7 +3,8 @@
 # cut-cross-entropy; the machine has no network), then the benchmark steps named on the command
 # line, each into $OUT with its log. Steps: gpu_tests (COMMIT names the commit: the machine gets no
 # .git), kernels:<sections> (KERNELS_ARGS), e2e (E2E_ARGS), e2e_memory (E2E_MEMORY_ARGS),
-# compile_families (COMPILE_ARGS), generate (GENERATE_ARGS).
+# compile_families (COMPILE_ARGS), generate (GENERATE_ARGS), kernels_regimes (REGIMES_ARGS; about 4-5 min:
+# every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -21,6 +22,7 @@ for step in "$@"; do
     kernels:*) mkdir -p "$OUT/kernels"; python3 -m benchmarks.kernels --out "$OUT/kernels" --sections "${step#kernels:}" ${KERNELS_ARGS:-} >"$OUT/kernels.log" 2>&1 ;;
     e2e) python3 -m benchmarks.e2e --out "$OUT" ${E2E_ARGS:-} >"$OUT/e2e.log" 2>&1 ;;
     e2e_memory) python3 -m benchmarks.e2e_memory --out "$OUT" ${E2E_MEMORY_ARGS:-} >"$OUT/e2e_memory.log" 2>&1 ;;
+    kernels_regimes) python3 -m benchmarks.kernels_regimes --out "$OUT" ${REGIMES_ARGS:-} >"$OUT/kernels_regimes.log" 2>&1 ;;
     generate) python3 -m benchmarks.generate --out "$OUT" ${GENERATE_ARGS:-} >"$OUT/generate.log" 2>&1 ;;
     *) echo "unknown step $step" >>"$OUT/machine.log" ;;
   esac

@@ -8,7 +8,9 @@ Per row of ``logits[C, V]`` (read in blocks of ``BLOCK_V``, computed in fp32):
   smoothing; softcap ``c * tanh(z / c)`` applied on load;
 * pass 2 (``GRAD``): ``scale_row * d loss_row / d logits`` =
   ``(softmax * (1 + 2 s lse) - eps / V - (1 - eps) * onehot) * (1 - tanh^2 if softcap)``,
-  stored in the gradient's dtype (bf16 in the fused loss, over the logits themselves).
+  stored in the gradient's dtype (bf16 in the fused loss, over the logits themselves); the
+  target's own entry ``p_t - 1`` is formed as minus the row's softmax mass outside the target,
+  which keeps its precision in rows where ``p_t`` is close to 1.
 
 The "split" variant (default on CUDA) does the same in three launches over (row, block of V)
 programs: per-block partials (max, sum-exp, argmax, row sum), a per-row combine into the
@@ -73,16 +75,32 @@ def _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tg
 
 
 @triton.jit
-def _grad_block(x, cols, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTCAP: tl.constexpr):
-    """``d loss / d logits`` for one block of the row's stored logits ``x`` (fp32)."""
+def _grad_block(x, cols, mask, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``d loss / d logits`` for one block of the row's stored logits ``x`` (fp32), and the block's
+    softmax mass outside the target (what the target's own entry is formed from)."""
     if HAS_SOFTCAP:
         t = _tanh(x / softcap)
         z = softcap * t
     else:
         z = x
-    d = tl.exp(z - lse) * p_scale - smooth
-    d = tl.where(cols == tgt_safe, d - hit, d)
+    p = tl.exp(z - lse)
+    is_t = cols == tgt_safe
+    rest = tl.sum(tl.where(mask & (~is_t), p, 0.0), axis=0)
+    d = p * p_scale - smooth
+    d = tl.where(is_t, d - hit, d)
     if HAS_SOFTCAP:
+        d = d * (1.0 - t * t)
+    return d, rest
+
+
+@triton.jit
+def _target_grad(rest, x_t, lse, scale, V, label_smoothing, lse_square_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """The target's own entry of ``d loss / d logits`` from the row's softmax mass outside it:
+    ``p_t - 1`` as ``-rest`` keeps its relative precision where ``p_t`` is within fp32 rounding of
+    1 (a peaked row), which ``exp(z_t - lse) - 1`` loses."""
+    d = (-rest + (1.0 - rest) * 2.0 * lse_square_scale * lse + label_smoothing * (1.0 - 1.0 / V)) * scale
+    if HAS_SOFTCAP:
+        t = _tanh(x_t / softcap)
         d = d * (1.0 - t * t)
     return d
 
@@ -136,12 +154,17 @@ def _ce_row_kernel(
         smooth = label_smoothing / V * scale
         hit = (1.0 - label_smoothing) * scale
         g_row = grad_ptr + row * stride_g
+        x_t = tl.load(row_ptr + tgt_safe).to(tl.float32)  # before the gradient may overwrite it
+        rest = tl.zeros([], tl.float32)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
             mask = cols < V
             x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            d = _grad_block(x, cols, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTCAP)
+            d, part = _grad_block(x, cols, mask, lse, p_scale, smooth, hit, tgt_safe, softcap, HAS_SOFTCAP)
+            rest += part
             tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+        d_t = _target_grad(rest, x_t, lse, scale, V, label_smoothing, lse_square_scale, softcap, HAS_SOFTCAP)
+        tl.store(g_row + tgt_safe, d_t.to(grad_ptr.dtype.element_ty), mask=valid & in_range)
 
 
 @triton.jit
@@ -207,11 +230,13 @@ def _ce_combine_kernel(
 
 @triton.jit
 def _ce_grad_kernel(
-    logits_ptr, stride_l, target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale,
+    logits_ptr, stride_l, target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Split variant, step 3: each (row, block of V) program writes its block of the gradient."""
+    """Split variant, step 3: each (row, block of V) program writes its block of the gradient and
+    adds the block's softmax mass outside the target to ``rest_ptr[row]`` (the program holding the
+    target also keeps its logit in ``xt_ptr[row]``): step 4 writes the target's entry from them."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
@@ -222,9 +247,27 @@ def _ce_grad_kernel(
     cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
-    d = _grad_block(x, cols, lse, p_scale, label_smoothing / V * scale, (1.0 - label_smoothing) * scale,
-                    tgt_safe, softcap, HAS_SOFTCAP)
+    d, rest = _grad_block(x, cols, mask, lse, p_scale, label_smoothing / V * scale, (1.0 - label_smoothing) * scale,
+                          tgt_safe, softcap, HAS_SOFTCAP)
+    has_t = (tgt_safe >= blk * BLOCK_V) & (tgt_safe < blk * BLOCK_V + BLOCK_V)
+    tl.store(xt_ptr + row, tl.sum(tl.where(cols == tgt_safe, x, 0.0), axis=0), mask=has_t)
+    tl.atomic_add(rest_ptr + row, rest, sem="relaxed")
     tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_target_grad_kernel(
+    target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+):
+    """Split variant, step 4: the target's entry of each row's gradient (:func:`_target_grad`)."""
+    row = tl.program_id(0).to(tl.int64)
+    _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
+    d_t = _target_grad(tl.load(rest_ptr + row), tl.load(xt_ptr + row), lse, scale, V, label_smoothing,
+                       lse_square_scale, softcap, HAS_SOFTCAP)
+    tl.store(grad_ptr + row * stride_g + tgt_safe, d_t.to(grad_ptr.dtype.element_ty), mask=valid & in_range)
 
 
 #: Values of ``variant``: "split" (the default): rows are cut into blocks of V spread over
@@ -314,10 +357,16 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
                 **common,
             )
         if grad is not None:
+            rest = torch.zeros((2, c), dtype=f32, device=dev)  # mass outside the target; target logit
             _ce_grad_kernel[(c, nb)](
-                logits, logits.stride(0), target, g, sg, lse, scale, stride_scale,
+                logits, logits.stride(0), target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
                 HAS_SOFTCAP=common["HAS_SOFTCAP"], BLOCK_V=block, num_warps=warps,
+            )
+            _ce_target_grad_kernel[(c,)](
+                target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
+                HAS_SOFTCAP=common["HAS_SOFTCAP"], num_warps=1,
             )
     if not stats:
         return None

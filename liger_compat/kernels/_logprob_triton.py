@@ -126,9 +126,12 @@ def _lp_combine_kernel(
 @triton.jit
 def _lp_grad_kernel(
     logits_ptr, stride_l, grad_ptr, stride_g, target_ptr, lse_ptr, ent_ptr, glp_ptr, stride_glp, gent_ptr,
-    V, ignore_index, logit_scale, softcap, inv_t,
+    rest_ptr, xt_ptr, V, ignore_index, logit_scale, softcap, inv_t,
     HAS_SOFTCAP: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    """Each (row, block of V) program writes its block of the gradient, adds the block's softmax
+    mass outside the target to ``rest_ptr[row]`` and keeps the target's logit in ``xt_ptr[row]``:
+    :func:`_lp_target_grad_kernel` then writes the target's entry from them."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     tgt = tl.load(target_ptr + row).to(tl.int64)
@@ -155,7 +158,40 @@ def _lp_grad_kernel(
     if HAS_SOFTCAP:
         d = d * (1.0 - t * t)
     d = tl.where(valid, d * logit_scale, 0.0)
+    if HAS_GLP:
+        is_t = cols == tgt
+        tl.atomic_add(rest_ptr + row, tl.sum(tl.where(mask & (~is_t), p, 0.0), axis=0), sem="relaxed")
+        tl.store(xt_ptr + row, tl.sum(tl.where(is_t, x, 0.0), axis=0),
+                 mask=valid & (tgt >= blk * BLOCK_V) & (tgt < blk * BLOCK_V + BLOCK_V))
     tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lp_target_grad_kernel(
+    grad_ptr, stride_g, target_ptr, lse_ptr, ent_ptr, glp_ptr, stride_glp, gent_ptr, rest_ptr, xt_ptr,
+    V, ignore_index, logit_scale, softcap, inv_t,
+    HAS_SOFTCAP: tl.constexpr, HAS_GENT: tl.constexpr,
+):
+    """The target's entry of each row's gradient, its ``1 - p_t`` formed as the row's softmax mass
+    outside the target (precise where ``p_t`` is near 1, unlike ``1 - exp(log p_t)``)."""
+    row = tl.program_id(0).to(tl.int64)
+    tgt = tl.load(target_ptr + row).to(tl.int64)
+    valid = (tgt != ignore_index) & (tgt >= 0) & (tgt < V)
+    y = tl.load(xt_ptr + row) * logit_scale
+    if HAS_SOFTCAP:
+        t = _tanh(y / softcap)
+        z = softcap * t * inv_t
+    else:
+        z = y * inv_t
+    d = tl.load(glp_ptr + row * stride_glp).to(tl.float32) * tl.load(rest_ptr + row)
+    if HAS_GENT:
+        log_p = z - tl.load(lse_ptr + row)
+        d -= tl.load(gent_ptr + row).to(tl.float32) * tl.exp(log_p) * (log_p + tl.load(ent_ptr + row))
+    d = d * inv_t
+    if HAS_SOFTCAP:
+        d = d * (1.0 - t * t)
+    tl.store(grad_ptr + row * stride_g + tl.where(valid, tgt, 0), (d * logit_scale).to(grad_ptr.dtype.element_ty),
+             mask=valid)
 
 
 #: block of V per program on CUDA
@@ -223,12 +259,14 @@ def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse
             stride_glp = 0
         if g_ent is not None:
             g_ent = g_ent.to(f32).contiguous()
+        rest = torch.zeros((2, c), dtype=f32, device=dev) if g_lp is not None else lse
+        args = (target, lse, entropy if entropy is not None else lse, g_lp if g_lp is not None else lse, stride_glp,
+                g_ent if g_ent is not None else lse, rest[0], rest[1], v, opt.ignore_index, *scal)
         _lp_grad_kernel[(c, nb)](
-            logits, logits.stride(0), grad, grad.stride(0), target, lse,
-            entropy if entropy is not None else lse,
-            g_lp if g_lp is not None else lse, stride_glp,
-            g_ent if g_ent is not None else lse,
-            v, opt.ignore_index, *scal,
+            logits, logits.stride(0), grad, grad.stride(0), *args,
             HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, BLOCK_V=block, num_warps=warps, **common,
         )
+        if g_lp is not None:
+            _lp_target_grad_kernel[(c,)](grad, grad.stride(0), *args, HAS_GENT=g_ent is not None, num_warps=1,
+                                         **common)
     return stats

@@ -9,7 +9,12 @@ logit and the row sum (label smoothing). Each program writes those five numbers 
 
 Backward (:func:`lowmem_grads`): the same tiles are computed again, turned into
 ``scale_row * d loss / d logits`` from the saved lse, and multiplied straight away by the
-weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics.
+weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics. A tile
+whose non-target softmax entries are all negligible (below :data:`SKIP_REL` / V of their row's
+non-target mass) skips those two matmuls. The targets' own entries ``p_t - 1`` are not part of the
+tiles: every tile adds its rows' softmax mass outside the target, and a last small kernel adds
+``-(that mass)`` times the target's weight row and hidden row (exact where ``p_t`` is near 1,
+whatever tiles were skipped).
 ``grad_hidden`` is summed in an fp32 scratch of one group of rows at a time (at most
 :data:`GH_SCRATCH_BYTES`), so every element is rounded to the output dtype once;
 ``grad_weight`` is added in its own dtype, in the output tensor itself; ``grad_bias`` in fp32
@@ -29,7 +34,7 @@ import torch
 from ._ce_triton import _tanh
 from ._dispatch import cdiv, tl, triton
 
-__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "GH_SCRATCH_BYTES"]
+__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "target_logits", "GH_SCRATCH_BYTES", "SKIP_REL"]
 
 #: name -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for CUDA; the interpreter uses
 #: small tiles (``"interpret"``) so that tests cover several tiles and ragged edges.
@@ -52,6 +57,13 @@ DEFAULT_CONFIG = "m128n256k32w8s4"
 GH_SCRATCH_BYTES = 8 * 2**20
 #: At most this many bytes of per-share statistics in the forward (5 fp32/int32 per row and share).
 STATS_BYTES = 4 * 2**20
+
+#: The backward leaves out a tile whose non-target softmax entries are all below this / V of their
+#: row's non-target softmax mass: what it leaves out of a row's gradient is then at most this share
+#: of the row's mass, about bf16's rounding of each entry (2^-9).
+SKIP_REL = 2.0 ** -9
+#: Tiles the latest :func:`lowmem_grads` call left out (int32 device tensor of one element).
+last_skipped: torch.Tensor | None = None
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -165,13 +177,16 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, pm_ptr, ps_ptr, pi_ptr, p
 
 
 @triton.jit
-def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr,
-                  row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing, lse_square_scale,
+def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr, zt_ptr, cnt_ptr, rest_ptr,
+                  row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing, lse_square_scale, skip_rel,
                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                   HAS_ZLOSS: tl.constexpr, NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
-                  IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                  SKIP: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows ``row0 .. row0 + M`` of the (index) rows; ``gh_ptr`` is their fp32 scratch ``[M, K]``."""
+    """Rows ``row0 .. row0 + M`` of the (index) rows; ``gh_ptr`` is their fp32 scratch ``[M, K]``.
+    ``SKIP``: tiles of negligible gradient are left out (``zt_ptr``: the rows' target logits;
+    ``cnt_ptr``: a counter of the tiles left out). The targets' own entries are left to
+    :func:`_target_grads_kernel`; ``rest_ptr`` sums each row's softmax mass outside its target."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     pid_m = pid % num_m
@@ -188,11 +203,46 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
     z, t = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, stride_w, softcap,
                         HAS_BIAS, HAS_SOFTCAP, IEEE, EVEN_K, BM, BN, BK)
     p = tl.exp(z - lse[:, None])
+    # every tile, left out or not, adds its softmax mass outside the targets: the targets' entries
+    # (_target_grads_kernel) are exact whatever is left out
+    rest = tl.sum(tl.where(mmask[:, None] & nmask[None, :] & (offs_n[None, :] != tgt[:, None]), p, 0.0), axis=1)
+    tl.atomic_add(rest_ptr + offs_m, rest, mask=mmask, sem="relaxed")
+    keep = True
+    if SKIP:
+        # every non-target softmax entry of the tile below skip_rel / V of its row's non-target mass:
+        # the tile's gradient is negligible and left out (the targets' own entries come separately)
+        zt = tl.load(zt_ptr + offs_m, mask=mmask, other=0.0)
+        # 1 - p(target) as -expm1(log p), at least what fp32 resolves of it beside lse (the dense
+        # gradient of a row that peaked is no more accurate than that)
+        x = tl.minimum(zt - lse, 0.0)
+        mass = tl.maximum(tl.where(x > -1e-3, -x * (1.0 + 0.5 * x), 1.0 - tl.exp(x)), (tl.abs(lse) + 1.0) * 2.4e-7)
+        thr = skip_rel * mass / V
+        live = mmask & (sc != 0.0)
+        is_t = offs_n[None, :] == tgt[:, None]
+        cells = live[:, None] & nmask[None, :]
+        n_big = tl.sum(tl.sum(tl.where(cells & (~is_t) & (p >= thr[:, None]), 1, 0), axis=1), axis=0)
+        keep = n_big > 0
+        if n_big == 0:
+            tl.atomic_add(cnt_ptr, 1, sem="relaxed")
+    if keep:
+        _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc, offs_n, mmask, nmask, K, V,
+                    stride_h, stride_w, stride_gw, label_smoothing, lse_square_scale, lse,
+                    HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, NEED_GH, NEED_GW, NEED_GB, IEEE, BM, BN, BK)
+
+
+@triton.jit
+def _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc, offs_n, mmask, nmask, K, V,
+                stride_h, stride_w, stride_gw, label_smoothing, lse_square_scale, lse,
+                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+                NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr, IEEE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The tile's ``d loss / d logits`` from its softmax ``p``, multiplied by the weight tile into
+    ``grad_hidden`` and by the hidden tile into ``grad_weight`` (atomics), summed into ``grad_bias``."""
     if HAS_ZLOSS:
         p = p * (1.0 + 2.0 * lse_square_scale * lse)[:, None]
     if HAS_SMOOTHING:
         p = p - label_smoothing / V
-    p = tl.where(offs_n[None, :] == tgt[:, None], p - (1.0 - label_smoothing), p)
+    p = tl.where(offs_n[None, :] == tgt[:, None], 0.0, p)  # the target's entry: _target_grads_kernel
     d = p * sc[:, None]
     if HAS_SOFTCAP:
         d = d * (1.0 - t * t)
@@ -221,6 +271,82 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
                 part_w = tl.dot(tl.trans(dd), hk)
             tl.atomic_add(gw_ptr + offs_n[:, None].to(tl.int64) * stride_gw + kk[None, :],
                           part_w.to(gw_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :], sem="relaxed")
+
+
+@triton.jit
+def _target_grads_kernel(h_ptr, w_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, zt_ptr, rest_ptr, gh_ptr, gw_ptr, gb_ptr,
+                         row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing, lse_square_scale,
+                         HAS_SOFTCAP: tl.constexpr, NEED_GH: tl.constexpr, NEED_GW: tl.constexpr,
+                         NEED_GB: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """The target entries of ``d loss / d logits`` (``p_t - 1`` formed as minus the row's softmax
+    mass outside the target, which keeps its precision where ``p_t`` is near 1) times the target's
+    weight row into ``grad_hidden`` (the group's fp32 scratch ``gh_ptr``) and times the hidden row
+    into the target's ``grad_weight`` row, and into ``grad_bias``; rows ``row0 .. row0 + M``."""
+    local = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_m = row0 + local
+    mmask = local < M
+    rows = tl.load(idx_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+    tgt = tl.load(t_ptr + rows, mask=mmask, other=0).to(tl.int64)
+    sc = tl.load(scale_ptr + offs_m, mask=mmask, other=0.0)
+    ok = mmask & (sc != 0.0) & (tgt >= 0) & (tgt < V)
+    tgt = tl.where(ok, tgt, 0)
+    lse = tl.load(lse_ptr + offs_m, mask=mmask, other=0.0)
+    rest = tl.load(rest_ptr + offs_m, mask=mmask, other=0.0)
+    c = (-rest + (1.0 - rest) * 2.0 * lse_square_scale * lse + label_smoothing * (1.0 - 1.0 / V)) * sc
+    if HAS_SOFTCAP:
+        tt = tl.load(zt_ptr + offs_m, mask=mmask, other=0.0) / softcap
+        c = c * (1.0 - tt * tt)
+    c = tl.where(ok, c, 0.0)
+    if NEED_GB:
+        tl.atomic_add(gb_ptr + tgt, c, mask=ok, sem="relaxed")
+    for k in range(0, K, BK):
+        kk = k + tl.arange(0, BK)
+        msk = ok[:, None] & (kk < K)[None, :]
+        if NEED_GH:
+            wt = tl.load(w_ptr + tgt[:, None] * stride_w + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+            dst = gh_ptr + local[:, None].to(tl.int64) * K + kk[None, :]
+            tl.store(dst, tl.load(dst, mask=msk, other=0.0) + c[:, None] * wt, mask=msk)
+        if NEED_GW:
+            hr = tl.load(h_ptr + rows[:, None] * stride_h + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+            tl.atomic_add(gw_ptr + tgt[:, None] * stride_gw + kk[None, :], (c[:, None] * hr).to(gw_ptr.dtype.element_ty),
+                          mask=msk, sem="relaxed")
+
+
+@triton.jit
+def _target_logits_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, out_ptr, M, V, K, stride_h, stride_w, softcap,
+                          HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """fp32 (capped) target logit of each index row; 0 for rows whose target is out of range."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mmask = offs_m < M
+    rows = tl.load(idx_ptr + offs_m, mask=mmask, other=0).to(tl.int64)
+    tgt = tl.load(t_ptr + rows, mask=mmask, other=0).to(tl.int64)
+    ok = mmask & (tgt >= 0) & (tgt < V)
+    tgt = tl.where(ok, tgt, 0)
+    acc = tl.zeros((BM,), tl.float32)
+    for k in range(0, K, BK):
+        kk = k + tl.arange(0, BK)
+        msk = ok[:, None] & (kk < K)[None, :]
+        a = tl.load(h_ptr + rows[:, None] * stride_h + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + tgt[:, None] * stride_w + kk[None, :], mask=msk, other=0.0).to(tl.float32)
+        acc += tl.sum(a * b, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + tgt, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    tl.store(out_ptr + offs_m, tl.where(ok, acc, 0.0), mask=mmask)
+
+
+def target_logits(h, w, b, target, idx, opt):
+    """fp32 ``[M]``: the (softcapped) logit of each index row's target (0 where out of range)."""
+    m = idx.numel()
+    out = torch.empty(m, dtype=torch.float32, device=h.device)
+    if m:
+        bm, bk = (16, 16) if h.device.type != "cuda" else (16, 128)
+        _target_logits_kernel[(cdiv(m, bm),)](
+            h, w, b if b is not None else h, target, idx, out, m, w.shape[0], h.shape[1], h.stride(0), w.stride(0),
+            opt.softcap if opt.softcap is not None else 1.0, HAS_BIAS=b is not None,
+            HAS_SOFTCAP=opt.softcap is not None, BM=bm, BK=bk, num_warps=4)
+    return out
 
 
 def _shares(mblocks: int, ntiles: int, sms: int, most: int) -> tuple[int, int]:
@@ -292,10 +418,16 @@ def lowmem_stats(h, w, b, target, idx, opt, *, config: str | None = None):
 
 
 def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | None = None,
-                 scratch_bytes: int | None = None):
+                 scratch_bytes: int | None = None, skip_rel: float | None = None):
     """``(grad_hidden, grad_weight, grad_bias)`` (``None`` where ``grads`` says not needed) of
     ``sum_i scale[i] * loss(row idx[i])``; ``lse`` and ``scale`` fp32 ``[M]`` (scale 0 for rows
-    that get no gradient). Rows not in ``idx`` get zero ``grad_hidden``."""
+    that get no gradient). Rows not in ``idx`` get zero ``grad_hidden``.
+
+    ``skip_rel`` (default :data:`SKIP_REL`; 0 turns it off): a (row block, vocabulary tile) pair
+    whose non-target softmax entries are all below ``skip_rel / V`` of their row's non-target mass
+    is left out of the gradient matmuls; the targets' own entries are always added (a separate
+    kernel). Without label smoothing and z-loss only. :data:`last_skipped` counts such tiles of the latest call (a device tensor)."""
+    global last_skipped
     need_gh, need_gw, need_gb = grads
     n, k = h.shape
     v = w.shape[0]
@@ -314,17 +446,31 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
     whole = m == n  # idx is then every row in order
     flags = _flags(h, w, b, opt, bk)
     ntiles = cdiv(v, bn)
+    skip_rel = SKIP_REL if skip_rel is None else float(skip_rel)
+    skip = skip_rel > 0.0 and opt.label_smoothing == 0.0 and opt.lse_square_scale == 0.0
+    zt = target_logits(h, w, b, target, idx, opt) if (skip or opt.softcap is not None) else lse
+    rest = torch.zeros(m, dtype=torch.float32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    last_skipped = counter
     for row0 in range(0, m, group):
         rows = min(group, m - row0)
         if scratch is not None:
             scratch.zero_()
         args = (h, w, b if b is not None else h, target, idx, lse, scale,
                 scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
-                row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
-                opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale)
+                zt, counter, rest, row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale, skip_rel)
         _launch(_grads_kernel, (cdiv(rows, bm) * ntiles,), args, stages,
-                HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb,
+                HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb, SKIP=skip,
                 BM=bm, BN=bn, BK=bk, num_warps=warps, **flags)
+        tbm, tbk = (16, 16) if dev.type != "cuda" else (16, 128)
+        _target_grads_kernel[(cdiv(rows, tbm),)](
+            h, w, target, idx, lse, scale, zt, rest, scratch if scratch is not None else h,
+            gw if gw is not None else h, gb if gb is not None else lse,
+            row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+            opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale,
+            HAS_SOFTCAP=opt.softcap is not None, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb,
+            BM=tbm, BK=tbk, num_warps=4)
         if scratch is not None:
             part = scratch[:rows]
             if whole:

@@ -116,7 +116,9 @@ def lp_rows_torch(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=
             g = g_lp.float()
             g = g[:, None] if g.dim() else g
             d = d - g * p
-            d.scatter_add_(1, tgt[:, None], (g if g.dim() else g.reshape(1, 1)).expand(c, 1).contiguous())
+            # the target's entry g * (1 - p_t), its 1 - p_t as the mass outside the target (precise near p_t = 1)
+            rest = p.scatter(1, tgt[:, None], 0.0).sum(dim=1, keepdim=True)
+            d.scatter_(1, tgt[:, None], (g if g.dim() else g.reshape(1, 1)) * rest)
         if g_ent is not None:
             d = d - g_ent.float()[:, None] * p * (log_p + entropy[:, None])
         d = d * opt.inv_t

@@ -135,11 +135,15 @@ def ce_rows_torch(
             bad[2] = torch.minimum(bad[2], torch.where(oob & (t64 < 0), t64, 0).min())
     if grad is not None:
         d = torch.exp(z - lse[:, None])
+        # the target's entry p_t - 1 as minus the softmax mass outside it (precise where p_t is near 1)
+        d.scatter_(1, tgt[:, None], 0.0)
+        rest = d.sum(dim=1)
         if s:
             d = d * (1.0 + 2.0 * s * lse)[:, None]
         if eps:
             d = d - eps / V
-        d.scatter_add_(1, tgt[:, None], torch.full((C, 1), -(1.0 - eps), device=z.device))
+        d_t = -rest + (1.0 - rest) * 2.0 * s * lse + eps * (1.0 - 1.0 / V)
+        d.scatter_(1, tgt[:, None], d_t[:, None])
         row = (valid & in_range).float()
         if scale is not None:
             row = row * scale.float()

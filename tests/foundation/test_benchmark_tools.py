@@ -73,11 +73,12 @@ def test_compiled_variants_wrap_the_model_in_torch_compile():
 
 
 def test_kernel_timing_rounds_rotate_the_order_and_keep_the_median(monkeypatch, tmp_path):
-    """benchmarks.kernels.measure_rounds (timers replaced: no GPU): every implementation once
+    """benchmarks.kernels_common.measure_rounds (timers replaced: no GPU): every implementation once
     per round, the order rotated by one place per round with ``last`` kept at the end; the row
     holds the median and every round; a failing implementation gives an error row and is not
     timed again."""
-    from benchmarks import kernels as K
+    from benchmarks import kernels_common as K
+    from benchmarks.kernels_report import _spread
 
     calls = []
     times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 7.0, 6.0]), "liger": iter([9.0, 8.0, 10.0])}
@@ -102,7 +103,7 @@ def test_kernel_timing_rounds_rotate_the_order_and_keep_the_median(monkeypatch, 
     assert rows["a"]["ms_rounds"] == [3.0, 1.0, 2.0] and rows["a"]["err"] == 0.1 and rows["a"]["extra_mib"] == 12.5
     assert rows["b"]["ms_rounds"] == [5.0, 7.0, 6.0] and rows["b"]["floor_ms"] == 1.0
     assert "ms" not in rows["bad"] and "no kernel" in rows["bad"]["error"]
-    assert K._spread(rows["b"], 2) == "5.00-7.00"
+    assert _spread(rows["b"], 2) == "5.00-7.00"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -115,12 +116,17 @@ def test_kernel_timing_rounds_rotate_the_order_and_keep_the_median(monkeypatch, 
 ])
 def test_kernel_benchmark_refuses_bad_arguments_before_touching_a_gpu(capsys, argv, message):
     from benchmarks import kernels as K
+    from benchmarks import kernels_common, kernels_flce, kernels_flce_profile, kernels_lowmem
 
-    before = (K.OUT, K.FLCE_CHUNK_SETTINGS, K.FLCE_MIB_HEADS, K.ROUNDS, K.FLCE_GEMM_CHUNK)
+    def state():
+        return (kernels_common.OUT, kernels_common.ROUNDS, kernels_flce.FLCE_CHUNK_SETTINGS, kernels_flce.FLCE_MIB_HEADS,
+                kernels_flce_profile.FLCE_GEMM_CHUNK, kernels_lowmem.LOWMEM_CONFIGS)
+
+    before = state()
     with pytest.raises(SystemExit) as exc:
         K.main(argv + ["--out", "/nonexistent/never-written"])
     assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert (K.OUT, K.FLCE_CHUNK_SETTINGS, K.FLCE_MIB_HEADS, K.ROUNDS, K.FLCE_GEMM_CHUNK) == before
+    assert state() == before
 
 
 def test_results_name_the_command_that_regenerates_them(tmp_path, capsys):
@@ -144,16 +150,17 @@ def test_results_name_the_command_that_regenerates_them(tmp_path, capsys):
 
 
 def test_kernel_report_starts_with_the_regenerate_line(monkeypatch):
-    from benchmarks import kernels as K
+    from benchmarks import kernels_common as K
+    from benchmarks.kernels_report import report
 
     rows = [{"section": "elementwise", "shape": "s", "impl": "liger_compat", "ms": 1.0, "floor_ms": 0.5,
              "extra_mib": 2.0, "run": "kernels_elementwise.json"}]
     monkeypatch.setattr(K, "RESULTS", {"regenerate": "python -m benchmarks.kernels --sections flce", "meta": {}, "rows": rows})
-    md = K.report()
+    md = report()
     assert md.startswith("regenerate: `python -m benchmarks.kernels --sections flce`\n\n# liger_compat kernel benchmark")
     assert "come from kernels_elementwise.json, measured separately" in md
     monkeypatch.setattr(K, "RESULTS", {"meta": {}, "rows": []})
-    assert K.report().startswith("# liger_compat kernel benchmark")
+    assert report().startswith("# liger_compat kernel benchmark")
 
 
 def test_gpu_tests_record_reads_junit_counts_and_failures(tmp_path):

@@ -1,0 +1,115 @@
+"""The benchmarks' logit regimes (``benchmarks/regimes.py``) have the properties they claim, checked
+against an independent float64 softmax at a small vocabulary on CPU."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks import regimes  # noqa: E402
+
+N, H, V = 384, 64, 3000
+
+
+def _entropy64(h, w, t, softcap=None):
+    keep = t != regimes.IGNORE_INDEX
+    z = h[keep].double() @ w.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp = torch.log_softmax(z, -1)
+    ent = float(-(logp.exp() * logp).sum(-1).mean())
+    loss = float(-logp.gather(1, t[keep].unsqueeze(1)).mean())
+    return ent, loss
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_trained_like_regime_hits_its_entropy(softcap):
+    h, w, t, info = regimes.make_inputs("trained", N, H, V, softcap=softcap, device="cpu", seed=4)
+    assert h.shape == (N, H) and w.shape == (V, H) and h.dtype == torch.bfloat16
+    ent, loss = _entropy64(h, w, t, softcap)
+    assert abs(ent - regimes.TRAINED_ENTROPY) < 0.1, ent  # the bisection's rows are a subset of the rows
+    assert info["alpha"] > 0
+    assert math.isclose(info["entropy"], ent, abs_tol=1e-3) and math.isclose(info["loss"], loss, abs_tol=1e-3)
+    # the constant hidden feature carries the log-prior through weight column 0
+    assert torch.all(h[:, 0] == 1)
+    assert float(w[:, 0].float().max()) < 0 < float(w[:, 0].float().std())
+
+
+def test_trained_like_targets_follow_the_permuted_zipf_prior():
+    g = torch.Generator().manual_seed(0)
+    prior = regimes.zipf_prior(V, g, "cpu")
+    assert math.isclose(float(prior.sum()), 1.0, rel_tol=1e-9)
+    ranked = prior.sort(descending=True).values
+    assert torch.allclose(ranked[:3] / ranked[0], torch.tensor([1.0, 2 ** -1.1, 3 ** -1.1], dtype=torch.float64))
+    assert int(prior.argmax()) != 0  # a permutation, not token 0 first (with this seed)
+    _, w, t, _ = regimes.make_inputs("trained", 4096, 16, V, device="cpu", seed=1)
+    kept = t[t != regimes.IGNORE_INDEX]
+    top = int(w[:, 0].float().argmax())  # the most likely token by the log-prior column
+    counts = torch.bincount(kept, minlength=V).double()
+    assert int(counts.argmax()) == top
+    assert abs(counts[top] / kept.numel() - float(ranked[0])) < 0.03
+    ignored = float((t == regimes.IGNORE_INDEX).double().mean())
+    assert abs(ignored - regimes.IGNORED) < 0.03
+
+
+def test_init_and_spread_regimes_are_near_uniform_and_spread():
+    hi, wi, ti, info_i = regimes.make_inputs("init", N, H, V, device="cpu")
+    hs, ws, ts, info_s = regimes.make_inputs("spread", N, H, V, device="cpu")
+    ent_i, _ = _entropy64(hi, wi, ti)
+    ent_s, _ = _entropy64(hs, ws, ts)
+    assert math.log(V) - 0.05 < ent_i <= math.log(V)
+    # Gaussian logits of standard deviation 2: entropy about log V - 2
+    assert abs(ent_s - (math.log(V) - 2.0)) < 0.4, ent_s
+    assert info_i["entropy"] > info_s["entropy"] > regimes.TRAINED_ENTROPY
+
+
+def test_unknown_regime_is_refused():
+    with pytest.raises(ValueError, match="regime"):
+        regimes.make_inputs("peaked", 4, 4, 4, device="cpu")
+
+
+def test_regime_benchmark_refuses_bad_arguments_and_reports_rows(tmp_path, capsys):
+    from benchmarks import kernels_regimes as kr
+
+    for argv, msg in ((["--heads", "llama3-9b"], "--heads"), (["--regimes", "peaked"], "--regimes"),
+                      (["--reps", "0"], "--reps")):
+        with pytest.raises(SystemExit):
+            kr.main(argv + ["--out", str(tmp_path)])
+        assert msg in capsys.readouterr().err
+    rows = [dict(section="flce_regimes", shape="h N=1", regime="trained", entropy=2.5, regime_loss=1.5, floor_ms=10.0,
+                 impl="liger_compat lowmem", status="ok", ms=12.0, x_floor=1.2, extra_mib=15.0, gh_err_vs_fp32=3e-3,
+                 gw_err_vs_fp32=4e-3, tiles_skipped=5, tiles_skipped_share=0.25),
+            dict(section="flce_regimes", shape="h N=1", regime="trained", impl="cce", status="error", error="OOM")]
+    kr._append(tmp_path / "r.json", rows[0])
+    kr._append(tmp_path / "r.json", rows[1])
+    kr.main(["--report", "--out", str(tmp_path), "--name", "r"])
+    md = (tmp_path / "r.md").read_text()
+    assert "### trained: entropy 2.50 nats, loss 1.50; dense 3-matmul floor 10.0 ms" in md
+    assert "| liger_compat lowmem | 12.00 | 1.20 | 15 | 3.0e-03 | 4.0e-03 | 25.0 % of tiles skipped |" in md
+    assert "| cce | | | | | | error OOM |" in md
+
+
+def test_regime_benchmark_appends_a_second_call_and_stops_at_its_budget(tmp_path, capsys):
+    import json
+
+    from benchmarks import kernels_regimes as kr
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"regenerate": "python -m benchmarks.kernels_regimes --heads qwen2-7b --name r",
+                                "meta": {}, "rows": [{"section": "flce_regimes", "head": "qwen2-7b", "impl": "cce"},
+                                                     {"section": "flce_regimes", "head": "llama3-8b", "impl": "old"}]}))
+    # a budget already spent: no worker starts, every regime of the head is recorded as not run
+    kr.main(["--heads", "llama3-8b", "--append", "--budget-s", "1e-9", "--out", str(tmp_path), "--name", "r"])
+    data = json.loads(path.read_text())
+    assert [r.get("impl") for r in data["rows"] if r["head"] == "qwen2-7b"] == ["cce"]
+    mine = [r for r in data["rows"] if r["head"] == "llama3-8b"]
+    assert [r["regime"] for r in mine] == list(kr.REGIMES) and {r["status"] for r in mine} == {"not run (budget)"}
+    assert data["regenerate"] == ("python -m benchmarks.kernels_regimes --heads qwen2-7b --name r; "
+                                  "python -m benchmarks.kernels_regimes --heads llama3-8b --append --budget-s 1e-9 --name r")
+    capsys.readouterr()

@@ -1,0 +1,97 @@
+"""Rows whose target has probability >= 0.999: the target's own gradient ``p_t - 1`` is tiny and
+must not be lost to the rounding of ``exp(z_t - lse)`` near 1. Compared with float64 on fp32
+inputs (whose logits carry no storage rounding), on the torch path and, under
+``TRITON_INTERPRET=1`` (``test_interpret.py``), on the Triton row kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_compat.kernels import cross_entropy, fused_linear_cross_entropy, last_backend
+from harness import expected_backend
+
+N, H, V = 24, 48, 260
+
+
+def _peaked(seed, lo, hi):
+    """fp32 hidden, weight, distinct targets; row i's target probability 1 - 10^-u, u in [lo, hi]."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g) / H**0.5
+    t = torch.randperm(V, generator=g)[:N]
+    base = torch.randn(N, H, generator=g).double() * 0.5
+    wt = w.double()[t]
+    want = torch.empty(N, dtype=torch.float64).uniform_(lo, hi, generator=g)
+    a_lo, a_hi = torch.zeros(N, dtype=torch.float64), torch.full((N,), 80.0, dtype=torch.float64)
+    for _ in range(60):
+        a = (a_lo + a_hi) / 2
+        h = (base + a[:, None] * wt).float()
+        pt = torch.softmax(h.double() @ w.double().t(), -1)[torch.arange(N), t]
+        spread = (1 - pt) > 10 ** -want
+        a_lo, a_hi = torch.where(spread, a, a_lo), torch.where(spread, a_hi, a)
+    h = (base + a[:, None] * wt).float()
+    pt = torch.softmax(h.double() @ w.double().t(), -1)[torch.arange(N), t]
+    assert float(pt.min()) >= 0.999
+    return h, w, t
+
+
+def _target_rel_err(got, want, cols_rows):
+    got, want = got.double()[cols_rows], want[cols_rows]
+    return float(((got - want).abs() / want.abs()).max())
+
+
+@pytest.mark.parametrize("lo,hi", [(3.0, 3.5), (4.5, 5.0)])
+@pytest.mark.parametrize("variant", ["split", "row"])
+def test_cross_entropy_keeps_the_target_gradient_of_peaked_rows(lo, hi, variant):
+    h, w, t = _peaked(0, lo, hi)
+    z = (h.double() @ w.double().t()).float().requires_grad_(True)
+    loss = cross_entropy(z, t, reduction="sum", ce_variant=variant)
+    assert last_backend["cross_entropy"] == expected_backend()
+    (g,) = torch.autograd.grad(loss, z)
+    z64 = z.detach().double().requires_grad_(True)
+    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(z64, t, reduction="sum"), z64)
+    idx = (torch.arange(N), t)
+    assert float(g64[idx].abs().max()) < 1e-3  # the entries checked are p_t - 1 of peaked rows
+    assert _target_rel_err(g, g64, idx) <= 2.0 ** -8
+
+
+@pytest.mark.parametrize("lo,hi", [(3.0, 3.5), (4.5, 5.0)])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 60.0}, {"lse_square_scale": 1e-4}, {"label_smoothing": 1e-6}])
+@pytest.mark.parametrize("mode", ["chunked", "lowmem"])
+def test_fused_loss_keeps_the_target_gradient_of_peaked_rows(lo, hi, opts, mode):
+    """grad_bias at the (distinct) targets: each is its row's p_t - 1 plus other rows' tiny p.
+    (``lowmem`` runs its Triton kernels under the interpreter, else the torch path in chunks.)"""
+    h, w, t = _peaked(1, lo, hi)
+    b = torch.zeros(V, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, w, t, bias=b, reduction="sum", mode=mode, **opts)
+    (gb,) = torch.autograd.grad(loss, b)
+    b64 = b.detach().double().requires_grad_(True)
+    z = h.double() @ w.double().t() + b64
+    if "softcap" in opts:
+        z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    ref = torch.nn.functional.cross_entropy(z, t, reduction="none", label_smoothing=opts.get("label_smoothing", 0.0))
+    if "lse_square_scale" in opts:
+        ref = ref + opts["lse_square_scale"] * torch.logsumexp(z, -1) ** 2
+    (gb64,) = torch.autograd.grad(ref.sum(), b64)
+    assert _target_rel_err(gb, gb64, t) <= 2.0 ** -8
+
+
+@pytest.mark.parametrize("lo,hi", [(3.0, 3.5), (4.5, 5.0)])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 60.0, "temperature": 0.9}, {"want": ("log_probs", "entropy")}])
+def test_logprob_head_keeps_the_target_gradient_of_peaked_rows(lo, hi, opts):
+    """d sum(log_probs) / d bias at the (distinct) targets: 1 - p_t of each peaked row, less other
+    rows' tiny p."""
+    from liger_compat.kernels.logprob import fused_linear_logprobs
+    from reference64 import logprobs64
+
+    h, w, t = _peaked(2, lo, hi)
+    b = torch.zeros(V, requires_grad=True)
+    kw = {k: v for k, v in opts.items() if k != "want"}
+    out = fused_linear_logprobs(h, w, t, bias=b, want=opts.get("want", ("log_probs",)), **kw)
+    (gb,) = torch.autograd.grad(out.log_probs.sum(), b)
+    b64 = b.detach().double().requires_grad_(True)
+    lp64 = logprobs64(h, w, b64, t, **kw)[0]
+    (gb64,) = torch.autograd.grad(lp64.sum(), b64)
+    assert float(gb64[t].abs().min()) > 0
+    assert _target_rel_err(gb, gb64, t) <= 2.0 ** -8
