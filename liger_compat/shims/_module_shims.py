@@ -97,6 +97,66 @@ def guarded(kernel: str, refusal: str | None, run_kernel: Callable[[], Any],
     return run_native(), False
 
 
+#: where :func:`instance_key` keeps an instance's fingerprint (in its ``__dict__``)
+_KEY_ATTR = "_liger_compat_probe_key"
+_OPAQUE_DEPTH = 2
+
+
+def _value_key(v: Any, depth: int) -> Any:
+    """A hashable stand-in for an attribute value a native forward could read: the value itself for
+    scalars and strings, element-wise for tuples / lists / dicts, one level of a plain object's
+    public attributes (a ``config``), the identity of anything else (a tensor held as a plain
+    attribute, a function)."""
+    import torch
+
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x, depth) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted(((repr(k), _value_key(x, depth + 1)) for k, x in v.items()), key=lambda kv: kv[0])))
+    if isinstance(v, types.MethodType):
+        return ("method", v.__func__)
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return v
+    if (depth < _OPAQUE_DEPTH and not isinstance(v, (torch.nn.Module, torch.Tensor)) and not callable(v)
+            and isinstance(getattr(v, "__dict__", None), dict)):
+        return (type(v), _public_attrs(v, depth + 1))
+    return (type(v), id(v))
+
+
+def _public_attrs(obj: Any, depth: int) -> tuple[Any, ...]:
+    return tuple((name, _value_key(v, depth)) for name, v in sorted(vars(obj).items())
+                 if not name.startswith("_") and name not in _PER_CALL)
+
+
+#: attributes left out of :func:`instance_key`: an instance-level ``forward`` (ours, from
+#: ``apply(model=...)``), and ``training``, which changes with ``train()`` / ``eval()`` and is read
+#: on every call instead (:func:`verdict_key`)
+_PER_CALL = frozenset({"forward", "training"})
+
+
+def instance_key(m: Any) -> Any:
+    """What a module's native forward can read besides its parameters, buffers and submodules: its
+    public attributes (``gate_multiplier``, ``variance_epsilon``, ``with_scale``) and one level of
+    its ``config``, as a hashable fingerprint. A probe verdict is keyed on it, so two instances of
+    one class that differ there are probed separately. Computed on an instance's first call and
+    kept on it (under ``torch.compile``: None where no eager call computed it); private names
+    (torch's, accelerate's and peft's bookkeeping) and an instance-level ``forward`` are left out."""
+    key = getattr(m, _KEY_ATTR, None)
+    if key is None and not compiling():
+        key = _public_attrs(m, 0)
+        object.__setattr__(m, _KEY_ATTR, key)
+    return key
+
+
+def verdict_key(m: Any, *rest: Any) -> tuple[Any, ...] | None:
+    """``(class, instance fingerprint, training, *rest)``: the key of a probe verdict on module
+    ``m``; None under ``torch.compile`` for an instance no eager call has seen."""
+    key = instance_key(m)
+    return None if key is None else (type(m), key, bool(m.training), *rest)
+
+
 def probe_tol(dtype: Any) -> float:
     import torch
 
