@@ -17,12 +17,13 @@ tolerance, instance patching and the report line of a family's modules (:func:`d
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Callable
 
 from .. import _config
 from .._log import log
 from ..compat import conflicts, families
-from ._patching import PatchSet, ShimPatches, is_ours
+from ._patching import Gate, PatchSet, ShimPatches, is_ours
 from ._registry import REGISTRY
 
 
@@ -239,6 +240,35 @@ def replaced_classes(test: Callable[[str], bool]) -> Callable[[Any], str | None]
 #: class-level wrapper -> the function bound to instances for the same job, as a bound method so
 #: that ``copy.deepcopy(model)`` (trl's reference models) rebinds it to the copy
 INSTANCE_FORWARDS: dict[Any, Any] = {}
+#: id(module) -> weakref to it: instances whose forward of ours could not be removed by ``revert()``
+#: (another library wrapped over it): that forward calls the class's own forward
+_inert: dict[int, Any] = {}
+
+
+class InstanceGate(Gate):
+    """The :class:`~._patching.Gate` of an instance-level forward (shared by every instance, so
+    the closed ones are listed in :data:`_inert`)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, m: Any) -> None:
+        key = id(m)
+        self.ref = weakref.ref(m, lambda r: _inert.pop(key, None) if _inert.get(key) is r else None)
+        super().__init__()
+
+    @property
+    def on(self) -> bool:  # type: ignore[override]
+        return id(self.ref()) not in _inert
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        m = self.ref()
+        if m is None:
+            return
+        if value:
+            _inert.pop(id(m), None)
+        else:
+            _inert[id(m)] = self.ref
 
 
 def instance_forward(wrapper: Any) -> Any:
@@ -246,6 +276,8 @@ def instance_forward(wrapper: Any) -> Any:
     fn = INSTANCE_FORWARDS.get(wrapper)
     if fn is None:
         def fn(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _inert and id(self) in _inert:
+                return type(self).forward(self, *args, **kwargs)
             return wrapper(type(self).forward.__get__(self, type(self)), self, args, kwargs)
 
         INSTANCE_FORWARDS[wrapper] = fn
@@ -273,13 +305,19 @@ def patch_instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], 
         if "forward" in d:
             if getattr(d["forward"], "__func__", None) is instance_forward(wrapper):
                 continue
+            if id(m) in _inert and structural(m):
+                # ours, under a forward another library put over it, closed by a revert: open again
+                # (it stays recorded where that revert left it, and the next revert closes it again)
+                _inert.pop(id(m), None)
+                changed = True
+                continue
             owner = conflicts.instance_override(m)
             if owner is not None:
                 REGISTRY.report_conflict(f"{cls.__name__}.forward (instance)", owner, f"{shim_id} left it alone")
             continue
         if _class_covered(cls, wrapper) or conflicts.known_patcher(cls) is not None or not structural(m):
             continue
-        patches.set(m, "forward", types.MethodType(instance_forward(wrapper), m))
+        patches.set(m, "forward", types.MethodType(instance_forward(wrapper), m), InstanceGate(m))
         changed = True
     return changed
 
