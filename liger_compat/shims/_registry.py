@@ -56,7 +56,7 @@ from ._patching import PatchSet, ShimPatches
 
 
 class State(str, enum.Enum):
-    WAITING = "waiting"  # trigger module not imported yet
+    WAITING = "waiting"  # trigger module (or, in the report, every target module) not imported yet
     APPLIED = "applied"
     NOT_NEEDED = "not needed"
     FAILED = "failed"
@@ -143,12 +143,15 @@ class Shim(Record):
             elif notes:
                 state = State.NOT_NEEDED.value
                 reason = "; ".join(n[len("not needed"):].lstrip(": ") for n in notes)
-            else:
-                reason = "no target imported yet"
+            else:  # hooked, none of its modules imported yet
+                state = State.WAITING.value
+                reason = "waiting for " + _one_of(self.module_names())
             if self.module_errors:
                 reason += "; failed: " + "; ".join(f"{m}: {e}" for m, e in self.module_errors.items())
         elif self.in_use is not None and self.state == State.APPLIED:
             reason = self.in_use() or reason
+        elif self.state == State.WAITING and not reason:
+            reason = f"waiting for {self.trigger}"
         if self.stuck and self.state != State.APPLIED:
             left = ", ".join(f"{type(p.owner).__name__ if not isinstance(p.owner, type) else p.owner.__name__}.{p.name}"
                              for ps in self.stuck for p in ps)
@@ -166,6 +169,14 @@ class Shim(Record):
             "kernels": list(self.kernels),
             "description": self.description,
         }
+
+
+def _one_of(modules: list[str]) -> str:
+    if not modules:
+        return "a target module"
+    if len(modules) == 1:
+        return modules[0]
+    return f"one of {len(modules)} modules ({modules[0]}, ...)"
 
 
 class Conflict(Record):
