@@ -140,15 +140,20 @@ _PER_CALL = frozenset({"forward", "training"})
 def instance_key(m: Any) -> Any:
     """What a module's native forward can read besides its parameters, buffers and submodules: its
     public attributes (``gate_multiplier``, ``variance_epsilon``, ``with_scale``) and one level of
-    its ``config``, as a hashable fingerprint. A probe verdict is keyed on it, so two instances of
-    one class that differ there are probed separately. Computed on an instance's first call and
-    kept on it (under ``torch.compile``: None where no eager call computed it); private names
+    its ``config``, as a fingerprint (a number standing for it). A probe verdict is keyed on it, so
+    two instances of one class that differ there are probed separately. Computed on an instance's
+    first call and kept on it (under ``torch.compile``: None where no eager call computed it); private names
     (torch's, accelerate's and peft's bookkeeping) and an instance-level ``forward`` are left out."""
     key = getattr(m, _KEY_ATTR, None)
     if key is None and not compiling():
-        key = _public_attrs(m, 0)
+        # a small int stands for the fingerprint in the verdict keys: hashed on every call
+        key = _fingerprints.setdefault(_public_attrs(m, 0), len(_fingerprints) + 1)
         object.__setattr__(m, _KEY_ATTR, key)
     return key
+
+
+#: instance fingerprint -> the number that stands for it (:func:`instance_key`)
+_fingerprints: dict[tuple[Any, ...], int] = {}
 
 
 def verdict_key(m: Any, *rest: Any) -> tuple[Any, ...] | None:
