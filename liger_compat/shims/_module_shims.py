@@ -261,6 +261,10 @@ class InstanceGate(Gate):
         self.ref = weakref.ref(m, lambda r: _inert.pop(key, None) if _inert.get(key) is r else None)
         super().__init__()
 
+    def close(self, removed: bool) -> None:
+        if not removed:  # a removed instance forward is gone from the instance: nothing to turn off
+            self.on = False
+
     @property
     def on(self) -> bool:  # type: ignore[override]
         return id(self.ref()) not in _inert

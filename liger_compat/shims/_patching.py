@@ -38,6 +38,11 @@ class Gate:
     def __init__(self) -> None:
         self.on = True
 
+    def close(self, removed: bool) -> None:
+        """Turn the wrapper off: ``removed`` when its patch was taken out (a reference kept
+        elsewhere then runs nothing of ours either), else when it had to be left in place."""
+        self.on = False
+
 
 class Patch(Record):
     _fields = ("owner", "name", "original", "replacement", "gate")
@@ -67,12 +72,12 @@ class Patch(Record):
         current = _own(self.owner, self.name)
         if current is not self.replacement and self._put_back(current):
             if self.gate is not None:
-                self.gate.on = False
+                self.gate.close(removed=True)
             return
         if current is not self.replacement:
             # someone patched on top of us; putting our original back would drop their patch
             if self.gate is not None:
-                self.gate.on = False
+                self.gate.close(removed=False)
             state = ("our wrapper there now calls straight through to the native code" if self.gate is not None
                      else "it stays in effect")
             raise RuntimeError(f"cannot revert {_qual(self.owner)}.{self.name}: it was replaced again after "
@@ -82,7 +87,7 @@ class Patch(Record):
         else:
             setattr(self.owner, self.name, self.original)
         if self.gate is not None:
-            self.gate.on = False
+            self.gate.close(removed=True)
 
 
 def _own(owner: Any, name: str) -> Any:
@@ -156,7 +161,6 @@ class PatchSet:
                 stuck.append(p)
         self._patches = stuck[::-1]
         return errors
-
 
 
 def traceable_wrapper(original: types.FunctionType, wrapper: Callable[..., Any], *, method: bool,
