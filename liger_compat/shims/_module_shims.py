@@ -115,7 +115,8 @@ def _value_key(v: Any, depth: int) -> Any:
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, tuple(_value_key(x, depth) for x in v))
     if isinstance(v, dict):
-        return ("dict", tuple(sorted(((repr(k), _value_key(x, depth + 1)) for k, x in v.items()), key=lambda kv: kv[0])))
+        items = ((repr(k), _value_key(x, depth + 1)) for k, x in v.items())
+        return ("dict", tuple(sorted(items, key=lambda kv: kv[0])))
     if isinstance(v, types.MethodType):
         return ("method", v.__func__)
     if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
