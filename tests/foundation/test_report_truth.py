@@ -54,9 +54,12 @@ def test_cli_prints_the_table_once_and_shows_waiting_shims():
     assert r.stdout.count("Verdict: OK") == 1, r.stdout[-2000:]
     rows = {line.split()[0]: line.split(None, 2)[1:] for line in
             r.stdout.split("\nShims\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]}
-    for sid in ("transformers.rms_norm", "transformers.gated_mlp", "transformers.fused_causal_lm_forward"):
-        state, rest = rows[sid]
-        assert state == "waiting" and "waiting for one of" in rest and "transformers.models." in rest, (sid, rows[sid])
+    # a shim with no target module imported yet waits for one, and says which; whatever trl imports
+    # of transformers' modeling modules, nothing claims "applied" for a patch it has not made
+    assert not [sid for sid, (state, rest) in rows.items() if "no target imported" in rest], rows
+    waiting = {sid: rest for sid, (state, rest) in rows.items() if state == "waiting"}
+    assert all("waiting for " in rest for rest in waiting.values()), waiting
+    assert any("waiting for one of" in rest and "transformers." in rest for rest in waiting.values()), rows
     j = subprocess.run([sys.executable, "-m", "liger_compat", "check", "--no-import", "--json"], capture_output=True,
                        text=True, timeout=300)
     assert j.returncode == 0 and json.loads(j.stdout)["ok"] is True  # nothing but the JSON on stdout
