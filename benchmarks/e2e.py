@@ -131,7 +131,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int) -> dic
     if impl.startswith("liger_compat"):
         import liger_compat
 
-        rep = liger_compat.check()
+        rep = liger_compat.check(quiet=True)
         res["shims_applied"] = sorted(s["id"] for s in rep.shims if s["state"] == "applied")
     try:
         times, first_loss = [], None

@@ -120,7 +120,7 @@ def _one(model_name: str, shapes: list[str], impl: str, new_tokens: int, calls: 
     if impl.startswith("liger_compat"):
         import liger_compat
 
-        applied = sorted(s["id"] for s in liger_compat.check().shims if s["state"] == "applied")
+        applied = sorted(s["id"] for s in liger_compat.check(quiet=True).shims if s["state"] == "applied")
     rows = []
     for shape in shapes:
         bsz, seq = (int(x) for x in shape.split("x"))

@@ -206,7 +206,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     if impl == "trl_liger_compat":
         import liger_compat
 
-        rep = liger_compat.check()
+        rep = liger_compat.check(quiet=True)
         res["shims_applied"] = sorted(s["id"] for s in rep.shims if s["state"] == "applied")
         res["heads"] = [s.get("reason", "") for s in rep.shims if s["id"] == "trl.fused_lm_head"]
     return res

@@ -71,7 +71,9 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
 def apply(model: Any = None, kernels: str | Iterable[str] | None = None) -> Any:
     """Apply every shim whose target library is imported, and patch ``model`` if given.
 
-    Idempotent. Returns ``model`` so it can be used inline: ``model = apply(model)``.
+    Idempotent. Returns ``model`` so it can be used inline: ``model = apply(model)``. A model
+    given here is remembered (weakly) and patched again by every later ``apply()`` and
+    ``configure(kernels=... / enabled=True)``, after a ``revert()`` too.
     """
     if kernels is not None:
         _config.settings.kernels = _config.parse_kernels(kernels)
@@ -84,7 +86,12 @@ def apply(model: Any = None, kernels: str | Iterable[str] | None = None) -> Any:
 
 
 def revert() -> list[str]:
-    """Undo every patch liger_compat made (classes and model instances). Returns any errors."""
+    """Undo every patch liger_compat made (classes and model instances). Returns any errors.
+
+    A patch another library wrapped over cannot be removed without dropping theirs: it stays in
+    place with our wrapper inert (it calls straight through to the native code), ``check()`` says
+    so, and every later ``revert()`` tries it again and reports it while it stays.
+    """
     return _REGISTRY.revert()
 
 

@@ -69,12 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                     importlib.import_module(name)
                 except Exception as exc:  # report, do not crash: check must always answer
                     print(f"liger-compat: importing {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    report = liger_compat.check(deep=args.deep, device=args.device,
-                                progress=None if args.json else _progress)
+    report = liger_compat.check(deep=args.deep, device=args.device, quiet=args.json,
+                                progress=None if args.json else _progress)  # prints the table itself
     if args.json:
         print(report.to_json())
-    else:
-        print(report)
     return report.exit_code
 
 

@@ -12,11 +12,13 @@ from .known_issues import KNOWN_ISSUES, KnownIssue  # noqa: F401
 from .versions import installed, matches  # noqa: F401
 
 
-def check(deep: bool = False, *, print_report: bool = False, device: str | None = None, progress: Any = None):
-    """Build the diagnostic report.
+def check(deep: bool = False, *, quiet: bool = False, device: str | None = None, progress: Any = None,
+          file: Any = None):
+    """Build the diagnostic report, print it (to ``file``, default stdout) and return it.
 
-    ``deep=True`` also runs the registered scenario smoke tests on a tiny random model on
-    ``device`` (default: ``cuda`` when available, else ``cpu``). The returned
+    ``quiet=True`` only returns it (programmatic callers, the CLI's ``--json``). ``deep=True`` also
+    runs the registered scenario smoke tests on a tiny random model on ``device`` (default:
+    ``cuda`` when available, else ``cpu``). The returned
     :class:`~liger_compat.compat.report.Report` prints as a table and has ``to_dict()``,
     ``to_json()``, ``ok`` and ``exit_code``.
     """
@@ -30,6 +32,6 @@ def check(deep: bool = False, *, print_report: bool = False, device: str | None 
             device = "cuda" if detect().cuda_available else "cpu"
         ctx = scenarios.Context(device=device)
     r = report.build(deep=deep, ctx=ctx, progress=progress)
-    if print_report:
-        r.print()
+    if not quiet:
+        r.print(file)
     return r

@@ -25,7 +25,7 @@ class DeviceInfo:
     capability: str | None = None
     cuda_runtime: str | None = None
     hip: bool = False
-    triton_installed: bool = False
+    triton_installed: bool = False  # per package metadata; whether it imports is in kernel_backend / reason
     triton_interpret: bool = False
     kernel_backend: str = "torch reference"
     reason: str = ""
@@ -48,6 +48,11 @@ def detect() -> DeviceInfo:
         return info
     import torch
 
+    from ..kernels import _dispatch  # what the kernels' dispatch found: Triton importable or not
+
+    importable = _dispatch.HAS_TRITON
+    broken = (f"triton is installed but `import triton` fails ({_dispatch.TRITON_IMPORT_ERROR})"
+              if info.triton_installed and not importable else "")
     info.cuda_available = bool(torch.cuda.is_available())
     info.hip = getattr(torch.version, "hip", None) is not None
     info.cuda_runtime = getattr(torch.version, "hip", None) or getattr(torch.version, "cuda", None)
@@ -56,15 +61,21 @@ def detect() -> DeviceInfo:
         info.gpu_name = torch.cuda.get_device_name(0)
         major, minor = torch.cuda.get_device_capability(0)
         info.capability = f"{major}.{minor}"
-        if not info.triton_installed:
+        # the backend is the one _dispatch.choose takes for GPU tensors: Triton whenever it imports
+        if broken:
+            info.reason = f"{broken}: GPU tensors use the torch reference"
+        elif not importable:
             info.reason = "triton is not installed: GPU tensors use the torch reference"
-        elif not info.hip and (major, minor) < MIN_TRITON_CAPABILITY:
-            info.reason = f"compute capability {major}.{minor} is below Triton's minimum {MIN_TRITON_CAPABILITY[0]}.{MIN_TRITON_CAPABILITY[1]}"
         else:
             info.kernel_backend = "triton (HIP)" if info.hip else "triton (CUDA)"
-    elif info.triton_interpret and info.triton_installed:
+            if not info.hip and (major, minor) < MIN_TRITON_CAPABILITY:
+                info.reason = (f"compute capability {major}.{minor} is below Triton's minimum "
+                               f"{MIN_TRITON_CAPABILITY[0]}.{MIN_TRITON_CAPABILITY[1]}: its kernels may fail here")
+    elif info.triton_interpret and importable:
         info.kernel_backend = "triton interpreter (TRITON_INTERPRET=1)"
         info.reason = "no GPU: Triton kernels run in the interpreter on CPU tensors"
     else:
         info.reason = "no GPU: CPU tensors use the torch reference (chunked for the fused loss)"
+        if broken:
+            info.reason += f"; {broken}"
     return info

@@ -34,7 +34,7 @@ class IssueStatus:
                 "mitigated": self.mitigated, "detail": self.detail}
 
 
-@dataclass
+@dataclass(repr=False)
 class Report:
     liger_compat_version: str
     python: str
@@ -99,8 +99,12 @@ class Report:
     def __str__(self) -> str:
         return format_text(self)
 
+    def __repr__(self) -> str:
+        # short: check() has printed the table already, and an interactive prompt echoes the result
+        return f"<liger_compat check report: {verdict(self)}; print(report) for the table>"
+
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
-        p.text(str(self))
+        p.text(repr(self))
 
     def print(self, file: Any = None) -> None:
         print(str(self), file=file or sys.stdout)
@@ -188,9 +192,7 @@ def format_text(r: Report) -> str:
                           max_width=80)
         else:
             out.append("  (none registered)")
-    out += ["", "Verdict: " + ("OK" if r.ok else
-                               "PROBLEMS: " + ", ".join([f"{i.id} not mitigated" for i in r.unmitigated] +
-                                                        [f"scenario {x.id} failed" for x in r.failed_scenarios]))]
+    out += ["", "Verdict: " + verdict(r)]
     return "\n".join(out)
 
 
@@ -216,6 +218,11 @@ def _activation() -> dict[str, Any]:
         return {**activation.describe(), "startup_files": launcher.startup_files()}
     except Exception as exc:  # the report always answers
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def verdict(r: Report) -> str:
+    return "OK" if r.ok else "PROBLEMS: " + ", ".join([f"{i.id} not mitigated" for i in r.unmitigated] +
+                                                       [f"scenario {x.id} failed" for x in r.failed_scenarios])
 
 
 def _issue_status(issue: known_issues.KnownIssue, shim_states: dict[str, str],

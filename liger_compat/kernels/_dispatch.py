@@ -19,15 +19,18 @@ import torch
 
 from .. import _config
 
+#: why ``import triton`` failed here (None when it worked): the report says so
+TRITON_IMPORT_ERROR: str | None = None
 try:  # Triton is optional (no wheels for every platform); the reference always works
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
 
     HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the platform
+except Exception as _exc:  # pragma: no cover - depends on the platform
     triton = None  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
+    TRITON_IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 
 #: kernel name -> "triton" or "torch": the path the most recent call of that kernel took.
 last_backend: dict[str, str] = {}

@@ -8,6 +8,7 @@ family's patch state is the shims' part, so the report asks here (:func:`family_
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from typing import Any
 
@@ -57,10 +58,22 @@ def family_states() -> dict[str, str]:
 
 
 def _module_exists(name: str) -> bool:
+    """Whether module ``name`` is there, without importing anything: ``find_spec`` of a submodule
+    imports its parent packages (``transformers`` itself, which would apply the shims while the
+    report is being built), so a submodule of a package not imported yet is looked for as a file."""
+    parent, _, _ = name.rpartition(".")
     try:
-        return importlib.util.find_spec(name) is not None
+        if not parent or parent in sys.modules:
+            return importlib.util.find_spec(name) is not None
+        top, *rest = name.split(".")
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return False
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, *rest)
+        if os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py")):
+            return True
+    return False
 
 
 def _family_parts(fam: Family, mod: Any) -> list[str]:

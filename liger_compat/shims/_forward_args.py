@@ -34,7 +34,11 @@ class ForwardParams(NamedTuple):
     varkw: bool
 
 
+#: a forward's stable key (:func:`stable_key`) -> its parameters, and its code object -> the same:
+#: one stable key per code object is kept (:data:`_key_of_code`), so the wrappers a revert / apply
+#: cycle leaves behind do not pile up
 _param_cache: dict[Any, ForwardParams] = {}
+_key_of_code: dict[Any, Any] = {}
 
 
 def stable_key(forward: Any) -> Any:
@@ -62,6 +66,10 @@ def forward_params(forward: Any) -> ForwardParams:
         new, old = NEW in names, OLD in names
         hit = ForwardParams(None if new == old else (NEW if new else OLD), new and old, names, varkw)
         _param_cache[key] = hit
+    older = _key_of_code.get(key)
+    if older is not None and older is not base and older is not key:
+        _param_cache.pop(older, None)
+    _key_of_code[key] = base
     _param_cache[base] = hit
     return hit
 

@@ -17,12 +17,13 @@ tolerance, instance patching and the report line of a family's modules (:func:`d
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Callable
 
 from .. import _config
 from .._log import log
 from ..compat import conflicts, families
-from ._patching import PatchSet, ShimPatches, is_ours
+from ._patching import Gate, PatchSet, ShimPatches, is_ours
 from ._registry import REGISTRY
 
 
@@ -95,6 +96,72 @@ def guarded(kernel: str, refusal: str | None, run_kernel: Callable[[], Any],
         _refused.add(key)
         log.warning("liger_compat: %s kernel refuses an input, native code used: %s", kernel, refusal)
     return run_native(), False
+
+
+#: where :func:`instance_key` keeps an instance's fingerprint (in its ``__dict__``)
+_KEY_ATTR = "_liger_compat_probe_key"
+_OPAQUE_DEPTH = 2
+
+
+def _value_key(v: Any, depth: int) -> Any:
+    """A hashable stand-in for an attribute value a native forward could read: the value itself for
+    scalars and strings, element-wise for tuples / lists / dicts, one level of a plain object's
+    public attributes (a ``config``), the identity of anything else (a tensor held as a plain
+    attribute, a function)."""
+    import torch
+
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x, depth) for x in v))
+    if isinstance(v, dict):
+        items = ((repr(k), _value_key(x, depth + 1)) for k, x in v.items())
+        return ("dict", tuple(sorted(items, key=lambda kv: kv[0])))
+    if isinstance(v, types.MethodType):
+        return ("method", v.__func__)
+    if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return v
+    if (depth < _OPAQUE_DEPTH and not isinstance(v, (torch.nn.Module, torch.Tensor)) and not callable(v)
+            and isinstance(getattr(v, "__dict__", None), dict)):
+        return (type(v), _public_attrs(v, depth + 1))
+    return (type(v), id(v))
+
+
+def _public_attrs(obj: Any, depth: int) -> tuple[Any, ...]:
+    return tuple((name, _value_key(v, depth)) for name, v in sorted(vars(obj).items())
+                 if not name.startswith("_") and name not in _PER_CALL)
+
+
+#: attributes left out of :func:`instance_key`: an instance-level ``forward`` (ours, from
+#: ``apply(model=...)``), and ``training``, which changes with ``train()`` / ``eval()`` and is read
+#: on every call instead (:func:`verdict_key`)
+_PER_CALL = frozenset({"forward", "training"})
+
+
+def instance_key(m: Any) -> Any:
+    """What a module's native forward can read besides its parameters, buffers and submodules: its
+    public attributes (``gate_multiplier``, ``variance_epsilon``, ``with_scale``) and one level of
+    its ``config``, as a fingerprint (a number standing for it). A probe verdict is keyed on it, so
+    two instances of one class that differ there are probed separately. Computed on an instance's
+    first call and kept on it (under ``torch.compile``: None where no eager call computed it); private names
+    (torch's, accelerate's and peft's bookkeeping) and an instance-level ``forward`` are left out."""
+    key = getattr(m, _KEY_ATTR, None)
+    if key is None and not compiling():
+        # a small int stands for the fingerprint in the verdict keys: hashed on every call
+        key = _fingerprints.setdefault(_public_attrs(m, 0), len(_fingerprints) + 1)
+        object.__setattr__(m, _KEY_ATTR, key)
+    return key
+
+
+#: instance fingerprint -> the number that stands for it (:func:`instance_key`)
+_fingerprints: dict[tuple[Any, ...], int] = {}
+
+
+def verdict_key(m: Any, *rest: Any) -> tuple[Any, ...] | None:
+    """``(class, instance fingerprint, training, *rest)``: the key of a probe verdict on module
+    ``m``; None under ``torch.compile`` for an instance no eager call has seen."""
+    key = instance_key(m)
+    return None if key is None else (type(m), key, bool(m.training), *rest)
 
 
 def probe_tol(dtype: Any) -> float:
@@ -179,6 +246,39 @@ def replaced_classes(test: Callable[[str], bool]) -> Callable[[Any], str | None]
 #: class-level wrapper -> the function bound to instances for the same job, as a bound method so
 #: that ``copy.deepcopy(model)`` (trl's reference models) rebinds it to the copy
 INSTANCE_FORWARDS: dict[Any, Any] = {}
+#: id(module) -> weakref to it: instances whose forward of ours could not be removed by ``revert()``
+#: (another library wrapped over it): that forward calls the class's own forward
+_inert: dict[int, Any] = {}
+
+
+class InstanceGate(Gate):
+    """The :class:`~._patching.Gate` of an instance-level forward (shared by every instance, so
+    the closed ones are listed in :data:`_inert`)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, m: Any) -> None:
+        key = id(m)
+        self.ref = weakref.ref(m, lambda r: _inert.pop(key, None) if _inert.get(key) is r else None)
+        super().__init__()
+
+    def close(self, removed: bool) -> None:
+        if not removed:  # a removed instance forward is gone from the instance: nothing to turn off
+            self.on = False
+
+    @property
+    def on(self) -> bool:  # type: ignore[override]
+        return id(self.ref()) not in _inert
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        m = self.ref()
+        if m is None:
+            return
+        if value:
+            _inert.pop(id(m), None)
+        else:
+            _inert[id(m)] = self.ref
 
 
 def instance_forward(wrapper: Any) -> Any:
@@ -186,6 +286,8 @@ def instance_forward(wrapper: Any) -> Any:
     fn = INSTANCE_FORWARDS.get(wrapper)
     if fn is None:
         def fn(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _inert and id(self) in _inert:
+                return type(self).forward(self, *args, **kwargs)
             return wrapper(type(self).forward.__get__(self, type(self)), self, args, kwargs)
 
         INSTANCE_FORWARDS[wrapper] = fn
@@ -213,13 +315,19 @@ def patch_instances(model: Any, wrapper: Any, name_test: Callable[[str], bool], 
         if "forward" in d:
             if getattr(d["forward"], "__func__", None) is instance_forward(wrapper):
                 continue
+            if id(m) in _inert and structural(m):
+                # ours, under a forward another library put over it, closed by a revert: open again
+                # (it stays recorded where that revert left it, and the next revert closes it again)
+                _inert.pop(id(m), None)
+                changed = True
+                continue
             owner = conflicts.instance_override(m)
             if owner is not None:
                 REGISTRY.report_conflict(f"{cls.__name__}.forward (instance)", owner, f"{shim_id} left it alone")
             continue
         if _class_covered(cls, wrapper) or conflicts.known_patcher(cls) is not None or not structural(m):
             continue
-        patches.set(m, "forward", types.MethodType(instance_forward(wrapper), m))
+        patches.set(m, "forward", types.MethodType(instance_forward(wrapper), m), InstanceGate(m))
         changed = True
     return changed
 

@@ -28,26 +28,66 @@ from .._record import Record
 _MISSING = object()
 
 
-class Patch(Record):
-    _fields = ("owner", "name", "original", "replacement")
+class Gate:
+    """Whether a wrapper of ours still runs. A patch that cannot be removed (another library wrapped
+    over it) is left in place with its gate closed: the wrapper then calls straight through to the
+    code it wraps, so after ``revert()`` nothing of ours runs, removed or not."""
 
-    def __init__(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = True
+
+    def close(self, removed: bool) -> None:
+        """Turn the wrapper off: ``removed`` when its patch was taken out (a reference kept
+        elsewhere then runs nothing of ours either), else when it had to be left in place."""
+        self.on = False
+
+
+class Patch(Record):
+    _fields = ("owner", "name", "original", "replacement", "gate")
+
+    def __init__(self, owner: Any, name: str, original: Any, replacement: Any, gate: Gate | None = None) -> None:
         self.owner = owner
         self.name = name
         self.original = original  # the value in owner.__dict__ before patching, or _MISSING if inherited
         self.replacement = replacement
+        self.gate = gate  # None: a plain value, in effect until removed
+
+    def _put_back(self, current: Any) -> bool:
+        """Whether whoever replaced ours has put the native code back: ``current`` is the original
+        (or the same function under other wrappers), and ours is not in its wrapper chain."""
+        if current is self.original:
+            return True
+        if current is _MISSING or self.original is _MISSING or unwrap(current) is not unwrap(self.original):
+            return False
+        seen = 0
+        while current is not None and seen < _MAX_DEPTH:
+            if current is self.replacement:
+                return False
+            current, seen = getattr(current, "__wrapped__", None), seen + 1
+        return True
 
     def revert(self) -> None:
         current = _own(self.owner, self.name)
+        if current is not self.replacement and self._put_back(current):
+            if self.gate is not None:
+                self.gate.close(removed=True)
+            return
         if current is not self.replacement:
             # someone patched on top of us; putting our original back would drop their patch
-            raise RuntimeError(
-                f"cannot revert {_qual(self.owner)}.{self.name}: it was replaced again after liger_compat patched it"
-            )
+            if self.gate is not None:
+                self.gate.close(removed=False)
+            state = ("our wrapper there now calls straight through to the native code" if self.gate is not None
+                     else "it stays in effect")
+            raise RuntimeError(f"cannot revert {_qual(self.owner)}.{self.name}: it was replaced again after "
+                               f"liger_compat patched it; {state}")
         if self.original is _MISSING:
             delattr(self.owner, self.name)
         else:
             setattr(self.owner, self.name, self.original)
+        if self.gate is not None:
+            self.gate.close(removed=True)
 
 
 def _own(owner: Any, name: str) -> Any:
@@ -73,13 +113,14 @@ class PatchSet:
     def __iter__(self):
         return iter(self._patches)
 
-    def set(self, owner: Any, name: str, replacement: Any) -> Any:
-        """Replace ``owner.name`` with ``replacement``; returns the replacement."""
+    def set(self, owner: Any, name: str, replacement: Any, gate: Gate | None = None) -> Any:
+        """Replace ``owner.name`` with ``replacement``; returns the replacement. ``gate``: the
+        :class:`Gate` the replacement reads (closed when the patch is reverted, or cannot be)."""
         original = _own(owner, name)
         if original is _MISSING and not hasattr(owner, name):
             raise AttributeError(f"{_qual(owner)} has no attribute {name!r} to patch")
         setattr(owner, name, replacement)
-        self._patches.append(Patch(owner, name, original, replacement))
+        self._patches.append(Patch(owner, name, original, replacement, gate))
         return replacement
 
     def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any], *, traceable: bool = False) -> Any:
@@ -97,27 +138,33 @@ class PatchSet:
                 if name in klass.__dict__:
                     current = klass.__dict__[name]
                     break
+        gate = Gate()
         if traceable and isinstance(current, types.FunctionType):
-            fw = traceable_wrapper(current, wrapper, method=isinstance(owner, type))
+            fw = traceable_wrapper(current, wrapper, method=isinstance(owner, type), gate=gate)
         else:
             import wrapt
 
-            fw = wrapt.FunctionWrapper(current, wrapper)
-        return self.set(owner, name, fw)
+            fw = wrapt.FunctionWrapper(current, wrapper, enabled=lambda: gate.on)
+        return self.set(owner, name, fw, gate)
 
     def revert(self) -> list[str]:
-        """Undo every patch, newest first. Returns the errors (empty when all went back)."""
+        """Undo every patch, newest first. Returns the errors (empty when all went back). A patch
+        that cannot be undone (another library wrapped over it) stays recorded, its wrapper
+        inert (:class:`Gate`), and is tried again, and reported again, by the next ``revert``."""
         errors = []
-        while self._patches:
-            p = self._patches.pop()
+        stuck = []
+        for p in reversed(self._patches):
             try:
                 p.revert()
             except Exception as exc:  # keep going: revert as much as possible
                 errors.append(str(exc))
+                stuck.append(p)
+        self._patches = stuck[::-1]
         return errors
 
 
-def traceable_wrapper(original: types.FunctionType, wrapper: Callable[..., Any], *, method: bool) -> Any:
+def traceable_wrapper(original: types.FunctionType, wrapper: Callable[..., Any], *, method: bool,
+                      gate: Gate | None = None) -> Any:
     """A plain function that calls ``wrapper(wrapped, instance, args, kwargs)`` as wrapt would.
 
     ``method=True`` (a function in a class): bound like the original, ``wrapped`` is
@@ -125,15 +172,20 @@ def traceable_wrapper(original: types.FunctionType, wrapper: Callable[..., Any],
     through the class, ``Cls.forward(obj, ...)``); a partial, not a bound method, because
     TorchDynamo cannot build ``types.MethodType`` on a submodule. :func:`wrapped_function` gives
     ``original`` back from either. ``method=False`` (a module-level function): ``wrapped`` is
-    the original and ``instance`` is None.
+    the original and ``instance`` is None. A closed ``gate`` calls the original directly.
     """
+    gate = Gate() if gate is None else gate
     if method:
         @functools.wraps(original)
         def patched(self, *args, **kwargs):
+            if not gate.on:
+                return original(self, *args, **kwargs)
             return wrapper(functools.partial(original, self), self, args, kwargs)
     else:
         @functools.wraps(original)
         def patched(*args, **kwargs):
+            if not gate.on:
+                return original(*args, **kwargs)
             return wrapper(original, None, args, kwargs)
     patched._self_wrapper = wrapper  # type: ignore[attr-defined]
     return patched
@@ -261,16 +313,24 @@ class ShimPatches(PatchSet):
             chain.items[self.shim_id] = (self.order, fn)
             self._chained.append(key)
 
+    def __len__(self) -> int:
+        return super().__len__() + len(self._chained)
+
     def revert(self) -> list[str]:
         errors = []
         with _chain_lock:
+            stuck = []
             for key in reversed(self._chained):
                 chain = _chains.get(key)
                 if chain is None:
                     continue
                 chain.items.pop(self.shim_id, None)
                 if not chain.items:
-                    errors += chain.patches.revert()
-                    del _chains[key]
-            self._chained.clear()
+                    failed = chain.patches.revert()
+                    if failed:  # left in place, running no middleware: kept, and tried again next time
+                        errors += failed
+                        stuck.append(key)
+                    else:
+                        del _chains[key]
+            self._chained = stuck[::-1]
         return errors + super().revert()

@@ -44,6 +44,7 @@ import enum
 import functools
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 from .. import _config, _import_hooks
@@ -55,7 +56,7 @@ from ._patching import PatchSet, ShimPatches
 
 
 class State(str, enum.Enum):
-    WAITING = "waiting"  # trigger module not imported yet
+    WAITING = "waiting"  # trigger module (or, in the report, every target module) not imported yet
     APPLIED = "applied"
     NOT_NEEDED = "not needed"
     FAILED = "failed"
@@ -66,7 +67,7 @@ class State(str, enum.Enum):
 class Shim(Record):
     _fields = ("id", "library", "trigger", "target", "upstream", "versions", "fixes", "kernels", "description",
                "_apply", "_revert", "modules", "patch_module", "in_use", "apply_to_model",
-               "state", "reason", "patches", "module_patches", "patched", "module_errors", "model_patches")
+               "state", "reason", "patches", "module_patches", "patched", "module_errors", "model_patches", "stuck")
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class Shim(Record):
         patched: list[str] | None = None,
         module_errors: dict[str, str] | None = None,
         model_patches: list[PatchSet] | None = None,
+        stuck: list[PatchSet] | None = None,
     ) -> None:
         self.id = id
         self.library = library
@@ -119,6 +121,9 @@ class Shim(Record):
         #: module name -> why it kept its native code (``patch_module`` raised)
         self.module_errors: dict[str, str] = {} if module_errors is None else module_errors
         self.model_patches: list[PatchSet] = [] if model_patches is None else model_patches
+        #: patches a revert could not remove (another library wrapped over them): still recorded,
+        #: their wrappers inert, tried again by every revert
+        self.stuck: list[PatchSet] = [] if stuck is None else stuck
 
     def module_names(self) -> list[str]:
         return list(self.modules() if callable(self.modules) else self.modules)
@@ -138,12 +143,20 @@ class Shim(Record):
             elif notes:
                 state = State.NOT_NEEDED.value
                 reason = "; ".join(n[len("not needed"):].lstrip(": ") for n in notes)
-            else:
-                reason = "no target imported yet"
+            else:  # hooked, none of its modules imported yet
+                state = State.WAITING.value
+                reason = "waiting for " + _one_of(self.module_names())
             if self.module_errors:
                 reason += "; failed: " + "; ".join(f"{m}: {e}" for m, e in self.module_errors.items())
         elif self.in_use is not None and self.state == State.APPLIED:
             reason = self.in_use() or reason
+        elif self.state == State.WAITING and not reason:
+            reason = f"waiting for {self.trigger}"
+        if self.stuck and self.state != State.APPLIED:
+            left = ", ".join(f"{type(p.owner).__name__ if not isinstance(p.owner, type) else p.owner.__name__}.{p.name}"
+                             for ps in self.stuck for p in ps)
+            reason = (f"{reason}; " if reason else "") + (
+                f"could not remove {left or 'a patch'} (another library wrapped over it): left in place, inert")
         return {
             "id": self.id,
             "library": self.library,
@@ -156,6 +169,14 @@ class Shim(Record):
             "kernels": list(self.kernels),
             "description": self.description,
         }
+
+
+def _one_of(modules: list[str]) -> str:
+    if not modules:
+        return "a target module"
+    if len(modules) == 1:
+        return modules[0]
+    return f"one of {len(modules)} modules ({modules[0]}, ...)"
 
 
 class Conflict(Record):
@@ -179,6 +200,10 @@ class Registry:
         self.conflicts: list[Conflict] = []
         self.load_errors: list[str] = []  # shim modules that failed to import
         self.active = False  # hooks fire only while active
+        #: models given to ``apply(model=...)``: patched again by every later ``apply()`` (after a
+        #: revert, or a new kernel selection from ``configure``)
+        self._models: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._unweakable_models: list[Any] = []
 
     # -- registration -----------------------------------------------------------------------
     def register(self, shim: Shim) -> Shim:
@@ -263,7 +288,9 @@ class Registry:
                     for name in shim.module_names():
                         _import_hooks.when_imported(name, self._module_hook(shim.id))
             except Exception as exc:
-                errors = self._revert_modules(shim) + shim.patches.revert()  # leave nothing half-applied
+                errors = self._revert_modules(shim) + self._revert_set(shim, shim.patches)  # nothing half-applied
+                if len(shim.patches):
+                    shim.patches = PatchSet()
                 shim.state = State.FAILED
                 shim.reason = f"{type(exc).__name__}: {exc}" + (f" (revert: {errors})" if errors else "")
                 log.warning("liger_compat: shim %s failed, native behaviour kept: %s", shim.id, shim.reason)
@@ -300,10 +327,17 @@ class Registry:
             shim.patched.extend(done)
 
     @staticmethod
-    def _revert_modules(shim: Shim) -> list[str]:
+    def _revert_set(shim: Shim, ps: PatchSet) -> list[str]:
+        """Revert ``ps``; what stays in place is kept in ``shim.stuck``, inert."""
+        errors = ps.revert()
+        if len(ps) and all(ps is not other for other in shim.stuck):
+            shim.stuck.append(ps)
+        return errors
+
+    def _revert_modules(self, shim: Shim) -> list[str]:
         errors: list[str] = []
         for ps in reversed(list(shim.module_patches.values())):
-            errors += ps.revert()
+            errors += self._revert_set(shim, ps)
         shim.module_patches.clear()
         shim.patched.clear()
         shim.module_errors.clear()
@@ -316,14 +350,23 @@ class Registry:
             mod = sys.modules.get(shim.trigger)
             if mod is not None and shim.state != State.APPLIED:
                 self._apply_one(shim, mod)
+        for known in list(self._models) + self._unweakable_models:
+            if known is not model:
+                self.apply_model(known)
         if model is not None:
             self.apply_model(model)
 
     def apply_model(self, model: Any) -> list[str]:
-        """Instance-level patches. Returns the ids of shims that patched something."""
-        done = []
+        """Instance-level patches, made again by every later :meth:`apply`. Returns the ids of
+        shims that patched something."""
+        done: list[str] = []
         if _config.settings.disabled:
             return done
+        try:
+            self._models.add(model)
+        except TypeError:  # not weakly referenceable: kept while the process lives
+            if all(model is not m for m in self._unweakable_models):
+                self._unweakable_models.append(model)
         for shim in self.shims():
             if shim.apply_to_model is None:
                 continue
@@ -335,7 +378,7 @@ class Registry:
                     shim.model_patches.append(ps)
                     done.append(shim.id)
             except Exception as exc:
-                ps.revert()
+                self._revert_set(shim, ps)
                 log.warning("liger_compat: shim %s could not patch the model: %s", shim.id, exc)
         return done
 
@@ -345,13 +388,18 @@ class Registry:
         with self._lock:
             self.active = False
             for shim in reversed(self.shims()):
+                earlier = list(shim.stuck)
                 for ps in reversed(shim.model_patches):
-                    errors += ps.revert()
+                    errors += self._revert_set(shim, ps)
                 shim.model_patches.clear()
                 if shim.state == State.APPLIED:
                     errors += self._revert_one(shim, "liger_compat.revert()")
                 elif shim.state in (State.WAITING, State.FAILED, State.NOT_NEEDED):
                     shim.state, shim.reason = State.REVERTED, "liger_compat.revert()"
+                for ps in earlier:  # left in place by an earlier revert: tried again, after the newer ones
+                    errors += ps.revert()
+                    if not len(ps):
+                        shim.stuck.remove(ps)
         return errors
 
 
@@ -362,7 +410,9 @@ class Registry:
                 shim._revert()
             except Exception as exc:
                 errors.append(f"{shim.id}: {exc}")
-        errors += shim.patches.revert()
+        errors += self._revert_set(shim, shim.patches)
+        if len(shim.patches):
+            shim.patches = PatchSet()
         shim.state, shim.reason = State.REVERTED, reason
         return errors
 

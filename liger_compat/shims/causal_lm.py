@@ -89,7 +89,10 @@ def _want_logits(flag: Any) -> bool:
 # calling conventions
 # --------------------------------------------------------------------------------------------
 
+#: like :data:`._forward_args._param_cache`: by stable key and by code object, one stable key per
+#: code object kept (:data:`_positional_key_of_code`)
 _positional_cache: dict[Any, tuple[str, ...]] = {}
+_positional_key_of_code: dict[Any, Any] = {}
 
 
 def _positional_names(forward: Any) -> tuple[str, ...]:
@@ -105,6 +108,10 @@ def _positional_names(forward: Any) -> tuple[str, ...]:
         names = tuple(p.name for p in params
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
         _positional_cache[key] = names
+    older = _positional_key_of_code.get(key)
+    if older is not None and older is not base and older is not key:
+        _positional_cache.pop(older, None)
+    _positional_key_of_code[key] = base
     _positional_cache[base] = names
     return names
 

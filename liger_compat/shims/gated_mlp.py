@@ -5,9 +5,10 @@ Upstream: ``<Family>MLP.forward`` of ``transformers.models.<family>.modeling_<fa
 activation and product replaced by one kernel. Phi3 and GLM-4 fuse gate and up into
 ``gate_up_proj``; Mixtral's experts (4.x) name them w1/w3/w2; transformers 5 Mixtral has fused
 expert tensors (no per-expert MLP module: left native). The activation must be recognised as SiLU
-or tanh-GELU, and each class is checked once per input dtype against its native forward: an
-``*MLP`` that is no gated MLP of ours (gpt-oss's router and experts, Nemotron's relu^2, Falcon-H1's
-multipliers) keeps its native forward and the report lists it.
+or tanh-GELU, and each module is checked against its native forward once per class, attributes
+it can read (its fingerprint, :func:`~._module_shims.instance_key`) and dtypes: an ``*MLP`` that
+is no gated MLP of ours (gpt-oss's router and experts, Nemotron's relu^2, Falcon-H1's
+multipliers other than 1) keeps its native forward and the report lists it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
-                            guarded, patch_instances, kernel_refusal, replaced_classes, decode_step)
+                            guarded, patch_instances, kernel_refusal, replaced_classes, decode_step,
+                            verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
 
@@ -97,34 +99,43 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
             return projs[0](t).chunk(2, dim=-1)
         return projs[0](t), projs[1](t)
 
+    # the verdict first: a module the probe turned down runs its native forward alone (the
+    # projections are not computed twice)
+    if not _mlp_matches(wrapped, instance, x, project_in, down_proj, kind, layout, projs[0]):
+        return wrapped(*args)
     # x is our RMSNorm's output when the family's norm is patched: gate_proj / up_proj then keep
     # nothing of it, it is recomputed from the norm's saved input in the backward
     gate, up = kernels.project_norm_output(x, project_in)
     # gate / up are this call's own projections, read by nothing after the forward: the kernel
     # may overwrite them with their gradients in the backward. down_proj's input is rebuilt from
-    # them in the backward instead of being kept (kernels.gated_project).
-    def checks() -> None:
-        from ..kernels import _checks
-
-        _checks.float_dtype("gate", gate)
-        _checks.float_dtype("up", up)
-        if gate.shape != up.shape:
-            raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}")
-        _checks.same_dtype(gate=gate, up=up)
-        _checks.same_device(gate=gate, up=up)
-
-    refusal = kernel_refusal(checks)
-    if refusal is None and not _mlp_matches(wrapped, instance, x, project_in, down_proj, kind):
-        return wrapped(*args)
+    # them in the backward instead of being kept (kernels.gated_project). The verdict holds for
+    # these inputs, so down(act(gate) * up) is the native result where the kernel refuses them.
+    refusal = kernel_refusal(lambda: _gated_checks(gate, up))
     return guarded(kernel_name, refusal,
                     lambda: kernels.gated_project(gate, up, down_proj, activation=kind, inplace_backward=True),
                     lambda: down_proj(act(gate) * up))[0]
 
 
-#: (class, input dtype, autocast dtype or None) -> whether ``down(act(gate) * up)`` reproduces the
-#: class's forward; (class, None) -> False for an ``*MLP`` class that is no gated MLP of ours
-#: (gpt-oss's router and experts, Nemotron's relu^2 MLP): recorded for the report
-_mlp_verdicts: dict[tuple[Any, Any], bool] = {}
+def _gated_checks(gate: Any, up: Any) -> None:
+    from ..kernels import _checks
+
+    _checks.float_dtype("gate", gate)
+    _checks.float_dtype("up", up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}")
+    _checks.same_dtype(gate=gate, up=up)
+    _checks.same_device(gate=gate, up=up)
+
+
+#: (class, instance fingerprint, training, input dtype, autocast dtype or None, layout, activation,
+#: projection weight dtype) -> True where ``down(act(gate) * up)`` reproduces the module's forward,
+#: False where it does not, or the kernel's refusal of the probe's inputs (native code, not listed
+#: as refused by the probe); (class, None) -> False for an ``*MLP`` class that is no gated MLP of
+#: ours (gpt-oss's router and experts, Nemotron's relu^2 MLP): recorded for the report
+_mlp_verdicts: dict[tuple[Any, ...], bool | str] = {}
+#: class -> False once a probe of one of its instances failed: the answer under ``torch.compile``
+#: for an instance no eager call has probed
+_class_verdicts: dict[Any, bool] = {}
 
 
 def _not_gated(m: Any) -> None:
@@ -134,30 +145,42 @@ def _not_gated(m: Any) -> None:
 
 
 def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[Any, Any]], down_proj: Any,
-                 kind: str) -> bool:
+                 kind: str, layout: str, first_proj: Any) -> bool:
     """The structural probe of a gated MLP: its native forward and the gated kernel on this input,
-    once per class and dtype. A class whose forward does more than ``down(act(gate) * up)`` (Falcon-H1's
-    gate / down multipliers, a clamped SwiGLU) fails it and keeps its native forward."""
+    once per instance fingerprint (:func:`~._module_shims.verdict_key`: the attributes and config
+    its forward can read), training mode and dtypes. A forward that does more than
+    ``down(act(gate) * up)`` (Falcon-H1's gate / down multipliers, a clamped SwiGLU) fails it and
+    keeps its native code."""
     import torch
 
     # under autocast the projections run in the autocast dtype: a verdict (and the tolerance) of its
     # own, so one autocast call never turns the kernel off for the plain dtype or the other way round
     autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-    key = (type(m), x.dtype, autocast)
-    hit = _mlp_verdicts.get(key)
-    if hit is not None or compiling():
-        return True if hit is None else hit
+    weight = getattr(first_proj, "weight", None)
+    key = verdict_key(m, x.dtype, autocast, layout, kind, getattr(weight, "dtype", None))
+    hit = None if key is None else _mlp_verdicts.get(key)
+    if hit is not None:
+        return hit is True
+    if compiling():  # no eager call probed this instance: what the probes of its class found
+        return _class_verdicts.get(type(m), True)
 
     from .. import kernels
 
     with torch.no_grad():
         probe = x.detach()[..., :8, :] if x.dim() >= 2 else x.detach()
-        ref = native(probe)
         gate, up = project_in(probe)
+        refusal = kernel_refusal(lambda: _gated_checks(gate, up))
+        if refusal is not None:
+            log.warning("liger_compat: %s kernel refuses an input, native code used: %s",
+                        kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind], refusal)
+            _mlp_verdicts[key] = refusal
+            return False
+        ref = native(probe)
         got = kernels.gated_project(gate.contiguous(), up.contiguous(), down_proj, activation=kind)
     ok = isinstance(ref, torch.Tensor) and close(got, ref, autocast or x.dtype)
     if not ok:
         log.warning("liger_compat: %s keeps its native forward: it is not down(%s(gate) * up)", type(m).__name__, kind)
+        _class_verdicts[type(m)] = False
     _mlp_verdicts[key] = ok
     return ok
 
@@ -171,7 +194,8 @@ def _patch_mlps(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
 
 def refused(module_name: str) -> list[str]:
     """MLP classes of the module the probe turned down (native after probe)."""
-    return sorted({k[0].__name__ for k, ok in list(_mlp_verdicts.items()) if not ok and k[0].__module__ == module_name})
+    return sorted({k[0].__name__ for k, ok in list(_mlp_verdicts.items())
+                   if ok is False and k[0].__module__ == module_name})
 
 
 STATE = ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps, replaced_classes(_is_mlp_name))

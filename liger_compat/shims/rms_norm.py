@@ -4,7 +4,8 @@ Upstream: ``<Family>RMSNorm.forward`` of ``transformers.models.<family>.modeling
 (4.45 .. 5.x): ``pow``, ``mean``, ``rsqrt`` and two casts per call, replaced by one kernel. OLMo2's
 RMSNorm moved from Llama casting (cast, then multiply by the weight) to multiplying in fp32 (4.5x);
 Gemma's offset norm (``1 + w``) computes in fp32 throughout. Rather than a table per release, each
-class is checked once per dtype against its native forward on a small probe, both weight offsets
+module is checked against its native forward once per class, attributes it can read (its
+fingerprint, :func:`~._module_shims.instance_key`) and dtypes, on a small probe, both weight offsets
 and both castings tried, and the matching kernel mode is used; a class that matches none keeps its
 native forward and the report lists it.
 """
@@ -17,15 +18,17 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
-                            guarded, patch_instances, kernel_refusal, replaced_classes, decode_step)
+                            guarded, patch_instances, kernel_refusal, replaced_classes, decode_step,
+                            verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
 
 
 _RMS = "rms_norm"
 _CASTINGS = ("llama", "gemma")
-#: (class, input dtype, weight dtype) -> (offset, casting) or the reason no kernel mode matches
-_rms_modes: dict[tuple[Any, Any, Any], tuple[float, str] | str] = {}
+#: (class, instance fingerprint, training, input dtype, weight dtype) -> (offset, casting) or the
+#: reason no kernel mode matches
+_rms_modes: dict[tuple[Any, ...], tuple[float, str] | str] = {}
 
 
 def _is_rms_name(name: str) -> bool:
@@ -47,15 +50,20 @@ def _rms_shape_ok(m: Any, x: Any) -> bool:
 
 
 def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str] | str:
-    """Which kernel mode reproduces ``native``; probed once per class and dtypes."""
+    """Which kernel mode reproduces ``native``; probed once per class, instance fingerprint
+    (:func:`~._module_shims.verdict_key`: the attributes and config its forward can read), training
+    mode and dtypes. Under ``torch.compile`` the mode an eager call found, else the family table's."""
     import torch
 
     from .. import kernels
 
-    key = (type(m), x.dtype, m.weight.dtype)
-    hit = _rms_modes.get(key)
+    key = verdict_key(m, x.dtype, m.weight.dtype)
+    hit = None if key is None else _rms_modes.get(key)
     if hit is not None:
         return hit
+    if compiling():
+        fam = families.BY_MODULE.get(type(m).__module__)
+        return (fam.rms_offset, fam.rms_casting) if fam else "no eager call probed it"
     fam = families.BY_MODULE.get(type(m).__module__)
     offset = fam.rms_offset if fam else 0.0
     first = fam.rms_casting if fam else "llama"
@@ -108,11 +116,7 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     refusal = kernel_refusal(lambda: _rms_checks(x, instance.weight))
     if refusal is not None:  # the mode probe below would run the kernel on these dtypes
         return guarded("rms_norm", refusal, lambda: None, lambda: wrapped(x))[0]
-    if compiling():
-        fam = families.BY_MODULE.get(type(instance).__module__)
-        mode: Any = (fam.rms_offset, fam.rms_casting) if fam else None
-    else:
-        mode = _rms_mode(wrapped, instance, x)
+    mode = _rms_mode(wrapped, instance, x)
     if not isinstance(mode, tuple):
         return wrapped(x)
     from .. import kernels

@@ -347,7 +347,7 @@ def test_per_module_notes_and_in_use_make_the_status(three_modules):
     reg = Registry()
     shim = reg.register(_per_module_shim(three_modules, [], modules=lambda: [], id="test.nothing"))
     reg.activate()
-    assert shim.status()["reason"] == "no target imported yet"
+    assert (shim.status()["state"], shim.status()["reason"]) == ("waiting", "waiting for a target module")
     notes = reg.register(_per_module_shim(
         three_modules, [], id="test.notes", modules=three_modules[:1],
         patch_module=lambda m, p: ["not needed: Model.step already takes x"]))

@@ -209,7 +209,7 @@ def test_the_lazy_logger_is_the_package_logger(caplog):
 
 
 def test_disable_env_turns_everything_off():
-    code = "import liger_compat, json; r = liger_compat.check(); print(json.dumps([r.settings['disabled'], liger_compat._REGISTRY.active]))"
+    code = "import liger_compat, json; r = liger_compat.check(quiet=True); print(json.dumps([r.settings['disabled'], liger_compat._REGISTRY.active]))"
     r = _run(code=code, env={"LIGER_COMPAT_DISABLE": "1"})
     assert json.loads(r.stdout) == [True, False]
     r = _run(code=code, env={"LIGER_COMPAT_DISABLE": "0"})
@@ -217,7 +217,7 @@ def test_disable_env_turns_everything_off():
 
 
 def test_kernels_env_and_configure():
-    code = "import liger_compat; print(sorted(liger_compat.check().settings['kernels']))"
+    code = "import liger_compat; print(sorted(liger_compat.check(quiet=True).settings['kernels']))"
     r = _run(code=code, env={"LIGER_COMPAT_KERNELS": "rms_norm, rope"})
     assert r.stdout.strip() == "['rms_norm', 'rope']"
     r = _run(code=code, env={"LIGER_COMPAT_KERNELS": "rms_norm,warp_drive"})
@@ -232,7 +232,7 @@ def test_report_lists_registered_shims():
 
 
 def test_report_shows_the_tuning_settings_in_effect():
-    code = ("import liger_compat, json; from liger_compat.compat.report import format_text; r = liger_compat.check(); "
+    code = ("import liger_compat, json; from liger_compat.compat.report import format_text; r = liger_compat.check(quiet=True); "
             "print(json.dumps(r.settings['tuning'])); print(format_text(r))")
     r = _run(code=code, env={"LIGER_COMPAT_FLCE_CHUNK_MB": "62", "LIGER_COMPAT_MLP_RECOMPUTE": "activation"})
     tuning = json.loads(r.stdout.splitlines()[0])

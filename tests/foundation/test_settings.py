@@ -35,7 +35,7 @@ def test_docs_document_every_variable():
 
 
 def test_check_shows_every_setting_with_its_value_and_source():
-    code = ("import json, liger_compat; from liger_compat.compat.report import format_text; r = liger_compat.check();"
+    code = ("import json, liger_compat; from liger_compat.compat.report import format_text; r = liger_compat.check(quiet=True);"
             "print(json.dumps(r.settings['variables'])); print(format_text(r))")
     env = _clean_env(LIGER_COMPAT_FLCE_CHUNK_MB="62", LIGER_COMPAT_RETURN_LOGITS="Yes", LIGER_COMPAT_DEBUG="maybe",
                      LIGER_COMPAT_KERNELS="rope,rmsnorm", LIGER_COMPAT_MLP_RECOMPUTE="sometimes")

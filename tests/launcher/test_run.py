@@ -258,7 +258,7 @@ def test_nested_runs_put_the_start_up_directory_once():
 
 
 def test_check_reports_the_launcher_and_the_process():
-    code = "import json, liger_compat; print(json.dumps(liger_compat.check().to_dict()['activation']))"
+    code = "import json, liger_compat; print(json.dumps(liger_compat.check(quiet=True).to_dict()['activation']))"
     proc = _run(LAUNCH + ["--", sys.executable, "-c", code], env=_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2"))
     assert proc.returncode == 0, proc.stderr
     act = json.loads(proc.stdout)
