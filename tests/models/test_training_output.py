@@ -200,3 +200,22 @@ def test_a_marked_instance_returns_logits_and_another_of_its_class_does_not():
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
     assert out.token_accuracy is not None and not _config.return_logits()
     liger_compat.apply()
+
+
+def test_the_outputs_scenario_passes_and_catches_an_output_with_an_extra_key(monkeypatch):
+    from liger_compat.compat import scenarios
+
+    sc = next(s for s in scenarios.registered() if s.id == "outputs")
+    detail = sc.func(scenarios.Context())
+    assert "CausalLMOutputWithPast" in detail and "MoeCausalLMOutputWithPast" in detail
+
+    def extra_key(native):  # what the fused forward returned before: the native class plus a key
+        def make(token_accuracy=None, **fields):
+            out = native(**fields)
+            out["token_accuracy"] = token_accuracy
+            return out
+        return make
+
+    monkeypatch.setattr(training_output, "training_class", extra_key)
+    with pytest.raises(TypeError, match="token_accuracy"):
+        sc.func(scenarios.Context())
