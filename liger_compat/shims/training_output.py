@@ -26,7 +26,6 @@ with :class:`LogitsSkippedWarning`, naming ``return_logits=True`` / ``LIGER_COMP
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
 from typing import Any, Optional
@@ -97,6 +96,8 @@ def _qualname_for(native: type) -> str:
 
 
 def _make(native: type) -> type:
+    import dataclasses
+
     if not dataclasses.is_dataclass(native):
         raise TypeError(f"{native.__module__}.{native.__qualname__} is not a dataclass ModelOutput")
     if FIELD in {f.name for f in dataclasses.fields(native)}:
@@ -160,6 +161,7 @@ def _find_native(qualname: str) -> type | None:
     """The native output class a qualified name of this module stands for (a process that unpickles
     the class itself before making it): ``Name__module__path`` names its module; a plain ``Name`` is
     looked up in ``transformers.modeling_outputs``, then in the modeling modules of the families table."""
+    import dataclasses
     import importlib
 
     from ..compat import families
