@@ -11,7 +11,7 @@ subclass died with ``TypeError: 'NoneType' object is not subscriptable`` and no 
 What the shim does: when a trainer is constructed, and at each ``training_step`` (a ``model_init``
 model is made in ``train``), a trainer whose class has a ``compute_loss`` of its own below the
 library trainers (a class in its MRO before the first class of transformers or trl that defines it)
-gets the logits for its model: every patched causal LM inside ``trainer.model`` is marked
+(not a library's function assigned to it) gets the logits for its model: every patched causal LM inside ``trainer.model`` is marked
 (``causal_lm.RETURN_LOGITS_ATTR``), and the fused forward then computes the logits besides the fused
 loss for that instance only, as ``return_logits=True`` would. ``check()`` names the trainer.
 ``training_step`` also counts the steps running, so that reading ``logits`` of a training output
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._patching import ShimPatches
+from ._patching import ShimPatches, unwrap
 from ._registry import register
 from . import training_output
 
@@ -35,6 +35,10 @@ _events: list[str] = []
 _owner_cache: dict[type, type | None] = {}
 
 
+def _library(obj: Any) -> bool:
+    return str(getattr(obj, "__module__", None)).split(".")[0] in LIBRARY_PACKAGES
+
+
 def own_compute_loss(trainer_cls: type) -> type | None:
     """The class in ``trainer_cls``'s MRO whose ``compute_loss`` runs, when it is not one of the
     libraries' own trainers (a user's subclass, or another package's); None otherwise."""
@@ -43,10 +47,11 @@ def own_compute_loss(trainer_cls: type) -> type | None:
         return hit
     owner = None
     for klass in trainer_cls.__mro__:
-        if klass.__module__.split(".")[0] in LIBRARY_PACKAGES:
+        if _library(klass):
             break
         if "compute_loss" in vars(klass):
-            owner = klass
+            # a library's own function put on a subclass (``compute_loss = Trainer.compute_loss``) is not one
+            owner = None if _library(unwrap(vars(klass)["compute_loss"])) else klass
             break
     _owner_cache[trainer_cls] = owner
     return owner
