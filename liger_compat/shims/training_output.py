@@ -3,8 +3,8 @@
 Upstream: transformers registers every ``ModelOutput`` subclass as a torch pytree node
 (``ModelOutput.__init_subclass__``), whose unflatten rebuilds the output as ``cls(**dict(keys, values))``.
 ``DistributedDataParallel`` (``find_unused_parameters=True``, the ``transformers.Trainer`` default without
-gradient checkpointing), FSDP wrappers, accelerate's output conversion and ``torch.export`` flatten and
-rebuild a forward's output that way.
+gradient checkpointing, or ``static_graph=True``) and other wrappers that pass outputs through torch's
+pytree flatten and rebuild a forward's output that way.
 
 Failure prevented: a fused output carrying ``token_accuracy`` as an extra key of the native class came back
 from such a round trip as ``TypeError: CausalLMOutputWithPast.__init__() got an unexpected keyword argument
@@ -66,6 +66,7 @@ def _hint() -> None:
     global _hinted
     _hinted = True
     warnings.warn(HINT, LogitsSkippedWarning, stacklevel=3)
+
 
 _lock = threading.Lock()
 _by_native: dict[type, type] = {}
