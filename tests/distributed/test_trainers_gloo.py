@@ -47,7 +47,9 @@ def _assert_same_training(pat: dict, nat: dict, seed: int) -> None:
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-4, abs_tol=2e-5), msg
     assert pat["state"].keys() == nat["state"].keys()
     diff = max(float((pat["state"][k] - nat["state"][k]).abs().max()) for k in nat["state"])
-    assert diff < 1e-4, (diff, msg)
+    # AdamW (the default) moves a weight by up to lr per step whatever its gradient's size, so rounding
+    # differences in near-zero gradients show up to a few 1e-4 (3 steps at lr 5e-2 move weights by 0.15)
+    assert diff < 3e-3, (diff, msg)
 
 
 def test_two_process_trainer_with_its_defaults_trains_as_natively(tmp_path):
