@@ -3,7 +3,8 @@
 Each builds a tiny model of a family (:mod:`.tiny_models`) with the shims applied and checks the
 behaviour the known issue breaks: a call without labels returns real logits (F2, trl's DPO),
 ``logits_to_keep`` under either name returns ``[B, k, V]`` (F3, GRPO), FlashAttention kwargs of
-a packed batch leave the loss unchanged (F4).
+a packed batch leave the loss unchanged (F4); a fused training output comes back from a torch
+pytree round trip (what DDP does to outputs), pickle and deepcopy as the same class ("outputs").
 """
 
 from __future__ import annotations
@@ -111,3 +112,45 @@ def _scenario_f4(ctx: Context) -> str:
         packed = model(input_ids=ids, labels=ids, **fa)
     torch.testing.assert_close(packed.loss, plain.loss, rtol=1e-4, atol=1e-4)
     return f"loss with cu_seq_lens_q/k, max_length_q/k = {packed.loss.item():.4f} (same as without)"
+
+
+@scenario("outputs", "a fused training output survives the pytree rebuild of DDP / FSDP, pickle and deepcopy",
+          requires=("transformers",))
+def _scenario_outputs(ctx: Context) -> str:
+    """DDP with ``find_unused_parameters`` (the Trainer's default) flattens every output with torch's
+    pytree and builds it again as ``cls(**dict(keys, values))``: the rebuilt output must be the same
+    class with the same keys and values, and still carry ``token_accuracy``."""
+    import copy
+    import pickle
+
+    import torch
+    import torch.utils._pytree as pytree
+
+    seen = []
+    for family in ("llama", "mixtral"):
+        try:
+            model, ids = _tiny(ctx, family)
+        except Skip:
+            continue
+        model.train()
+        out = model(input_ids=ids, labels=ids)
+        if out.get("token_accuracy") is None:
+            raise AssertionError(f"{family}: the fused training output carries no token_accuracy")
+        leaves, spec = pytree.tree_flatten(out)
+        back = pytree.tree_unflatten(leaves, spec)  # DDP's _post_forward
+        if type(back) is not type(out) or list(back.keys()) != list(out.keys()):
+            raise AssertionError(f"{family}: rebuilt as {type(back).__name__} {list(back.keys())}, "
+                                 f"not {type(out).__name__} {list(out.keys())}")
+        if back.loss is not out.loss or back.token_accuracy is not out.token_accuracy:
+            raise AssertionError(f"{family}: the rebuilt output holds other values")
+        if pytree.treespec_loads(pytree.treespec_dumps(spec)) != spec:
+            raise AssertionError(f"{family}: the output's tree spec does not serialise back to its class")
+        with torch.no_grad():
+            plain = model(input_ids=ids, labels=ids)
+        for copied in (pickle.loads(pickle.dumps(plain)), copy.deepcopy(plain)):
+            if type(copied) is not type(plain) or not torch.equal(copied.token_accuracy, plain.token_accuracy):
+                raise AssertionError(f"{family}: pickle / deepcopy gave {type(copied).__name__} {list(copied.keys())}")
+        seen.append(type(out).__name__)
+    if not seen:
+        raise Skip("no tiny model of llama or mixtral on this transformers")
+    return f"{', '.join(seen)}: pytree round trip, spec serialisation, pickle and deepcopy keep class and keys"

@@ -24,6 +24,7 @@ SHIM_MODULES: tuple[str, ...] = (
     "renamed_kwargs",  # F5: tokenizer <-> processing_class and other renamed trainer / config kwargs
     "num_items_in_batch_labels",  # F5: gradient-accumulation token count from whichever label keys a batch has
     "trl_sft_token_accuracy",  # F1: SFTTrainer token accuracy / entropy from the fused forward, not logits
+    "trainer_custom_loss_logits",  # logits in training for a Trainer subclass with its own compute_loss
     "trainer_liger_switch",  # use_liger_kernel / use_liger turned off while liger_compat applies its kernels
     "trl_fused_lm_head",  # trl 1.15+ add_fused_lm_head: trl's head scored by our fused log-prob kernel
     "trl_trainer_signatures",  # trl < 0.13 trainers called with compute_loss / log / get_batch_samples of 4.46+

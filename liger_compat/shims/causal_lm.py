@@ -31,9 +31,11 @@ The wrapper (a plain function on the class that ``torch.compile`` traces, ``_pat
   (``num_items_in_batch``, ``ignore_index``, ``shift_labels``); the loss is computed from the last
   hidden states and ``lm_head.weight`` by ``liger_compat.kernels.fused_linear_cross_entropy``
   with the family's quirks (Gemma 2/3 soft-cap, Granite's logit divisor, Mixtral's router loss).
-  The result is the family's native output class with ``logits=None`` and an extra
+  The result is a subclass of the family's native output class (same name, native fields in
+  native order, :mod:`.training_output`) with ``logits=None`` and a last field
   ``token_accuracy`` (``out.token_accuracy`` and ``out["token_accuracy"]``: 0-d fraction of
-  non-ignored shifted label positions whose argmax is the label, computed inside the kernel).
+  non-ignored shifted label positions whose argmax is the label, computed inside the kernel); a
+  torch pytree round trip (DDP, FSDP) rebuilds it as it rebuilds the native output.
   With ``return_dict=False`` the set fields come back as a tuple in the native order, the loss
   first and None where the logits would be (``ModelOutput.to_tuple``, and since transformers 4.51
   ``@can_return_tuple``, drop None fields: without the placeholder every later field would sit one
@@ -42,7 +44,8 @@ The wrapper (a plain function on the class that ``torch.compile`` traces, ``_pat
 * Logits together with a fused loss in training: pass ``return_logits=True`` to the forward, or set
   ``LIGER_COMPAT_RETURN_LOGITS=1`` before the import (or call ``liger_compat.configure(return_logits=True)``);
   the logits are then computed (honouring ``logits_to_keep``)
-  in addition to the fused loss.
+  in addition to the fused loss. A model whose Trainer subclass overrides ``compute_loss`` gets them
+  too (``trainer_custom_loss_logits`` marks the instance with ``RETURN_LOGITS_ATTR``).
 
 ``logits_to_keep`` / ``num_logits_to_keep``: an int (keep the last k positions, 0 = all), a 1-D
 index tensor, or (transformers 5.21 ``slice_logits_to_keep``) a 2-D integer ``(batch, k)`` tensor of
@@ -68,6 +71,7 @@ from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, un
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
 
+from . import training_output
 from . import _sharded_head as _distributed  # the fused loss inside lm_head's call (FSDP / ZeRO-3 shards)
 
 
@@ -77,12 +81,15 @@ _KERNEL = "fused_linear_cross_entropy"
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 #: keyword arguments of ours, removed before anything native sees the call
 RETURN_LOGITS = "return_logits"
+#: set (True) on a model instance whose trainer's own compute_loss may read the logits
+#: (``trainer_custom_loss_logits``): that instance computes them besides the fused loss
+RETURN_LOGITS_ATTR = "_liger_compat_return_logits"
 
 
-def _want_logits(flag: Any) -> bool:
+def _want_logits(flag: Any, instance: Any) -> bool:
     if flag is not None:
         return bool(flag)
-    return _config.return_logits()
+    return _config.return_logits() or instance.__dict__.get(RETURN_LOGITS_ATTR, False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +196,7 @@ def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
         return _decoder_and_head(instance, fam, kw, keep, want_logits=True, accuracy=False)
     if not _usable(instance, fam):
         return _call_native(wrapped, kw, params, has_keep, keep)
-    return _decoder_and_head(instance, fam, kw, keep, want_logits=_want_logits(flag))
+    return _decoder_and_head(instance, fam, kw, keep, want_logits=_want_logits(flag, instance))
 
 
 def _reads_logits(model: Any) -> bool:
@@ -250,12 +257,12 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     for name in names:  # everything else the decoder returned under the output's field names
         if name not in fields:
             fields[name] = getattr(dec_out, name, None)
-    out = cls(**fields)
     if not return_dict:
-        return _as_tuple(out)
+        return _as_tuple(cls(**fields))
     if token_accuracy is not None and accuracy:
-        out["token_accuracy"] = token_accuracy
-    return out
+        # the native class plus a token_accuracy field: survives a pytree round trip (DDP) as native's does
+        return training_output.training_class(cls)(**fields, token_accuracy=token_accuracy)
+    return cls(**fields)
 
 
 def _as_tuple(out: Any) -> tuple:
@@ -582,7 +589,7 @@ def _patch_family(module: Any, fam: families.Family, patches: ShimPatches) -> bo
         return False
     _left_alone.pop(fam.name, None)
     _fill_caches(module, fam, cls, current)
-    _output_class(fam)
+    training_output.training_class(_output_class(fam)[0])  # made now, not while torch.compile traces
     patches.wrap(cls, "forward", _fused_forward, traceable=True)
     return True
 

@@ -83,15 +83,39 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _native_abort(log: str) -> bool:
+def _native_abort(log: str, worker: Path = WORKER) -> bool:
     """A rank killed by a C++ abort before any Python error of the worker: on this 2-core CI machine,
     with the other pytest worker busy, gloo's ranks occasionally die with only 'terminate called
     without an active exception' (about one full suite in three; never reproduced alone)."""
-    return "terminate called" in log and f'File "{WORKER}"' not in log
+    return "terminate called" in log and f'File "{worker}"' not in log
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def torchrun_many(runs: list[tuple[Path, list[str], dict[str, str] | None]], *, nproc: int = 2,
+                  timeout: float = 300) -> list[str]:
+    """Start ``torchrun --nproc_per_node nproc SCRIPT ARGS`` for every ``(script, args, env)`` side by
+    side; return their logs. A run whose ranks died by a native abort before any Python error is
+    started once more (:func:`_native_abort`); any other failure fails the test."""
+
+    def cmd(script: Path, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+
+    procs = [_start(cmd(script, args), env) for script, args, env in runs]
+    logs = []
+    for (script, args, env), p in zip(runs, procs):
+        log = _wait(p, timeout)
+        if p.returncode != 0 and _native_abort(log, script):
+            p = _start(cmd(script, args), env)
+            log = "[first attempt]\n" + log[-3000:] + "\n[second attempt]\n" + _wait(p, timeout)
+        if p.returncode != 0:
+            raise AssertionError(f"{script.name} {' '.join(args)} (env {env}) failed (exit {p.returncode}):\n"
+                                 f"{log[-8000:]}")
+        logs.append(log)
+    return logs
 
 
 def _wait(p: subprocess.Popen, timeout: float) -> str:

@@ -1,0 +1,72 @@
+"""Two CPU processes (torchrun, gloo) train a tiny model with ``transformers.Trainer`` and trl's
+``SFTTrainer`` (gradient checkpointing off, as the Trainer has it) on their defaults: DDP with ``find_unused_parameters`` (the Trainer's choice without
+gradient checkpointing), which flattens every forward's output with torch's pytree and builds it again.
+The losses and final weights must be those of the same run under ``LIGER_COMPAT_DISABLE=1``.
+
+A fused training output whose ``token_accuracy`` was an extra key of the native class failed that
+rebuild on the first step (``TypeError: ... unexpected keyword argument 'token_accuracy'``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import _harness as h  # noqa: E402
+
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+WORKER = Path(__file__).with_name("_trainer_worker.py")
+
+
+def _run_both(tmp_path: Path, kind: str) -> tuple[dict, dict, int]:
+    seed = random.randrange(2**31)
+    pat_out, nat_out = tmp_path / "patched.pt", tmp_path / "native.pt"
+    args = [kind, "--seed", str(seed)]
+    h.torchrun_many([(WORKER, args + ["--out", str(pat_out)], None),
+                     (WORKER, args + ["--out", str(nat_out)], {"LIGER_COMPAT_DISABLE": "1"})], timeout=300)
+    return torch.load(pat_out, weights_only=False), torch.load(nat_out, weights_only=False), seed
+
+
+def _assert_same_training(pat: dict, nat: dict, seed: int) -> None:
+    msg = f"seed {seed}: patched {pat['logs']}\nnative {nat['logs']}"
+    assert pat["patched"] and not nat["patched"]
+    for res in (pat, nat):
+        assert res["world_size"] == 2 and res["backend"] == "gloo", res
+        # the Trainer's default: DDP that rebuilds the outputs
+        assert res["wrapper"] == "DistributedDataParallel" and res["find_unused_parameters"] is True, res
+    assert len(pat["logs"]) == len(nat["logs"]) == 3, msg
+    for a, b in zip(nat["logs"], pat["logs"]):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-4, abs_tol=2e-5), msg
+    assert pat["state"].keys() == nat["state"].keys()
+    diff = max(float((pat["state"][k] - nat["state"][k]).abs().max()) for k in nat["state"])
+    # AdamW (the default) moves a weight by up to lr per step whatever its gradient's size, so rounding
+    # differences in near-zero gradients show up to a few 1e-4 (3 steps at lr 5e-2 move weights by 0.15)
+    assert diff < 3e-3, (diff, msg)
+
+
+def test_two_process_trainer_with_its_defaults_trains_as_natively(tmp_path):
+    pat, nat, seed = _run_both(tmp_path, "trainer")
+    # the fused forward ran (its output went through DDP's rebuild), and the native one natively
+    assert any(k.endswith(" fused") for k in pat["outputs"]), pat["outputs"]
+    assert not any(k.endswith(" fused") for k in nat["outputs"]), nat["outputs"]
+    _assert_same_training(pat, nat, seed)
+
+
+def test_two_process_sft_trainer_with_its_defaults_trains_as_natively(tmp_path):
+    pytest.importorskip("trl")
+    pat, nat, seed = _run_both(tmp_path, "sft")
+    # trl < 1.15: liger_compat's fused output (F1 metrics from its token_accuracy); 1.15+: trl's own
+    # fused head output (its head run by liger_compat's kernel): either goes through DDP's rebuild
+    assert sum(pat["outputs"].values()) == 3, pat["outputs"]
+    _assert_same_training(pat, nat, seed)
+    for a, b in zip(nat["logs"], pat["logs"]):  # the token accuracy reaches trl's logs (F1)
+        if "mean_token_accuracy" in a:
+            assert math.isclose(a["mean_token_accuracy"], b["mean_token_accuracy"], abs_tol=1e-6), (a, b)
