@@ -1,7 +1,8 @@
-"""trl training step: SFTTrainer as shipped, with liger-kernel, and under ``import liger_compat``.
+"""trl training step: SFTTrainer and DPOTrainer as shipped, with liger-kernel, and under ``import liger_compat``.
 
-    python -m benchmarks.trl_step [--models llama-8l] [--shapes 4x2048] [--impls trl,trl_liger_kernel,trl_liger_compat]
-                                  [--steps 8] [--warmup 3] [--out DIR] [--name trl_step]
+    python -m benchmarks.trl_step [--trainers sft] [--models llama-8l] [--shapes 4x2048] [--dpo-shapes 2x2048]
+                                  [--impls trl,trl_liger_kernel,trl_liger_compat] [--steps 8] [--warmup 3]
+                                  [--out DIR] [--name trl_step]
 
 The model is one of :data:`benchmarks.e2e.MODELS` (random weights, bf16, SDPA, on CUDA); the dataset
 is random pre-tokenised rows of exactly the sequence length, so every step sees ``batch x seq``
@@ -16,6 +17,16 @@ warm-up, the peak allocated memory over them, and the first logged loss. Impleme
 * ``trl_liger_compat``: ``import liger_compat`` first, default settings.
 
 Each runs in a fresh interpreter.
+
+``--trainers sft,dpo`` adds a ``DPOTrainer`` step (the default is ``sft`` alone). Its shapes
+(``--dpo-shapes``, ``PAIRSxSEQ``) count preference pairs of ``seq`` tokens: the prompt is the first
+half, the chosen and the rejected completions (random words, trl appends EOS) fill the second, so a
+step runs the policy and the reference model (a copy of the policy's initial weights, trl's own
+forward in ``no_grad``) over ``2 x PAIRS`` sequences of ``seq`` tokens. The dataset is text
+(``prompt`` / ``chosen`` / ``rejected``) that trl tokenizes itself with a word-level tokenizer of one
+word per token id. The row also gets the first logged ``logps/chosen`` (the summed log-probability
+of the chosen completions under the policy): with the reference equal to the policy, the first loss
+is ``log 2`` whatever the log-probabilities are, so that number is what compares the heads.
 
 ``--profile`` adds, per implementation, a ``torch.profiler`` record of ``--profile-steps`` steps
 after the warm-up (not timed with the others) and writes ``<name>_<impl>_profile.txt``: the time
@@ -41,6 +52,8 @@ from . import _results
 from .e2e import MODELS
 
 IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat")
+TRAINERS = ("sft", "dpo")
+TRAINER_CLASSES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}
 #: the e2e models, plus a tiny one for a CPU smoke run of this script (tests)
 MODEL_SPECS = {**MODELS, "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -59,6 +72,36 @@ def _tokenizer():
     tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(specials)}, unk_token="<unk>"))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>")
+
+
+def _word_tokenizer(vocab_size: int):
+    """The tokenizer of :func:`_tokenizer` with one word per token id (``w<id>``, split on
+    whitespace), for the DPO dataset, which trl tokenizes from text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<bos>", "<eos>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def _preference_rows(n_pairs: int, seq: int, vocab_size: int, seed: int = 1) -> dict:
+    """``n_pairs`` text pairs whose prompt + completion + EOS is ``seq`` tokens: prompt ``seq // 2``
+    random words, chosen and rejected ``seq - seq // 2 - 1`` random words each."""
+    import torch
+
+    if seq < 4:
+        raise ValueError(f"--dpo-shapes: seq must be at least 4 (a prompt, a completion and EOS), got {seq}")
+    g = torch.Generator().manual_seed(seed)
+    n_prompt, n_completion = seq // 2, seq - seq // 2 - 1
+    words = lambda n: [" ".join(f"w{i}" for i in row) for row in  # noqa: E731
+                       torch.randint(4, vocab_size, (n_pairs, n), generator=g).tolist()]
+    prompts, chosen, rejected = words(n_prompt), words(n_completion), words(n_completion)
+    return {"prompt": prompts, "chosen": [" " + c for c in chosen], "rejected": [" " + r for r in rejected]}
 
 
 #: profiler event names that wait for the GPU (runtime calls) or read a device value on the host (aten)
@@ -118,9 +161,12 @@ def _profile_summary(prof, n_steps: int, wall_ms: float) -> tuple[str, dict]:
 
 
 def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profile_steps: int = 0,
-         out_dir: str | None = None, name: str = "trl_step") -> dict:
+         out_dir: str | None = None, name: str = "trl_step", trainer_kind: str = "sft") -> dict:
+    if trainer_kind not in TRAINERS:
+        raise ValueError(f"trainer_kind: unknown trainer {trainer_kind!r}; choose from {', '.join(TRAINERS)}")
     if impl == "trl_liger_compat":
         import liger_compat  # noqa: F401  (first import, as a user would)
+    import copy
     import tempfile
 
     import torch
@@ -128,7 +174,6 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -141,10 +186,15 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     torch.manual_seed(0)
     with torch.device("cuda" if cuda else "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16 if cuda else torch.float32)
-    g = torch.Generator().manual_seed(1)
-    rows = torch.randint(3, cfg.vocab_size, (bsz * (steps + warmup + profile_steps), seq), generator=g)
-    ds = Dataset.from_dict({"input_ids": rows.tolist()})
-    tok = _tokenizer()
+    n_rows = bsz * (steps + warmup + profile_steps)
+    if trainer_kind == "sft":
+        g = torch.Generator().manual_seed(1)
+        rows = torch.randint(3, cfg.vocab_size, (n_rows, seq), generator=g)
+        ds = Dataset.from_dict({"input_ids": rows.tolist()})
+        tok = _tokenizer()
+    else:
+        ds = Dataset.from_dict(_preference_rows(n_rows, seq, cfg.vocab_size))
+        tok = _word_tokenizer(cfg.vocab_size)
 
     times: list[float] = []
     prof_state: dict = {}
@@ -175,14 +225,25 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
                 prof_state["wall_ms"] = (time.perf_counter() - prof_state["t0"]) * 1e3 / profile_steps
                 prof_state["prof"].__exit__(None, None, None)
 
-    res = {"model": model_name, "shape": shape, "impl": impl, "tokens": bsz * seq, "torch": torch.__version__,
+    # a DPO step runs the policy (and the reference) over the chosen and the rejected sequence of each pair
+    tokens = bsz * seq * (2 if trainer_kind == "dpo" else 1)
+    res = {"trainer": trainer_kind, "model": model_name, "shape": shape, "impl": impl, "tokens": tokens,
+           "torch": torch.__version__,
            "transformers": transformers.__version__, "trl": trl.__version__, "gpu": torch.cuda.get_device_name(0) if cuda else "cpu"}
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(output_dir=out, per_device_train_batch_size=bsz, max_length=seq, bf16=cuda, use_cpu=not cuda,
-                         max_steps=steps + warmup + profile_steps, learning_rate=1e-5, logging_steps=1, report_to="none",
-                         save_strategy="no", optim="adamw_torch_fused" if cuda else "adamw_torch", dataloader_num_workers=0,
-                         use_liger_kernel=impl == "trl_liger_kernel", gradient_checkpointing=False)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+        common = dict(output_dir=out, per_device_train_batch_size=bsz, max_length=seq, bf16=cuda, use_cpu=not cuda,
+                      max_steps=steps + warmup + profile_steps, learning_rate=1e-5, logging_steps=1, report_to="none",
+                      save_strategy="no", optim="adamw_torch_fused" if cuda else "adamw_torch",
+                      dataloader_num_workers=0, use_liger_kernel=impl == "trl_liger_kernel",
+                      gradient_checkpointing=False)
+        if trainer_kind == "sft":
+            trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(**common), train_dataset=ds,
+                                     processing_class=tok, callbacks=[Timer()])
+        else:
+            ref_model = copy.deepcopy(model).eval()
+            ref_model.requires_grad_(False)
+            trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=trl.DPOConfig(**common), train_dataset=ds,
+                                     processing_class=tok, callbacks=[Timer()])
         if profile_steps:
             _mark_phases(trainer)
         try:
@@ -190,18 +251,22 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
         except torch.OutOfMemoryError:
             return dict(res, status="OOM")
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if trainer_kind == "dpo":
+        logps = [h["logps/chosen"] for h in trainer.state.log_history if "logps/chosen" in h]
+        res["first_logps_chosen"] = logps[0] if logps else None
     res["liger_compat_loaded"] = "liger_compat" in sys.modules
     step = statistics.median(times)
-    res.update(status="ok", step_ms=step * 1e3, tokens_per_s=bsz * seq / step, steps_ms=[t * 1e3 for t in times],
+    res.update(status="ok", step_ms=step * 1e3, tokens_per_s=tokens / step, steps_ms=[t * 1e3 for t in times],
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), first_loss=losses[0] if losses else None)
     if "wall_ms" in prof_state:
         text, summary = _profile_summary(prof_state["prof"], profile_steps, prof_state["wall_ms"])
         res["profile"] = summary
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
-            path = os.path.join(out_dir, f"{name}_{model_name}_{shape}_{impl}_profile.txt")
+            tag = "" if trainer_kind == "sft" else f"{trainer_kind}_"
+            path = os.path.join(out_dir, f"{name}_{tag}{model_name}_{shape}_{impl}_profile.txt")
             with open(path, "w") as f:
-                f.write(f"{impl}, {model_name}, {shape}\n{text}\n")
+                f.write(f"{TRAINER_CLASSES[trainer_kind]}, {impl}, {model_name}, {shape}\n{text}\n")
             res["profile_file"] = path
     if impl == "trl_liger_compat":
         import liger_compat
@@ -212,77 +277,111 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     return res
 
 
-def _markdown(rows: list[dict]) -> str:
-    lines = ["# trl SFTTrainer step (forward, backward, AdamW), bf16, random weights and tokens", ""]
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if ok:
-        r0 = ok[0]
-        lines += [f"GPU: {r0['gpu']}; torch {r0['torch']}; transformers {r0['transformers']}; trl {r0['trl']}", ""]
-    lines += ["Median step after the warm-up steps, each implementation in a fresh process.", "",
-              "| model | batch x seq | impl | step ms | tokens/s | x trl tokens/s | x trl + liger-kernel tokens/s | "
-              "peak GiB | x trl peak | first loss |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for failed, r, d in _results.table_rows(rows, IMPLS, 10):
+def _table(rows: list[dict], trainer_kind: str) -> list[str]:
+    dpo = trainer_kind == "dpo"
+    shape_col = "pairs x seq" if dpo else "batch x seq"
+    extra = " first logps/chosen |" if dpo else ""
+    ncols = 11 if dpo else 10
+    lines = [f"| model | {shape_col} | impl | step ms | tokens/s | x trl tokens/s | x trl + liger-kernel tokens/s | "
+             f"peak GiB | x trl peak | first loss |{extra}", "|---" * ncols + "|"]
+    for failed, r, d in _results.table_rows(rows, IMPLS, ncols):
         if failed:
             lines.append(failed)
             continue
         m, s, impl = r["model"], r["shape"], r["impl"]
         base, lk = d.get("trl", {}), d.get("trl_liger_kernel", {})
         ratio = lambda other, key: (f"{r[key] / other[key]:.2f}" if other.get("status") == "ok" else "-")  # noqa: E731
-        loss = f"{r['first_loss']:.4f}" if r.get("first_loss") is not None else "-"
+        num = lambda key: f"{r[key]:.4f}" if r.get(key) is not None else "-"  # noqa: E731
         lines.append(f"| {m} | {s} | {impl} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                      f"{ratio(base, 'tokens_per_s')} | {ratio(lk, 'tokens_per_s')} | {r['peak_gib']:.2f} | "
-                     f"{ratio(base, 'peak_gib')} | {loss} |")
-    return "\n".join(lines) + "\n"
+                     f"{ratio(base, 'peak_gib')} | {num('first_loss')} |" + (f" {num('first_logps_chosen')} |" if dpo else ""))
+    return lines
+
+
+def _markdown(rows: list[dict]) -> str:
+    """One table per trainer (rows written before DPO was measured have no ``trainer``: SFT)."""
+    by = {k: [r for r in rows if r.get("trainer", "sft") == k] for k in TRAINERS}
+    kinds = [k for k in TRAINERS if by[k]]
+    title = " and ".join(TRAINER_CLASSES[k] for k in kinds) + (" steps" if len(kinds) > 1 else " step")
+    lines = [f"# trl {title} (forward, backward, AdamW), bf16, random weights and tokens", ""]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if ok:
+        r0 = ok[0]
+        lines += [f"GPU: {r0['gpu']}; torch {r0['torch']}; transformers {r0['transformers']}; trl {r0['trl']}", ""]
+    lines += ["Median step after the warm-up steps, each implementation in a fresh process.", ""]
+    for k in kinds:
+        if len(kinds) > 1:
+            lines += [f"## {TRAINER_CLASSES[k]}", ""]
+        if k == "dpo":
+            lines += ["Each pair: a prompt of half the sequence, chosen and rejected completions of the other half "
+                      "(EOS included); the reference model is a copy of the policy, so the first loss is log 2 and "
+                      "`first logps/chosen` compares the log-probabilities. Tokens per step: 2 x pairs x seq.", ""]
+        lines += _table(by[k], k) + [""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trainers", default="sft", help=f"any of {', '.join(TRAINERS)}")
     ap.add_argument("--models", default="llama-8l", help=f"any of {', '.join(MODEL_SPECS)}")
-    ap.add_argument("--shapes", default="4x2048")
+    ap.add_argument("--shapes", default="4x2048", help="SFT shapes, BATCHxSEQ")
+    ap.add_argument("--dpo-shapes", default="2x2048", help="DPO shapes, PAIRSxSEQ (each pair: prompt + chosen, "
+                    "prompt + rejected, SEQ tokens each)")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"any of {', '.join(IMPLS)}")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     ap.add_argument("--name", default="trl_step")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile --profile-steps steps after the timed ones: <name>_<model>_<shape>_<impl>_profile.txt")
+                    help="also profile --profile-steps steps after the timed ones: "
+                    "<name>_[dpo_]<model>_<shape>_<impl>_profile.txt")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
+    ap.add_argument("--trainer", default="sft", choices=TRAINERS, help=argparse.SUPPRESS)  # of --one
     a = ap.parse_args(argv)
     if a.one:
         print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup,
                                           profile_steps=a.profile_steps if a.profile else 0, out_dir=a.out,
-                                          name=a.name)), flush=True)
+                                          name=a.name, trainer_kind=a.trainer)), flush=True)
         return 0
+    trainers = a.trainers.split(",")
+    for t in trainers:
+        if t not in TRAINERS:
+            ap.error(f"--trainers: unknown trainer {t!r}; choose from {', '.join(TRAINERS)}")
     for m in a.models.split(","):
         if m not in MODEL_SPECS:
             ap.error(f"--models: unknown model {m!r}; choose from {', '.join(MODEL_SPECS)}")
     for i in a.impls.split(","):
         if i not in IMPLS:
             ap.error(f"--impls: unknown implementation {i!r}; choose from {', '.join(IMPLS)}")
-    for shape in a.shapes.split(","):
-        parts = shape.split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            ap.error(f"--shapes: {shape!r} is not BATCHxSEQ")
+    for flag, value, form in (("--shapes", a.shapes, "BATCHxSEQ"), ("--dpo-shapes", a.dpo_shapes, "PAIRSxSEQ")):
+        for shape in value.split(","):
+            parts = shape.split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                ap.error(f"{flag}: {shape!r} is not {form}")
+    if "dpo" in trainers and any(int(s.split("x")[1]) < 4 for s in a.dpo_shapes.split(",")):
+        ap.error("--dpo-shapes: SEQ must be at least 4 (a prompt, a completion and EOS)")
     if a.steps < 1 or a.warmup < 1:
         ap.error("--steps and --warmup must be at least 1")
     rows = []
-    for m in a.models.split(","):
-        for s in a.shapes.split(","):
-            for impl in a.impls.split(","):
-                cmd = [sys.executable, "-m", "benchmarks.trl_step", "--one", m, s, impl,
-                       "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", a.out, "--name", a.name]
-                if a.profile:
-                    cmd += ["--profile", "--profile-steps", str(a.profile_steps)]
-                p = subprocess.run(cmd, capture_output=True, text=True)
-                got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-                if got:
-                    rows.append(json.loads(got[-1][len("RESULT "):]))
-                else:
-                    rows.append({"model": m, "shape": s, "impl": impl, "status": f"failed (rc {p.returncode})",
-                                 "stderr_tail": p.stderr[-3000:]})
-                    print(p.stderr[-3000:], file=sys.stderr)
-                print(json.dumps(rows[-1])[:300], flush=True)
+    runs = [(t, m, s) for t in trainers for m in a.models.split(",")
+            for s in (a.shapes if t == "sft" else a.dpo_shapes).split(",")]
+    for t, m, s in runs:
+        for impl in a.impls.split(","):
+            cmd = [sys.executable, "-m", "benchmarks.trl_step", "--one", m, s, impl, "--trainer", t,
+                   "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", a.out, "--name", a.name]
+            if a.profile:
+                cmd += ["--profile", "--profile-steps", str(a.profile_steps)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if got:
+                rows.append(json.loads(got[-1][len("RESULT "):]))
+            else:
+                rows.append({"trainer": t, "model": m, "shape": s, "impl": impl,
+                             "status": f"failed (rc {p.returncode})",
+                             "stderr_tail": p.stderr[-3000:]})
+                print(p.stderr[-3000:], file=sys.stderr)
+            print(json.dumps(rows[-1])[:300], flush=True)
     _results.write(a.out, a.name, rows, _markdown(rows), _results.command("benchmarks.trl_step", argv or sys.argv[1:]))
     return 0
 

@@ -191,6 +191,9 @@ def test_trl_step_rejects_bad_arguments(capsys):
     for argv, words in ((["--impls", "trl,nope"], "unknown implementation 'nope'"),
                         (["--models", "gpt9"], "unknown model 'gpt9'"),
                         (["--shapes", "4by2048"], "is not BATCHxSEQ"),
+                        (["--trainers", "sft,ppo"], "unknown trainer 'ppo'"),
+                        (["--trainers", "dpo", "--dpo-shapes", "2"], "'2' is not PAIRSxSEQ"),
+                        (["--trainers", "dpo", "--dpo-shapes", "2x3"], "SEQ must be at least 4"),
                         (["--steps", "0"], "must be at least 1")):
         with pytest.raises(SystemExit):
             trl_step.main(argv)
@@ -232,3 +235,48 @@ def test_trl_step_times_native_and_patched_sft_with_the_same_loss():
     assert math.isclose(base["first_loss"], ours["first_loss"], rel_tol=1e-3), (base["first_loss"], ours["first_loss"])
     md = trl_step._markdown([base, ours])
     assert "| tiny | 2x16 | trl | " in md and "| tiny | 2x16 | trl_liger_compat | " in md
+
+
+@pytest.mark.slow
+def test_trl_step_times_native_and_patched_dpo_with_the_same_loss_and_log_probs():
+    """One CPU DPOTrainer step of the tiny model (a reference model beside the policy, a text
+    preference dataset trl tokenizes): trl in a fresh process that never loads liger_compat, and
+    under liger_compat here; the same first loss and the same summed log-probability of the chosen
+    completions (the loss alone is log 2 at the first step, whatever the log-probabilities), and
+    a table per trainer built from the rows."""
+    import json
+    import subprocess
+
+    trl = pytest.importorskip("trl")
+    if not hasattr(trl, "DPOConfig"):
+        pytest.skip(f"trl {trl.__version__} has no DPOConfig")
+    from benchmarks import trl_step
+
+    import torch
+
+    from liger_compat.compat import known_issues
+
+    env = dict(os.environ)
+    if known_issues.by_id("trl-head-on-cpu").applies(cuda=torch.cuda.is_available()):
+        env["TRITON_INTERPRET"] = "1"  # trl 1.15.0's own head on CPU runs only through Triton's interpreter
+    p = subprocess.run([sys.executable, "-m", "benchmarks.trl_step", "--one", "tiny", "2x16", "trl", "--trainer", "dpo",
+                        "--steps", "1", "--warmup", "1"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], env=env)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, p.stderr[-2000:]
+    base = json.loads(lines[-1][len("RESULT "):])
+    assert base["liger_compat_loaded"] is False
+    ours = trl_step._one("tiny", "2x16", "trl_liger_compat", steps=1, warmup=1, trainer_kind="dpo")
+    assert ours["liger_compat_loaded"] is True
+    assert base["status"] == ours["status"] == "ok", (base, ours)
+    assert base["trainer"] == ours["trainer"] == "dpo" and base["tokens"] == 2 * 2 * 16
+    assert base["step_ms"] > 0 and ours["step_ms"] > 0
+    assert math.isclose(base["first_loss"], ours["first_loss"], rel_tol=1e-3), (base["first_loss"], ours["first_loss"])
+    # 2 x 16 tokens per pair, 8 of them completion (7 words and EOS) under a 512-word vocabulary
+    assert -8 * math.log(512) * 1.5 < base["first_logps_chosen"] < -8 * math.log(512) * 0.5, base
+    assert math.isclose(base["first_logps_chosen"], ours["first_logps_chosen"], rel_tol=1e-3), (base, ours)
+    sft = dict(base, trainer="sft", impl="trl")
+    md = trl_step._markdown([sft, base, ours])
+    assert "## SFTTrainer" in md and "## DPOTrainer" in md and "| model | pairs x seq |" in md
+    dpo_part = md[md.index("## DPOTrainer"):]
+    assert "| tiny | 2x16 | trl | " in dpo_part and "| tiny | 2x16 | trl_liger_compat | " in dpo_part
