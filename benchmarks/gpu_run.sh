@@ -4,16 +4,28 @@
 # line, each into $OUT with its log. Steps: gpu_tests (COMMIT names the commit: the machine gets no
 # .git), kernels:<sections> (KERNELS_ARGS), e2e (E2E_ARGS), e2e_memory (E2E_MEMORY_ARGS),
 # compile_families (COMPILE_ARGS), generate (GENERATE_ARGS), kernels_regimes (REGIMES_ARGS; about 4-5 min:
-# every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s).
+# every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s),
+# e2e_small (the host-bound llama-small 2x1024 step; E2E_SMALL_ARGS), trl_step (TRL_ARGS), models_gpu
+# (MODELS_ARGS), pytest:<args> (a pytest selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
+# The device tool brings back at most 8 files from $OUT: the steps write under $RES, which is packed
+# into $OUT/results.tgz after every step (a run cut short keeps what the finished steps wrote).
+# The wheels go to a directory named site-packages: datasets hashes its functions with dill, which
+# pickles modules outside a site-packages directory by value (and fails on pyarrow's).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
+DEST=$OUT
+OUT=${RES:-/tmp/gpu_res}
+mkdir -p "$OUT" "$DEST"
 export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then pip install -q --no-deps --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1; fi
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+SITE=/tmp/gpu_site/site-packages
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl >"$OUT/pip.log" 2>&1
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L >"$OUT/machine.log" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >>"$OUT/machine.log" 2>&1
+pack() { tar czf "$DEST/results.tgz.tmp" -C "$OUT" . && mv "$DEST/results.tgz.tmp" "$DEST/results.tgz"; cp "$OUT/machine.log" "$DEST/"; }
 for step in "$@"; do
   t0=$(date +%s)
   case "$step" in
@@ -24,8 +36,14 @@ for step in "$@"; do
     e2e_memory) python3 -m benchmarks.e2e_memory --out "$OUT" ${E2E_MEMORY_ARGS:-} >"$OUT/e2e_memory.log" 2>&1 ;;
     kernels_regimes) python3 -m benchmarks.kernels_regimes --out "$OUT" ${REGIMES_ARGS:-} >"$OUT/kernels_regimes.log" 2>&1 ;;
     generate) python3 -m benchmarks.generate --out "$OUT" ${GENERATE_ARGS:-} >"$OUT/generate.log" 2>&1 ;;
+    e2e_small) python3 -m benchmarks.e2e --out "$OUT" --name e2e_small_h100 --models llama-small --shapes 2x1024 ${E2E_SMALL_ARGS:-} >"$OUT/e2e_small.log" 2>&1 ;;
+    trl_step) python3 -m benchmarks.trl_step --out "$OUT" ${TRL_ARGS:-} >"$OUT/trl_step.log" 2>&1 ;;
+    models_gpu) python3 -m benchmarks.models_gpu --out "$OUT" ${MODELS_ARGS:-} >"$OUT/models_gpu.log" 2>&1 ;;
+    pytest:*) python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$OUT/pytest.log" 2>&1 ;;
     *) echo "unknown step $step" >>"$OUT/machine.log" ;;
   esac
   echo "$step: rc=$? $(( $(date +%s) - t0 )) s" >>"$OUT/machine.log"
+  pack
 done
+pack
 cat "$OUT/machine.log"
