@@ -12,6 +12,8 @@ raises a ``ValueError`` naming the variable and its allowed values when the kern
 
 from __future__ import annotations
 
+import sys
+
 import os
 
 from typing import Any, NamedTuple
@@ -234,11 +236,26 @@ def mlp_recompute_parts() -> frozenset[str]:
         if not parts <= set(MLP_RECOMPUTE_PARTS):
             raise ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from "
                              f"{', '.join(MLP_RECOMPUTE_PARTS)}; got {raw!r}")
-    _mlp_parts[key] = parts
+    if not _tracing():  # a cache entry made while torch.compile traces fails the next call's guards
+        _mlp_parts[key] = parts
     return parts
 
 
+def _tracing() -> bool:
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
 _mlp_parts: dict[tuple, frozenset[str]] = {}
+for _value in ("1", "0", "true", "false", "yes", "no", "on", "off", "", "all", "none", "activation", "input",
+               "activation,input", "input,activation"):  # the common values, parsed before anything traces
+    settings.mlp_recompute, _saved = _value, settings.mlp_recompute
+    try:
+        mlp_recompute_parts()
+    finally:
+        settings.mlp_recompute = _saved
+del _value, _saved
 
 
 def return_logits() -> bool:

@@ -411,3 +411,29 @@ def test_patched_forwards_are_plain_functions_with_the_native_signature():
         assert unwrap(fn) is unwrap(originals[name]), name
         assert not is_ours(originals[name], patched[name][1]), name
         assert inspect.signature(fn) == inspect.signature(originals[name]), name
+
+
+_FIRST_CALL_COMPILED = r"""
+import torch, liger_compat
+from liger_compat.compat.tiny_models import build
+model = build("llama", dtype=torch.float32)
+model.train()
+compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+g = torch.Generator().manual_seed(0)
+for i in range(2):
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+    with torch._dynamo.config.patch(error_on_recompile=i > 0):
+        out = compiled(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits is None
+print("ok")
+"""
+
+
+def test_a_first_call_under_compile_fills_no_cache_the_next_call_guards_on():
+    """In a fresh process whose first patched call is compiled (no eager call before it), the second
+    call of the same shape reuses the graph: nothing the wrappers cache per setting is written while
+    the first call is traced (a cache entry made then fails the next call's guards)."""
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_COMPILED], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
