@@ -344,4 +344,7 @@ def test_flce_auto_mode_takes_lowmem_when_the_chunk_does_not_fit(monkeypatch):
     assert loss_mod.last_flce_mode == "chunked"
     monkeypatch.setattr(loss_mod, "_free_bytes", lambda device: 2**20)
     fused_linear_cross_entropy(hid, w, t)
+    assert loss_mod.last_flce_mode == "chunked"  # the free memory is read once per shape
+    monkeypatch.setattr(loss_mod, "_auto_modes", {})
+    fused_linear_cross_entropy(hid, w, t)
     assert loss_mod.last_flce_mode == "lowmem"

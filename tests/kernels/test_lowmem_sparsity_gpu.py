@@ -51,7 +51,9 @@ def test_sparse_backward_is_as_accurate_as_the_dense_one(regime, softcap, monkey
     assert int(_lowmem_triton.last_skipped) == 0
     for got, full, want in zip(sparse, dense, ref):
         assert rel_err(got, want) <= 1.1 * rel_err(full, want) + 1e-4
-        assert rel_err(got, want) <= 4e-3
+        # bf16 inputs and logits: the dense low-memory path itself measured up to 1.0e-2 against
+        # the fp32 head on these inputs (H100); the claim is the line above, this a sanity bound
+        assert rel_err(got, want) <= 2e-2
 
 
 def test_ruled_out_tokens_are_skipped_with_the_gradient_kept():
