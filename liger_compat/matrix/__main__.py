@@ -65,12 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "list":
         for c in grid.cells:
             t, r, a_, d = (c.transformers, c.trl, c.accelerate, c.datasets) if not c.newest else ("newest",) * 4
-            print(f"{c.name:18} transformers {t:8} trl {r:7} accelerate {a_:7} "
-                  f"datasets {d:6} {','.join(c.labels):4} {c.why}")
+            print(f"{c.name:24} transformers {t:8} trl {r:7} accelerate {a_:7} "
+                  f"datasets {d:6} torch {c.torch:7} {','.join(c.labels):4} {c.why}")
         return 0
     if a.cmd == "tox-ini":
         rc = _write_or_check(a.root / "tox.ini", toxgen.render(grid), a.check)
-        return rc | _write_or_check(a.root / toxgen.CONSTRAINTS, toxgen.constraints(grid), a.check)
+        for rel, text in toxgen.constraint_files(grid).items():
+            rc |= _write_or_check(a.root / rel, text, a.check)
+        return rc
     if a.cmd == "env-check":
         try:
             env = results.env_check(grid.cell(a.cell), a.out, a.site, a.pytest_args)
