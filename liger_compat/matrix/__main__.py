@@ -5,7 +5,7 @@
   env-check CELL --out DIR      inside a tox env: assert the pins are what Python imports; write DIR/env.json
   record DIR [DIR...]           merge tox results (DIR/env.json + DIR/junit.xml) into verified.json
   readme [--check] [PATH]       rewrite the support table between the README markers
-  status [TRANSFORMERS TRL]     verification status of a pair (default: the installed one)
+  status [TRANSFORMERS TRL] [--torch V]  verification status of a pair and a torch release (default: installed)
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status")
     s.add_argument("transformers", nargs="?")
     s.add_argument("trl", nargs="?")
+    s.add_argument("--torch", help="the torch release to judge (default: the installed one)")
     s.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     grid = load_grid()
@@ -116,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             from ..compat import versions
 
             a.transformers, a.trl = versions.installed("transformers").raw, versions.installed("trl").raw
-        st = verification_status(a.transformers, a.trl)
+        if a.torch is None:
+            from ..compat import versions
+
+            a.torch = versions.installed("torch").raw
+        st = verification_status(a.transformers, a.trl, torch=a.torch)
         print(json.dumps(st, indent=2) if a.json else st["summary"])
         return 0
     return 2  # pragma: no cover
