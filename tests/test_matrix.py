@@ -177,6 +177,11 @@ def test_ci_subset_covers_oldest_newest_and_the_4_48_to_4_50_window():
     assert any(c.extras for c in ci), "the cell with peft and liger-kernel runs in CI"
     assert GRID.cells[0] in ci and NEWEST_PINNED in ci
     assert [c.name for c in ci if c.newest] == ["newest"], "the unpinned newest cell runs in CI"
+    newest_torch = max(GRID.torch_releases, key=Version)
+    on_newest_torch = [c for c in ci if c.own_torch and c.torch == newest_torch]
+    assert on_newest_torch, "CI runs a cell on the newest torch of the grid"
+    assert all(GRID.find(c.transformers, c.trl, dict(c.extras)) in ci for c in on_newest_torch), \
+        "... beside its twin on the grid's torch"
     # the 4.48.3-4.50 window (tf4.48.0-trl0.14 is there for a two-release regression, not CI)
     window = [c for c in GRID.pinned if Version("4.48.3") <= Version(c.transformers) < Version("4.51")]
     assert window and all(c in ci for c in window)
