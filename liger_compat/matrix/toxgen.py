@@ -11,10 +11,13 @@ liger_compat (and theirs) come at their newest release instead of the system-wid
 under the torch constraint; ``env-check`` records the versions it got.
 
 A cell of the torch axis (``torch = "..."`` in its grid entry) installs its own torch instead:
-no system site packages (a system-wide torch, or a torchvision built against it, must not leak
-in), its own constraint file pinning that torch, and ``PIP_CONFIG_FILE=/dev/null`` so that a
-machine-wide pip configuration capping torch (or pointing at a local index without that
-release) does not decide which torch the cell gets.
+its own constraint file pins that torch, so pip installs it into the environment, where it
+shadows the system-wide one (``env-check`` asserts that the cell's torch is the one imported),
+and ``PIP_CONFIG_FILE=/dev/null`` keeps a machine-wide pip configuration capping torch (or
+pointing at a local index without that release) from deciding which torch the cell gets. It
+keeps the system site packages like its twin on the grid's torch, so that across the two only
+torch changes (an old pair leans on them: trl 0.11.4 imports rich, which only the system-wide
+install still brings since tyro 1.0 dropped it).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ HEADER = """\
 #
 # torch {torch} must be installed system-wide (`pip install torch=={torch}`); it is reused by every
 # environment and never installed into one (PIP_CONSTRAINT below), except by the cells of the
-# torch axis, which install their own torch (without the system site packages).
+# torch axis, which install their own torch into the environment, where it shadows the system one.
 """
 
 
@@ -88,8 +91,7 @@ def render(grid: Grid) -> str:
         if c.labels:
             lines += [f"labels = {', '.join(c.labels)}"]
         if c.own_torch:
-            lines += ["system_site_packages = false",
-                      "set_env =",
+            lines += ["set_env =",
                       "    {[testenv]set_env}",
                       f"    PIP_CONSTRAINT = {{tox_root}}/{torch_constraints(c.torch)}",
                       "    PIP_CONFIG_FILE = /dev/null"]
