@@ -25,6 +25,16 @@ GRID = matrix.load_grid()
 NEWEST_PINNED = [c for c in GRID.pinned if not c.own_torch][-1]
 
 
+def _on_installed_torch(cell):
+    """The cell as if the grid ran it on the torch this interpreter imports (env_check compares
+    the imported torch with the cell's: these tests run on whatever torch their environment has)."""
+    import dataclasses
+
+    from liger_compat.compat import versions
+
+    return dataclasses.replace(cell, torch=Version(versions.installed("torch").raw).base_version)
+
+
 def _raw_grid() -> dict:
     return grid_mod._toml.loads(grid_mod.grid_text())
 
@@ -415,7 +425,7 @@ def test_env_check_detects_that_the_pins_are_not_what_python_imports(tmp_path):
 def test_env_check_checks_the_extras_by_their_installed_distribution(tmp_path, monkeypatch):
     from liger_compat.compat import versions
 
-    cell = next(c for c in GRID.pinned if c.extras)
+    cell = _on_installed_torch(next(c for c in GRID.pinned if c.extras))
     # pretend the pair and the extra pins are what is installed, but one extra at another release
     have = {**cell.pins(), cell.extras[0][0]: "0.0.1"}
     monkeypatch.setattr(results, "_dist_version", lambda name: have.get(name, versions.installed(name).raw))
@@ -440,7 +450,8 @@ def test_env_check_checks_the_extras_by_their_installed_distribution(tmp_path, m
 def test_env_check_passes_on_the_installed_pair_if_it_is_a_cell(tmp_path):
     from liger_compat.compat import versions
 
-    cell = GRID.find(versions.installed("transformers").raw, versions.installed("trl").raw)
+    cell = GRID.find(versions.installed("transformers").raw, versions.installed("trl").raw, {},
+                     versions.installed("torch").raw)
     if cell is None or any(versions.installed(k).raw != v for k, v in cell.pins().items()):
         pytest.skip("installed versions are not exactly a grid cell")
     (tmp_path / "junit.xml").write_text("stale")
@@ -643,7 +654,7 @@ def test_env_check_newest_records_what_it_imported(tmp_path, monkeypatch):
 
     # whatever this environment has installed counts as new enough (the floor is tested below)
     monkeypatch.setattr(results, "_newest_pins", lambda: {p: "0.0.1" for p in ("transformers", "trl", "accelerate", "datasets")})
-    newest = GRID.cell("newest")
+    newest = _on_installed_torch(GRID.cell("newest"))
     env = results.env_check(newest, tmp_path, None, ["-q", "tests"])
     written = json.loads((tmp_path / results.ENV_FILE).read_text())
     assert written["newest"] is True and written["pins"] == {} and written["full_suite"] is True
