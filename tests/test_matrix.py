@@ -1010,3 +1010,14 @@ def test_pyproject_torch_bounds_follow_the_verified_torch_releases():
     assert all(Version(t) in spec for t in GRID.torch_releases)
     nxt = Version(f"{newest.major}.{newest.minor + 1}.0")
     assert nxt not in spec, f"torch {nxt} was never run: the requirement must stop below it"
+
+
+def test_the_trl_extra_brings_what_the_oldest_trl_of_the_grid_imports():
+    # trl 0.11.4 imports rich without requiring it (tyro brought it before tyro 1.0): a fresh
+    # environment of the oldest cells (on any torch) has no rich unless the extra brings it
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    extra = [Requirement(r) for r in grid_mod._toml.loads(text)["project"]["optional-dependencies"]["trl"]]
+    if min(Version(c.trl) for c in GRID.pinned) < Version("0.12.0"):
+        assert "rich" in {r.name for r in extra}
