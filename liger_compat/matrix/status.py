@@ -145,9 +145,10 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     match when those are installed at its pins (see :meth:`Grid.find`).
 
     ``torch`` (the installed torch version): the pair's cell on that torch release is preferred
-    (a cell of the torch axis), else the pair's cell on the grid's torch; ``torch`` in the result
-    says whether the installed torch release was verified (:func:`torch_status`) and the summary
-    ends with that verdict. Without it, torch is not looked at.
+    (a cell of the torch axis), else the pair's cell on the grid's torch; ``state`` and
+    ``verified`` stay the pair's, and ``torch`` in the result says apart whether the installed
+    torch release was verified (:func:`torch_status`); the summary ends with that verdict.
+    Without it, torch is not looked at (``torch`` is None).
 
     ``current`` defaults to the fingerprint of the installed package (tests are not installed,
     so ``check()`` compares the package part only).
@@ -176,15 +177,18 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
         "fingerprint": now,
         "torch": torch_status(torch, grid, recorded, now, cell) if torch is not None else None,
     }
-    out["summary"] = _pair_summary(out, grid, recorded, now, cell, results, state, ok, transformers_raw, trl_raw, torch)
+    out["summary"] = _nearest_and_summary(out, grid, recorded, now, cell, results, state, ok, transformers_raw,
+                                          trl_raw, torch)
     if out["torch"] is not None:
         out["summary"] += "; " + out["torch"]["summary"]
     return out
 
 
-def _pair_summary(out: dict[str, Any], grid: Grid, recorded: dict[str, Any], now: dict[str, str | None],
-                  cell: Cell | None, results: dict[str, Any] | None, state: str, ok: bool,
-                  transformers_raw: str | None, trl_raw: str | None, torch: str | None) -> str:
+def _nearest_and_summary(out: dict[str, Any], grid: Grid, recorded: dict[str, Any], now: dict[str, str | None],
+                         cell: Cell | None, results: dict[str, Any] | None, state: str, ok: bool,
+                         transformers_raw: str | None, trl_raw: str | None, torch: str | None) -> str:
+    """Fill ``out["nearest"]`` (cells on the installed torch where one passed) and return the
+    pair's one-line summary."""
     pair = f"transformers {transformers_raw or 'not installed'} + trl {trl_raw or 'not installed'}"
     if cell is not None and _release(torch) is not None and Version(cell.torch) != _release(torch):
         pair += f" (its cell runs on torch {cell.torch})"
