@@ -16,8 +16,7 @@ shadows the system-wide one (``env-check`` asserts that the cell's torch is the 
 and ``PIP_CONFIG_FILE=/dev/null`` keeps a machine-wide pip configuration capping torch (or
 pointing at a local index without that release) from deciding which torch the cell gets. It
 keeps the system site packages like its twin on the grid's torch, so that across the two only
-torch changes (an old pair leans on them: trl 0.11.4 imports rich, which only the system-wide
-install still brings since tyro 1.0 dropped it).
+torch changes.
 """
 
 from __future__ import annotations
