@@ -33,7 +33,7 @@ def _all_verified(**override):
 
 def _installed(cell, transformers=None, trl=None, extras=True):
     out = {"transformers": transformers or cell.transformers, "trl": trl or cell.trl,
-           "accelerate": cell.accelerate, "datasets": cell.datasets}
+           "accelerate": cell.accelerate, "datasets": cell.datasets, "torch": cell.torch}
     if extras:
         out.update(dict(cell.extras))
     return out
@@ -48,7 +48,8 @@ def _neighbour(cell):
 
 
 def _advise_matrix(inst, verified):
-    st = verification_status(inst["transformers"], inst["trl"], GRID, verified, current=NOW, extras=inst)
+    st = verification_status(inst["transformers"], inst["trl"], GRID, verified, current=NOW, extras=inst,
+                             torch=inst.get("torch"))
     return st, advice.matrix_advice(inst, st, grid=GRID, verified=verified, current=NOW)
 
 
@@ -70,8 +71,9 @@ def test_a_neighbour_of_each_cell_is_pointed_to_that_cell_with_its_pins(cell):
     assert cell.name in a["text"] and first["command"] in a["text"]
     # the pins put the user on the cell: it is then found and verified
     moved = _apply(inst, first["pins"])
-    assert GRID.find(moved["transformers"], moved["trl"], moved) is cell
-    st2 = verification_status(moved["transformers"], moved["trl"], GRID, v, current=NOW, extras=moved)
+    assert GRID.find(moved["transformers"], moved["trl"], moved, moved["torch"]) is cell
+    st2 = verification_status(moved["transformers"], moved["trl"], GRID, v, current=NOW, extras=moved,
+                              torch=moved["torch"])
     assert st2["verified"] and advice.matrix_advice(moved, st2, grid=GRID, verified=v, current=NOW) == []
 
 
@@ -82,13 +84,14 @@ def test_without_a_run_of_the_cell_the_advice_names_the_nearest_other_verified_c
     _, [a] = _advise_matrix(inst, v)
     names = [c["cell"] for c in a["cells"]]
     assert cell.name not in names and names
-    candidates = [c for c in GRID.pinned if c is not cell and all(inst.get(d) for d, _ in c.extras)]
+    candidates = [c for c in GRID.pinned if c is not cell and all(inst.get(d) for d, _ in c.extras)
+                  and c.torch == cell.torch]  # cells on the installed torch speak for it
     best = min(distance(inst["transformers"], inst["trl"], c) for c in candidates)
     for entry in a["cells"]:
         named = GRID.cell(entry["cell"])
         assert entry["state"] == "verified"
         assert GRID.find(*(_apply(inst, entry["pins"])[k] for k in ("transformers", "trl")),
-                         _apply(inst, entry["pins"])) is named
+                         _apply(inst, entry["pins"]), cell.torch) is named
     assert a["cells"][0]["distance"] == best
 
 
@@ -250,3 +253,42 @@ def test_report_carries_the_advice_in_text_and_json(monkeypatch):
     assert block[1].startswith("  - known-issue: F3") and "transformers 4.49.0" in block[1]
     data = json.loads(r.to_json())["advice"]
     assert data[0]["cells"][0]["cell"] == cell.name and data[1]["fixed_in"] == {"transformers": "4.49.0"}
+
+
+# -- torch: was the installed release verified? --------------------------------------------------
+
+def test_torch_advice_points_to_the_nearest_verified_torch_release():
+    newest = [c for c in GRID.pinned if not c.own_torch][-1]
+    axis = [c for c in GRID.pinned if c.own_torch and (c.transformers, c.trl) == (newest.transformers, newest.trl)]
+    assert axis
+    v = _all_verified()
+    for torch, nearest in (("2.11.0", GRID.torch), ("2.99.1", max(GRID.torch_releases, key=Version))):
+        inst = {**_installed(newest), "torch": torch}
+        st = verification_status(inst["transformers"], inst["trl"], GRID, v, current=NOW, extras=inst, torch=torch)
+        adv = advice.advise(inst, st, [], requires=lambda d: [], grid=GRID, verified=v, current=NOW)
+        assert [a["kind"] for a in adv] == ["torch"]  # the pair itself is verified: nothing to say about it
+        [a] = adv
+        assert a["nearest"] == nearest and a["command"] == f"pip install torch=={nearest}"
+        assert a["releases"] == list(GRID.torch_releases)
+        assert f"torch {torch} is not a verified torch release" in a["text"]
+    # each torch release of the grid is verified: no torch advice, the cell on it is found
+    for c in axis:
+        inst = _installed(c)
+        st = verification_status(inst["transformers"], inst["trl"], GRID, v, current=NOW, extras=inst, torch=c.torch)
+        assert st["cell"] == c.name and advice.torch_advice(st) == []
+    # runs on that torch only of other code: advised to a verified torch release
+    c = axis[-1]
+    v2 = _all_verified(**{x.name: _result(prints=OTHER) for x in GRID.on_torch(c.torch)})
+    inst = _installed(c)
+    st = verification_status(inst["transformers"], inst["trl"], GRID, v2, current=NOW, extras=inst, torch=c.torch)
+    [a] = advice.torch_advice(st)
+    assert a["nearest"] != c.torch and c.torch not in a["releases"]
+    # the pair's own cell on that torch is stale and no cell on that torch is verified: the pair
+    # advice has nothing to move to on this torch (moving torch is the torch advice's)
+    st, m = _advise_matrix(inst, v2)
+    assert st["state"] == "stale" and st["cell"] == c.name and m == []
+    # nothing verified anywhere: said so, no command
+    st = verification_status(newest.transformers, newest.trl, GRID, {"schema": 1, "cells": {}}, current=NOW,
+                             torch="2.11.0")
+    [a] = advice.torch_advice(st)
+    assert a["command"] == "" and "no cell" in a["text"]

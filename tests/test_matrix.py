@@ -21,6 +21,18 @@ from liger_compat.matrix.status import distance, verification_status
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = matrix.load_grid()
+#: the newest pinned cell on the grid's own torch
+NEWEST_PINNED = [c for c in GRID.pinned if not c.own_torch][-1]
+
+
+def _on_installed_torch(cell):
+    """The cell as if the grid ran it on the torch this interpreter imports (env_check compares
+    the imported torch with the cell's: these tests run on whatever torch their environment has)."""
+    import dataclasses
+
+    from liger_compat.compat import versions
+
+    return dataclasses.replace(cell, torch=Version(versions.installed("torch").raw).base_version)
 
 
 def _raw_grid() -> dict:
@@ -80,10 +92,10 @@ def test_uncovered_detects_a_missing_side():
 
 
 def test_cells_are_ordered_distinct_and_explained():
-    assert 20 <= len(GRID.cells) <= 26
+    assert 20 <= len(GRID.cells) <= 30
     names = [c.name for c in GRID.cells]
     assert len(set(names)) == len(names)
-    keys = [(Version(c.transformers), Version(c.trl)) for c in GRID.pinned]
+    keys = [(Version(c.transformers), Version(c.trl), Version(c.torch)) for c in GRID.pinned]
     assert keys == sorted(keys), "cells must be listed oldest first"
     assert [c.newest for c in GRID.cells] == [False] * (len(GRID.cells) - 1) + [True], "one newest cell, listed last"
     for c in GRID.cells:
@@ -95,6 +107,8 @@ def test_cells_are_ordered_distinct_and_explained():
         # a second cell on the same minor pair names its full transformers release
         full = f"tf{c.transformers}-trl{r.major}.{r.minor}"
         suffix = "".join(f"-{short[d]}" for d in sorted(dict(c.extras), key=list(short).index))
+        if c.own_torch:  # a cell of the torch axis names its torch minor
+            suffix += "-torch" + ".".join(c.torch.split(".")[:2])
         assert c.name in (base + suffix, full + suffix), c.name
 
 
@@ -171,8 +185,13 @@ def test_ci_subset_covers_oldest_newest_and_the_4_48_to_4_50_window():
         version = lambda c: Version(getattr(c, b.package) if not c.newest else "999")  # noqa: E731
         assert any(version(c) < Version(b.version) for c in ci) and any(version(c) >= Version(b.version) for c in ci), bid
     assert any(c.extras for c in ci), "the cell with peft and liger-kernel runs in CI"
-    assert GRID.cells[0] in ci and GRID.pinned[-1] in ci
+    assert GRID.cells[0] in ci and NEWEST_PINNED in ci
     assert [c.name for c in ci if c.newest] == ["newest"], "the unpinned newest cell runs in CI"
+    newest_torch = max(GRID.torch_releases, key=Version)
+    on_newest_torch = [c for c in ci if c.own_torch and c.torch == newest_torch]
+    assert on_newest_torch, "CI runs a cell on the newest torch of the grid"
+    assert all(GRID.find(c.transformers, c.trl, dict(c.extras)) in ci for c in on_newest_torch), \
+        "... beside its twin on the grid's torch"
     # the 4.48.3-4.50 window (tf4.48.0-trl0.14 is there for a two-release regression, not CI)
     window = [c for c in GRID.pinned if Version("4.48.3") <= Version(c.transformers) < Version("4.51")]
     assert window and all(c in ci for c in window)
@@ -216,6 +235,10 @@ def test_tox_ini_is_generated_from_the_grid():
     assert (ROOT / "tox.ini").read_text(encoding="utf-8") == toxgen.render(GRID), \
         "tox.ini is stale: run `python -m liger_compat.matrix tox-ini`"
     assert (ROOT / toxgen.CONSTRAINTS).read_text(encoding="utf-8") == toxgen.constraints(GRID)
+    files = toxgen.constraint_files(GRID)
+    assert len(files) == len(GRID.torch_releases)
+    for rel, text in files.items():
+        assert (ROOT / rel).read_text(encoding="utf-8") == text, f"{rel} is stale"
 
 
 def test_tox_ini_envs_pin_each_cell():
@@ -323,7 +346,7 @@ def _fake_env(d: Path, grid_cell, **over) -> None:
 def test_record_merges_results_into_verified_json(tmp_path, junit_run):
     out = tmp_path / "verified.json"
     runs = tmp_path / "matrix-results"
-    old, new = GRID.cells[0], GRID.pinned[-1]
+    old, new = GRID.cells[0], NEWEST_PINNED
     _fake_env(runs / new.name, new)
     (runs / new.name / "junit.xml").write_bytes(junit_run.read_bytes())
     _fake_env(runs / "not-a-result", old)  # env.json without junit: pytest never finished
@@ -337,7 +360,7 @@ def test_record_merges_results_into_verified_json(tmp_path, junit_run):
     entry = data["cells"][new.name]
     assert (entry["transformers"], entry["trl"]) == (new.transformers, new.trl)
     assert (entry["passed"], entry["failed"], entry["skipped"], entry["errors"]) == (4, 1, 2, 1)
-    assert entry["versions"]["torch"] == "2.13.0+cpu"
+    assert entry["versions"]["torch"] == "2.13.0+cpu" and entry["torch"] == "2.13.0"
     # a second record of another cell keeps the first, in grid order
     d2 = tmp_path / "r2" / old.name
     _fake_env(d2, old)
@@ -378,7 +401,7 @@ def test_full_suite_detection(args, full):
 
 
 def test_record_cli(tmp_path, junit_run):
-    c = GRID.pinned[-1]
+    c = NEWEST_PINNED
     _fake_env(tmp_path / "runs" / c.name, c)
     (tmp_path / "runs" / c.name / "junit.xml").write_bytes(junit_run.read_bytes())
     out = tmp_path / "v.json"
@@ -402,7 +425,7 @@ def test_env_check_detects_that_the_pins_are_not_what_python_imports(tmp_path):
 def test_env_check_checks_the_extras_by_their_installed_distribution(tmp_path, monkeypatch):
     from liger_compat.compat import versions
 
-    cell = next(c for c in GRID.pinned if c.extras)
+    cell = _on_installed_torch(next(c for c in GRID.pinned if c.extras))
     # pretend the pair and the extra pins are what is installed, but one extra at another release
     have = {**cell.pins(), cell.extras[0][0]: "0.0.1"}
     monkeypatch.setattr(results, "_dist_version", lambda name: have.get(name, versions.installed(name).raw))
@@ -427,7 +450,8 @@ def test_env_check_checks_the_extras_by_their_installed_distribution(tmp_path, m
 def test_env_check_passes_on_the_installed_pair_if_it_is_a_cell(tmp_path):
     from liger_compat.compat import versions
 
-    cell = GRID.find(versions.installed("transformers").raw, versions.installed("trl").raw)
+    cell = GRID.find(versions.installed("transformers").raw, versions.installed("trl").raw, {},
+                     versions.installed("torch").raw)
     if cell is None or any(versions.installed(k).raw != v for k, v in cell.pins().items()):
         pytest.skip("installed versions are not exactly a grid cell")
     (tmp_path / "junit.xml").write_text("stale")
@@ -485,7 +509,7 @@ def test_status_pair_outside_the_grid_gets_nearest():
     assert st["verified"] is False and st["cell"] is None
     assert st["nearest"]["cell"] == "tf4.48-trl0.15"
     st = _status("5.24.0", "1.17.0", v)
-    assert st["nearest"]["cell"] == GRID.pinned[-1].name
+    assert st["nearest"]["cell"] == NEWEST_PINNED.name
     st = _status("4.57.1", None, v)
     assert st["nearest"]["transformers"].startswith("4.57")
     assert "not a grid cell" in st["summary"]
@@ -545,11 +569,11 @@ def test_check_report_shows_the_matrix():
 
 def test_readme_block_rewrite_only_touches_the_block(tmp_path):
     text = f"# Title\n\nintro\n\n{readme.START}\nold table\n{readme.END}\n\n## After\nkeep me\n"
-    v = _verified(**{GRID.cells[0].name: _result(failed=3), GRID.pinned[-1].name: _result(passed=99)})
+    v = _verified(**{GRID.cells[0].name: _result(failed=3), NEWEST_PINNED.name: _result(passed=99)})
     new = readme.render(text, GRID, v, NOW)
     assert new.startswith("# Title\n\nintro\n\n") and new.endswith(f"{readme.END}\n\n## After\nkeep me\n")
     assert "old table" not in new
-    assert "| 5.23.0 | 1.16.0 |" in new and "| verified | 99 |" in new
+    assert "| 5.23.0 | 1.16.0 | 2.13.0 |" in new and "| verified | 99 |" in new
     assert "FAILING (3 tests)" in new and "not run yet" in new
     assert readme.is_current(new, GRID, v, NOW) and not readme.is_current(text, GRID, v, NOW)
     p = tmp_path / "README.md"
@@ -597,12 +621,12 @@ def test_newest_cell_covers_no_boundary_and_matches_no_release():
     data = copy.deepcopy(_raw_grid())
     # only the newest cell and the newest pinned one: every boundary lacks a "before" side, and
     # the newest cell (whatever it installs) does not count as one
-    data["cell"] = data["cell"][-2:]
+    data["cell"] = [c for c in data["cell"] if c["name"] in (NEWEST_PINNED.name, "newest")]
     g = grid_mod.parse(data)
     assert {u.split()[0] for u in g.uncovered()} == {b.id for b in g.boundaries}
     # find() only knows pinned cells: a pair past every pin is no cell, even if the newest cell ran on it
     assert GRID.find("99.0.0", "99.0.0") is None
-    assert all(GRID.find(c.transformers, c.trl, dict(c.extras)) is c for c in GRID.pinned)
+    assert all(GRID.find(c.transformers, c.trl, dict(c.extras), c.torch) is c for c in GRID.pinned)
 
 
 def test_tox_newest_env_upgrades_eagerly_under_the_torch_constraint():
@@ -630,7 +654,7 @@ def test_env_check_newest_records_what_it_imported(tmp_path, monkeypatch):
 
     # whatever this environment has installed counts as new enough (the floor is tested below)
     monkeypatch.setattr(results, "_newest_pins", lambda: {p: "0.0.1" for p in ("transformers", "trl", "accelerate", "datasets")})
-    newest = GRID.cell("newest")
+    newest = _on_installed_torch(GRID.cell("newest"))
     env = results.env_check(newest, tmp_path, None, ["-q", "tests"])
     written = json.loads((tmp_path / results.ENV_FILE).read_text())
     assert written["newest"] is True and written["pins"] == {} and written["full_suite"] is True
@@ -683,9 +707,9 @@ def test_status_and_readme_use_the_newest_cells_recorded_releases():
     assert _status("99.1.0", "98.2.0", _verified())["cell"] is None  # never run: nothing to match
     table = readme.table(GRID, v, NOW)
     row = next(line for line in table.splitlines() if line.endswith("`newest` |"))
-    assert row.startswith("| newest (99.1.0) | newest (98.2.0) | newest (97.0.0) | newest (96.0.0) | - | verified | 77 |")
+    assert row.startswith("| newest (99.1.0) | newest (98.2.0) | 2.13.0 | newest (97.0.0) | newest (96.0.0) | - | verified | 77 |")
     row = next(line for line in readme.table(GRID, _verified(), NOW).splitlines() if line.endswith("`newest` |"))
-    assert row.startswith("| newest | newest | newest | newest | - | not run yet |")
+    assert row.startswith("| newest | newest | 2.13.0 | newest | newest | - | not run yet |")
 
 
 # -- content fingerprints: verified only for the code that ran ------------------------------------
@@ -828,6 +852,172 @@ def test_readme_table_says_which_cells_ci_runs_and_what_else_is_installed():
     for c in GRID.cells:
         assert (rows[c.name][-2] == "yes") == ("ci" in c.labels), c.name
         for dist, ver in c.extras:
-            assert f"{dist} {ver}" in rows[c.name][4]
+            assert f"{dist} {ver}" in rows[c.name][5]
     intro = readme.table(GRID, _verified(), NOW).splitlines()[2]
     assert all(f"`{c.name}`" in intro for c in GRID.labelled("ci"))
+
+
+# -- the torch axis: cells that install their own torch ----------------------------------------------
+
+TORCH_AXIS = [c for c in GRID.pinned if c.own_torch]
+
+
+def test_torch_axis_covers_the_newer_torch_releases_on_the_oldest_and_newest_pair():
+    newer = [t for t in GRID.torch_releases if Version(t) > Version(GRID.torch)]
+    assert newer, "no cell runs on a torch newer than the grid's"
+    base = [c for c in GRID.pinned if not c.own_torch]
+    for t in newer:
+        on_t = [c for c in TORCH_AXIS if c.torch == t]
+        assert {(c.transformers, c.trl) for c in on_t} >= {(base[0].transformers, base[0].trl),
+                                                            (base[-1].transformers, base[-1].trl)}, t
+    for c in TORCH_AXIS:
+        # the same pair on the grid's torch: across the two only torch changes
+        twin = GRID.find(c.transformers, c.trl, dict(c.extras))
+        assert twin is not None and not twin.own_torch and twin.pins() == c.pins() and twin.torch == GRID.torch
+        assert GRID.find(c.transformers, c.trl, dict(c.extras), c.torch) is c
+        assert GRID.find(c.transformers, c.trl, dict(c.extras), c.torch + "+cu130") is c
+        assert c in GRID.on_torch(c.torch) and c not in GRID.on_torch(None)
+    assert GRID.find(base[-1].transformers, base[-1].trl, {}, "2.11.0") is None  # no cell on that torch
+
+
+def test_isolating_pairs_never_mix_torch_releases():
+    for b in GRID.boundaries:
+        for x, y in GRID.isolating(b):
+            assert x.torch == y.torch, (b.id, x.name, y.name)
+    # the oldest pair on torch 2.15 and the next pair on the grid's torch differ by one boundary and by torch
+    b = next(x for x in GRID.boundaries if x.id == "loss-kwargs")
+    assert (GRID.cell("tf4.45-trl0.11-torch2.15"), GRID.cell("tf4.46-trl0.12")) not in GRID.isolating(b)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["cell"][0].update(torch="2.13.0"), "is the grid's own torch"),
+    (lambda d: d["cell"][0].update(torch="2.15"), "plain released version"),
+    (lambda d: d["cell"][-1].update(torch="2.15.0"), "pins nothing; remove torch"),
+    (lambda d: d["cell"].insert(-1, {**d["cell"][-2], "name": "x-torch2.15", "torch": "2.15.0"}), "already a cell"),
+    (lambda d: d.update(cell=[c for c in d["cell"] if not (c.get("transformers") == "4.45.2" and "torch" not in c)]),
+     "needs the same pair on the grid's torch"),
+])
+def test_torch_axis_validation(mutate, message):
+    data = copy.deepcopy(_raw_grid())
+    mutate(data)
+    with pytest.raises(GridError, match=message):
+        grid_mod.parse(data)
+
+
+def test_tox_envs_of_the_torch_axis_install_their_own_torch():
+    import configparser
+
+    cp = configparser.ConfigParser(interpolation=None)
+    cp.read_string(toxgen.render(GRID))
+    assert TORCH_AXIS
+    for c in GRID.pinned:
+        env = cp[f"testenv:{c.name}"]
+        assert "system_site_packages" not in env, c.name  # every cell sees what its twin sees
+        if not c.own_torch:
+            assert "set_env" not in env, c.name  # the system torch, held by the grid's constraint
+            continue
+        set_env = dict(line.strip().split(" = ", 1) for line in env["set_env"].strip().splitlines()
+                       if " = " in line)
+        assert "{[testenv]set_env}" in env["set_env"]  # HF_HUB_OFFLINE, MATRIX_RESULTS ... kept
+        assert set_env["PIP_CONFIG_FILE"] == "/dev/null"  # a machine-wide torch cap does not hold it back
+        path = set_env["PIP_CONSTRAINT"].replace("{tox_root}/", "")
+        assert path == toxgen.torch_constraints(c.torch)
+        assert f"torch=={c.torch}\n" in (ROOT / path).read_text()
+        assert "torch" not in env["deps"]
+        assert f"on torch {c.torch}" in env["description"]
+
+
+def test_record_keeps_the_torch_of_the_run_and_refuses_another(tmp_path, junit_run):
+    c = next(x for x in TORCH_AXIS if x.torch == max(GRID.torch_releases, key=Version))
+    runs = tmp_path / "runs"
+    _fake_env(runs / c.name, c, versions={"torch": c.torch + "+cu130", **c.pins()})
+    (runs / c.name / "junit.xml").write_bytes(junit_run.read_bytes())
+    got, problems = results.record([runs], GRID, tmp_path / "v.json")
+    assert problems == [] and got[c.name]["torch"] == c.torch
+    assert json.loads((tmp_path / "v.json").read_text())["cells"][c.name]["torch"] == c.torch
+    _fake_env(runs / c.name, c)  # the run imported the grid's torch, not the cell's
+    with pytest.raises(results.RecordError, match=f"run on torch 2.13.0\\+cpu, grid cell {c.name} runs on torch {c.torch}"):
+        results.record([runs], GRID, tmp_path / "w.json")
+
+
+def test_env_check_refuses_a_torch_axis_cell_on_another_torch(tmp_path):
+    import torch
+
+    c = next(x for x in TORCH_AXIS if Version(x.torch) != Version(torch.__version__.split("+")[0]))
+    with pytest.raises(results.RecordError, match=f"torch: cell {c.name} runs on torch {c.torch}, imported"):
+        results.env_check(c, tmp_path / "out")
+
+
+def test_status_prefers_the_cell_on_the_installed_torch_and_says_whether_torch_was_verified():
+    axis = next(c for c in TORCH_AXIS if c.transformers == NEWEST_PINNED.transformers)
+    v = _verified(**{NEWEST_PINNED.name: _result(passed=11), axis.name: _result(passed=22)})
+    st = verification_status(axis.transformers, axis.trl, GRID, v, current=NOW, torch=axis.torch + "+cu130")
+    assert st["cell"] == axis.name and st["verified"] and st["results"]["passed"] == 22
+    assert st["torch"]["verified"] is True and st["torch"]["cells"] == [axis.name]
+    assert st["summary"].endswith(f"; torch {axis.torch}+cu130: verified (1 cell)")
+    # the grid's torch: the pair's own cell
+    st = verification_status(axis.transformers, axis.trl, GRID, v, current=NOW, torch="2.13.0+cpu")
+    assert st["cell"] == NEWEST_PINNED.name and st["torch"]["verified"] is True
+    # a torch no cell runs on: the pair's cell on the grid's torch, and torch NOT verified
+    st = verification_status(axis.transformers, axis.trl, GRID, v, current=NOW, torch="2.11.0")
+    assert st["cell"] == NEWEST_PINNED.name and st["state"] == "verified"
+    assert st["torch"]["verified"] is False and st["torch"]["nearest"] == "2.13.0"
+    assert f"(its cell runs on torch {GRID.torch})" in st["summary"]
+    assert "torch 2.11.0: NOT verified (no cell runs on it; verified torch releases: 2.13.0, " + axis.torch + ")" \
+        in st["summary"]
+    # a torch release of the grid whose cells have no passing run of this code
+    v2 = _verified(**{NEWEST_PINNED.name: _result(), axis.name: _result(prints=OTHER)})
+    st = verification_status(axis.transformers, axis.trl, GRID, v2, current=NOW, torch=axis.torch)
+    assert st["cell"] == axis.name and st["state"] == "stale" and st["torch"]["verified"] is False
+    assert "without a passing run of this code" in st["torch"]["summary"]
+    # without torch, torch is not looked at (as before)
+    st = verification_status(axis.transformers, axis.trl, GRID, v, current=NOW)
+    assert st["cell"] == NEWEST_PINNED.name and st["torch"] is None and "torch" not in st["summary"]
+
+
+def test_check_report_looks_at_the_installed_torch(monkeypatch):
+    from types import SimpleNamespace
+
+    from liger_compat.compat import report
+    from liger_compat.matrix import fingerprint, status
+
+    axis = next(c for c in TORCH_AXIS if c.transformers == NEWEST_PINNED.transformers)
+    here = fingerprint.current()
+    monkeypatch.setattr(status, "load_verified", lambda: _verified(**{axis.name: _result(prints=here)}))
+    installed = {"transformers": SimpleNamespace(raw=axis.transformers), "trl": SimpleNamespace(raw=axis.trl),
+                 "torch": SimpleNamespace(raw=axis.torch)}
+    m = report._matrix(installed)
+    assert m["cell"] == axis.name and m["verified"] is True and m["torch"]["verified"] is True
+
+
+def test_readme_table_has_a_torch_column():
+    table = readme.table(GRID, _verified(), NOW)
+    rows = {line.rsplit("`", 2)[1]: line.split(" | ") for line in table.splitlines() if line.endswith("` |")}
+    assert table.splitlines()[4].split(" | ")[2] == "torch"
+    for c in GRID.cells:
+        assert rows[c.name][2] == c.torch, c.name
+    intro = table.splitlines()[2]
+    assert all(t in intro for t in GRID.torch_releases)
+
+
+def test_pyproject_torch_bounds_follow_the_verified_torch_releases():
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    deps = grid_mod._toml.loads(text)["project"]["dependencies"]
+    spec = next(Requirement(d) for d in deps if Requirement(d).name == "torch").specifier
+    newest = Version(max(GRID.torch_releases, key=Version))
+    assert all(Version(t) in spec for t in GRID.torch_releases)
+    nxt = Version(f"{newest.major}.{newest.minor + 1}.0")
+    assert nxt not in spec, f"torch {nxt} was never run: the requirement must stop below it"
+
+
+def test_the_trl_extra_brings_what_the_oldest_trl_of_the_grid_imports():
+    # trl 0.11.4 imports rich without requiring it (tyro brought it before tyro 1.0): a fresh
+    # environment of the oldest cells (on any torch) has no rich unless the extra brings it
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    extra = [Requirement(r) for r in grid_mod._toml.loads(text)["project"]["optional-dependencies"]["trl"]]
+    if min(Version(c.trl) for c in GRID.pinned) < Version("0.12.0"):
+        assert "rich" in {r.name for r in extra}

@@ -7,6 +7,8 @@ Three kinds of advice, each a dict with ``kind``, ``subject``, ``text`` and the 
 
 * ``matrix``: the installed (transformers, trl) pair is not a verified cell: the nearest cells with a
   passing run and the pins (``pins``, ``command``) that would put the user on one;
+* ``torch``: the installed torch release is not one a cell verified: the nearest verified release
+  and the pin that would put the user on it;
 * ``known-issue``: an applying known issue, with the upstream release that fixes it (``fixed_in``),
   or, where no release does and it is not mitigated, the shims that would;
 * ``conflict``: an installed liger-kernel / unsloth / cut-cross-entropy release known to conflict
@@ -84,7 +86,7 @@ def _join(items: Iterable[str]) -> str:
 
 def matrix_advice(installed: dict[str, str | None], status: dict[str, Any], **grid_args: Any) -> list[dict[str, Any]]:
     """Advice for a pair that is not a verified cell (``status``: :func:`verification_status`)."""
-    if status.get("verified") or installed.get("transformers") is None:
+    if status.get("state") == "verified" or installed.get("transformers") is None:
         return []
     from ..matrix.status import nearest_cells
 
@@ -102,6 +104,23 @@ def matrix_advice(installed: dict[str, str | None], status: dict[str, Any], **gr
         parts.append(f"{c['cell']} ({c['state']}; {how})")
     return [{"kind": "matrix", "subject": pair, "cells": cells,
              "text": f"{pair} is {status.get('state', 'not a cell')}; nearest cells with a passing run: " + "; ".join(parts)}]
+
+
+def torch_advice(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Advice when the installed torch release is not one a cell verified (``status["torch"]``:
+    :func:`liger_compat.matrix.status.torch_status`)."""
+    ts = status.get("torch")
+    if not ts or ts.get("verified") or ts.get("release") is None:
+        return []
+    subject = f"torch {ts['installed']}"
+    verified = [t for t, names in ts["releases"].items() if names]
+    if not ts.get("nearest"):
+        return [{"kind": "torch", "subject": subject, "releases": verified, "nearest": None, "command": "",
+                 "text": f"{subject}: no cell of the version grid has a passing run of this code on any torch release"}]
+    command = f"pip install torch=={ts['nearest']}"
+    return [{"kind": "torch", "subject": subject, "releases": verified, "nearest": ts["nearest"], "command": command,
+             "text": f"{subject} is not a verified torch release (verified: {', '.join(verified)}); "
+                     f"nearest: {ts['nearest']} ({command})"}]
 
 
 def issue_advice(statuses: Iterable[Any]) -> list[dict[str, Any]]:
@@ -140,5 +159,5 @@ def conflict_advice(installed: dict[str, str | None],
 def advise(installed: dict[str, str | None], status: dict[str, Any], issue_statuses: Iterable[Any],
            requires: Callable[[str], list[str] | None] = _metadata_requires, **grid_args: Any) -> list[dict[str, Any]]:
     """Every piece of advice for these installed releases, matrix first."""
-    return (matrix_advice(installed, status, **grid_args) + issue_advice(issue_statuses)
+    return (matrix_advice(installed, status, **grid_args) + torch_advice(status) + issue_advice(issue_statuses)
             + conflict_advice(installed, requires))

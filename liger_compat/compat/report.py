@@ -258,8 +258,10 @@ def _matrix(installed: dict[str, versions.PackageVersion]) -> dict[str, Any]:
     try:
         from .advice import installed_distributions
 
+        torch = installed.get("torch")
         return dict(verification_status(installed["transformers"].raw, installed["trl"].raw,
-                                        extras=installed_distributions(installed)))
+                                        extras=installed_distributions(installed),
+                                        torch=torch.raw if torch is not None else None))
     except Exception as exc:
         return {"summary": f"matrix lookup failed: {type(exc).__name__}: {exc}"}
 

@@ -5,7 +5,7 @@
   env-check CELL --out DIR      inside a tox env: assert the pins are what Python imports; write DIR/env.json
   record DIR [DIR...]           merge tox results (DIR/env.json + DIR/junit.xml) into verified.json
   readme [--check] [PATH]       rewrite the support table between the README markers
-  status [TRANSFORMERS TRL]     verification status of a pair (default: the installed one)
+  status [TRANSFORMERS TRL] [--torch V]  verification status of a pair and a torch release (default: installed)
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status")
     s.add_argument("transformers", nargs="?")
     s.add_argument("trl", nargs="?")
+    s.add_argument("--torch", help="the torch release to judge (default: the installed one)")
     s.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     grid = load_grid()
@@ -65,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "list":
         for c in grid.cells:
             t, r, a_, d = (c.transformers, c.trl, c.accelerate, c.datasets) if not c.newest else ("newest",) * 4
-            print(f"{c.name:18} transformers {t:8} trl {r:7} accelerate {a_:7} "
-                  f"datasets {d:6} {','.join(c.labels):4} {c.why}")
+            print(f"{c.name:24} transformers {t:8} trl {r:7} accelerate {a_:7} "
+                  f"datasets {d:6} torch {c.torch:7} {','.join(c.labels):4} {c.why}")
         return 0
     if a.cmd == "tox-ini":
         rc = _write_or_check(a.root / "tox.ini", toxgen.render(grid), a.check)
-        return rc | _write_or_check(a.root / toxgen.CONSTRAINTS, toxgen.constraints(grid), a.check)
+        for rel, text in toxgen.constraint_files(grid).items():
+            rc |= _write_or_check(a.root / rel, text, a.check)
+        return rc
     if a.cmd == "env-check":
         try:
             env = results.env_check(grid.cell(a.cell), a.out, a.site, a.pytest_args)
@@ -114,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             from ..compat import versions
 
             a.transformers, a.trl = versions.installed("transformers").raw, versions.installed("trl").raw
-        st = verification_status(a.transformers, a.trl)
+        if a.torch is None:
+            from ..compat import versions
+
+            a.torch = versions.installed("torch").raw
+        st = verification_status(a.transformers, a.trl, torch=a.torch)
         print(json.dumps(st, indent=2) if a.json else st["summary"])
         return 0
     return 2  # pragma: no cover

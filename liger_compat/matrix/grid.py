@@ -60,7 +60,7 @@ class Boundary:
 
 @dataclass(frozen=True)
 class Cell:
-    """One (transformers, trl) pair, pinned exactly, and why the grid has it.
+    """One (transformers, trl) pair, pinned exactly, on one torch release, and why the grid has it.
 
     A ``newest`` cell pins nothing: its environment installs the newest release of every
     dependency at the time it runs (torch excepted), so its release numbers are known only from
@@ -77,6 +77,12 @@ class Cell:
     newest: bool = False
     #: (distribution, release) of optional libraries installed beside the pair (peft, liger-kernel ...)
     extras: tuple[tuple[str, str], ...] = ()
+    #: the torch release the cell runs on: the grid's own (reused from the system-wide install) or,
+    #: for a cell of the torch axis, one its environment installs
+    torch: str = ""
+    #: whether the cell names its own torch (a cell of the torch axis: its environment installs that
+    #: torch instead of reusing the system-wide one)
+    own_torch: bool = False
 
     def pins(self) -> dict[str, str]:
         """The exact releases this cell installs; empty for the newest cell."""
@@ -91,8 +97,8 @@ class Cell:
         return Version(self.pins()[package])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, **self.pins(), "newest": self.newest, "labels": list(self.labels), "why": self.why,
-                "extras": dict(self.extras)}
+        return {"name": self.name, **self.pins(), "torch": self.torch, "newest": self.newest, "labels": list(self.labels),
+                "why": self.why, "extras": dict(self.extras)}
 
 
 @dataclass(frozen=True)
@@ -116,9 +122,21 @@ class Grid:
     def labelled(self, label: str) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if label in c.labels)
 
+    @property
+    def torch_releases(self) -> tuple[str, ...]:
+        """Every torch release some cell runs on, oldest first (the grid's own among them)."""
+        return tuple(sorted({c.torch for c in self.cells}, key=Version))
+
+    def on_torch(self, torch: str | None) -> tuple[Cell, ...]:
+        """The cells that run on this torch release (``2.15.0+cu130`` counts as ``2.15.0``;
+        None: the grid's own torch)."""
+        want = _release(torch) if torch is not None else Version(self.torch)
+        return tuple(c for c in self.cells if Version(c.torch) == want)
+
     def find(self, transformers: str | None, trl: str | None,
-             extras: dict[str, str | None] | None = None) -> Cell | None:
-        """The cell pinning exactly these releases (``4.48.3.dev0`` counts as ``4.48.3``).
+             extras: dict[str, str | None] | None = None, torch: str | None = None) -> Cell | None:
+        """The cell pinning exactly these releases (``4.48.3.dev0`` counts as ``4.48.3``) on this
+        torch release (None: the grid's own torch, where every pair has a cell).
 
         ``extras`` (distribution -> installed release or None) picks between cells of the same
         pair: a cell with extras matches only when each of them is installed at its pin; a
@@ -129,8 +147,8 @@ class Grid:
         if t is None or r is None:
             return None
         have = extras or {}
-        found = [c for c in self.pinned
-                 if Version(c.transformers) == t and Version(c.trl) == r
+        found = [c for c in self.on_torch(torch) if not c.newest
+                 and Version(c.transformers) == t and Version(c.trl) == r
                  and all(_release(have.get(d)) == Version(v) for d, v in c.extras)]
         return max(found, key=lambda c: len(c.extras), default=None)
 
@@ -143,7 +161,7 @@ class Grid:
             if not boundary.before(a):
                 continue
             for b in self.pinned:
-                if boundary.before(b) or a.extras != b.extras:
+                if boundary.before(b) or a.extras != b.extras or a.torch != b.torch:
                     continue
                 if all(o.before(a) == o.before(b) for o in self.boundaries
                        if (o.package, o.version, o.only) != (boundary.package, boundary.version, boundary.only)):
@@ -200,6 +218,7 @@ def parse(data: dict[str, Any]) -> Grid:
     """Validate parsed TOML and build the :class:`Grid`; raises :class:`GridError`."""
     if data.get("schema") != 1:
         raise GridError(f"unsupported grid schema {data.get('schema')!r} (expected 1)")
+    grid_torch = _version(data, "torch", "grid")
     boundaries = []
     seen_b: set[str] = set()
     for i, b in enumerate(data.get("boundary", [])):
@@ -248,30 +267,40 @@ def parse(data: dict[str, Any]) -> Grid:
             if dist not in OPTIONAL_PINS:
                 raise GridError(f"{where}: extras may pin {', '.join(OPTIONAL_PINS)}, not {dist!r}")
         extra_pins = tuple((d, _version(extras, d, f"{where} extras")) for d in sorted(extras))
+        own_torch = "torch" in c
+        torch = _version(c, "torch", where) if own_torch else grid_torch
+        if own_torch and torch == grid_torch:
+            raise GridError(f"{where}: torch {torch} is the grid's own torch; name a torch only for a cell of the torch axis")
         if newest:
-            pinned = sorted(k for k in (*PACKAGES, *EXTRA_PINS) if k in c) + (["extras"] if extras else [])
+            pinned = sorted(k for k in (*PACKAGES, *EXTRA_PINS, "torch") if k in c) + (["extras"] if extras else [])
             if pinned:
                 raise GridError(f"{where}: a newest cell installs the newest releases and pins nothing; "
                                 f"remove {', '.join(pinned)}")
             if any(x.newest for x in cells):
                 raise GridError(f"{where}: the grid already has a newest cell")
             cell = Cell(name=name, transformers=None, trl=None, accelerate=None, datasets=None,
-                        why=_req(c, "why", where), labels=tuple(labels), newest=True)
+                        why=_req(c, "why", where), labels=tuple(labels), newest=True, torch=torch)
         else:
             cell = Cell(name=name, **{k: _version(c, k, where) for k in (*PACKAGES, *EXTRA_PINS)},
-                        why=_req(c, "why", where), labels=tuple(labels), extras=extra_pins)
-            pair = (cell.transformers, cell.trl, extra_pins)
+                        why=_req(c, "why", where), labels=tuple(labels), extras=extra_pins,
+                        torch=torch, own_torch=own_torch)
+            pair = (cell.transformers, cell.trl, extra_pins, torch)
             if pair in seen_pair:
                 more = f" with extras {dict(extra_pins)}" if extra_pins else ""
-                raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]}{more} is already a cell")
+                raise GridError(f"{where}: transformers {pair[0]} + trl {pair[1]}{more} on torch {torch} is already a cell")
             seen_pair.add(pair)
-        unknown = set(c) - {"name", "labels", "why", "newest", "extras", *PACKAGES, *EXTRA_PINS}
+        unknown = set(c) - {"name", "labels", "why", "newest", "extras", "torch", *PACKAGES, *EXTRA_PINS}
         if unknown:
             raise GridError(f"{where}: unknown field(s) {sorted(unknown)}")
         cells.append(cell)
     if not any(not c.newest for c in cells):
         raise GridError("the grid has no [[cell]] with pinned releases")
-    return Grid(python=_req(data, "python", "grid"), torch=_version(data, "torch", "grid"),
+    base = {(c.transformers, c.trl, c.extras) for c in cells if not c.own_torch}
+    for c in cells:
+        if c.own_torch and (c.transformers, c.trl, c.extras) not in base:
+            raise GridError(f"cell {c.name!r}: a cell of the torch axis needs the same pair on the grid's torch "
+                            f"{grid_torch} as a cell too (the pair beside it isolates the torch change)")
+    return Grid(python=_req(data, "python", "grid"), torch=grid_torch,
                 boundaries=tuple(boundaries), cells=tuple(cells))
 
 

@@ -8,8 +8,9 @@ Each tox environment of the grid runs two steps (see tox.ini):
 2. ``pytest tests --junitxml DIR/junit.xml``.
 
 ``python -m liger_compat.matrix record .tox/matrix-results`` then reads every ``DIR`` and merges
-one entry per cell into ``verified.json``: versions, pass/fail/skip/error counts, failing test
-ids and the date pytest wrote into the junit file.
+one entry per cell into ``verified.json``: versions (``torch``: the torch release the run
+imported, which must be the cell's), pass/fail/skip/error counts, failing test ids and the date
+pytest wrote into the junit file.
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ def env_check(cell: Cell, out: Path, env_site: str | None = None, pytest_args: l
     import torch
 
     torch_where = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
-    if _release(torch.__version__) != _release(_grid_torch()):
-        problems.append(f"torch: grid expects {_grid_torch()}, imported {torch.__version__} from {torch_where}")
+    if _release(torch.__version__) != _release(cell.torch):
+        problems.append(f"torch: cell {cell.name} runs on torch {cell.torch}, imported {torch.__version__} from {torch_where}")
     if problems:
         raise RecordError(f"cell {cell.name}: environment does not match the grid:\n  " + "\n  ".join(problems))
     env = {
@@ -177,12 +178,6 @@ def _source_commit() -> dict[str, Any]:
     if head.returncode != 0:
         return {"commit": None, "dirty": None, "fingerprint": prints}
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()), "fingerprint": prints}
-
-
-def _grid_torch() -> str:
-    from .grid import load
-
-    return load().torch
 
 
 # -- step 2: after the runs -----------------------------------------------------------------------
@@ -266,12 +261,18 @@ def collect(dirs: Iterable[Path], grid: Grid) -> tuple[dict[str, dict[str, Any]]
                 problems.append(str(exc))
                 continue
             versions = env.get("versions") or {}
+            ran_torch = _release(versions.get("torch"))
+            if ran_torch != Version(cell.torch):
+                problems.append(f"{rd}: run on torch {versions.get('torch') or 'unknown'}, grid cell {name} runs on "
+                                f"torch {cell.torch}: rerun it")
+                continue
             if cell.newest and not (versions.get("transformers") and versions.get("trl")):
                 problems.append(f"{rd}: newest cell {name} without recorded transformers / trl versions: rerun it")
                 continue
             # the newest cell's releases are the ones its run installed
             t, r = (versions["transformers"], versions["trl"]) if cell.newest else (cell.transformers, cell.trl)
-            found[name] = {"transformers": t, "trl": r, "newest": cell.newest, "python": env.get("python"),
+            found[name] = {"transformers": t, "trl": r, "torch": str(ran_torch), "newest": cell.newest,
+                           "python": env.get("python"),
                            "versions": versions, "source": env.get("source"), **res}
     return found, problems
 

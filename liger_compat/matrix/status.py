@@ -1,4 +1,5 @@
 """Is the installed (transformers, trl) pair a verified cell of the grid? Which one is nearest?
+Was the installed torch release verified by any cell?
 
 Used by ``check()``; reads grid.toml and verified.json, and hashes the installed package's
 files to tell whether a recorded run tested this code (no torch / transformers import).
@@ -81,10 +82,52 @@ def _releases(cell: Cell, recorded: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def torch_pool(grid: Grid, recorded: dict[str, Any], torch_raw: str | None) -> tuple[Cell, ...]:
+    """The cells whose runs speak for a user on this torch release: those on that release when
+    one of them has a passing run, else those on the grid's own torch."""
+    if _release(torch_raw) is not None:
+        same = grid.on_torch(torch_raw)
+        if any(passing(recorded.get(c.name)) for c in same):
+            return same
+    return grid.on_torch(None)
+
+
+def torch_status(torch_raw: str | None, grid: Grid, recorded: dict[str, Any],
+                 now: dict[str, str | None], cell: Cell | None = None) -> dict[str, Any]:
+    """Whether the installed torch release was verified: some cell on it has a passing run of
+    this code (``verified``). Keys: ``installed``, ``release``, ``verified``, ``cells`` (the cells
+    verified on it), ``releases`` (each torch release of the grid -> its cells verified on this
+    code), ``cell_torch`` (the torch of ``cell``, the installed pair's cell), ``nearest`` (the
+    nearest verified release when the installed one is not verified), ``summary``."""
+    releases = {t: [c.name for c in grid.on_torch(t) if cell_state(recorded.get(c.name), now) == "verified"]
+                for t in grid.torch_releases}
+    rel = _release(torch_raw)
+    out: dict[str, Any] = {"installed": torch_raw, "release": str(rel) if rel is not None else None,
+                           "verified": False, "cells": [], "releases": releases,
+                           "cell_torch": cell.torch if cell is not None else None, "nearest": None}
+    if rel is None:
+        out["summary"] = f"torch {torch_raw or 'not installed'}: not compared with the grid's torch releases"
+        return out
+    mine = next((t for t in releases if Version(t) == rel), None)
+    out["cells"] = releases.get(mine, []) if mine else []
+    out["verified"] = bool(out["cells"])
+    done = [t for t, names in releases.items() if names]
+    if out["verified"]:
+        out["summary"] = f"torch {torch_raw}: verified ({len(out['cells'])} cell{'s' if len(out['cells']) != 1 else ''})"
+        return out
+    if done:
+        out["nearest"] = min(done, key=lambda t: (abs(_ordinal(Version(t)) - _ordinal(rel)), Version(t)))
+    listed = ", ".join(done) or "none yet"
+    why = "a torch release of the grid without a passing run of this code" if mine else "no cell runs on it"
+    out["summary"] = f"torch {torch_raw}: NOT verified ({why}; verified torch releases: {listed})"
+    return out
+
+
 def verification_status(transformers_raw: str | None, trl_raw: str | None,
                         grid: Grid | None = None, verified: dict[str, Any] | None = None,
                         current: dict[str, str | None] | None = None,
-                        extras: dict[str, str | None] | None = None) -> dict[str, Any]:
+                        extras: dict[str, str | None] | None = None,
+                        torch: str | None = None) -> dict[str, Any]:
     """Where the installed pair stands in the version matrix.
 
     Keys: ``summary`` (one line), ``state`` (``verified``, ``stale``, ``failing``, ``not run``,
@@ -101,6 +144,12 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     ``extras`` (distribution -> installed version) lets a cell that pins peft / liger-kernel ...
     match when those are installed at its pins (see :meth:`Grid.find`).
 
+    ``torch`` (the installed torch version): the pair's cell on that torch release is preferred
+    (a cell of the torch axis), else the pair's cell on the grid's torch; ``state`` and
+    ``verified`` stay the pair's, and ``torch`` in the result says apart whether the installed
+    torch release was verified (:func:`torch_status`); the summary ends with that verdict.
+    Without it, torch is not looked at (``torch`` is None).
+
     ``current`` defaults to the fingerprint of the installed package (tests are not installed,
     so ``check()`` compares the package part only).
     """
@@ -108,7 +157,8 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     verified = verified if verified is not None else load_verified()
     now = current if current is not None else fingerprint.current()
     recorded: dict[str, Any] = verified.get("cells", {})
-    cell = grid.find(transformers_raw, trl_raw, extras) or _newest_match(grid, recorded, transformers_raw, trl_raw)
+    cell = ((grid.find(transformers_raw, trl_raw, extras, torch) if _release(torch) is not None else None)
+            or grid.find(transformers_raw, trl_raw, extras) or _newest_match(grid, recorded, transformers_raw, trl_raw))
     results = recorded.get(cell.name) if cell else None
     state = cell_state(results, now) if cell else "not a cell"
     ok = state == "verified"
@@ -125,13 +175,28 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
         "grid_cells": len(grid.cells),
         "recorded_cells": sum(1 for c in grid.cells if c.name in recorded),
         "fingerprint": now,
+        "torch": torch_status(torch, grid, recorded, now, cell) if torch is not None else None,
     }
-    pair = f"transformers {transformers_raw or 'not installed'} + trl {trl_raw or 'not installed'}"
-    if ok:
-        out["summary"] = f"verified: {pair} is grid cell {cell.name} ({_brief(results)})"
-        return out
+    out["summary"] = _nearest_and_summary(out, grid, recorded, now, cell, results, state, ok, transformers_raw,
+                                          trl_raw, torch)
+    if out["torch"] is not None:
+        out["summary"] += "; " + out["torch"]["summary"]
+    return out
 
-    candidates = [c for c in grid.cells
+
+def _nearest_and_summary(out: dict[str, Any], grid: Grid, recorded: dict[str, Any], now: dict[str, str | None],
+                         cell: Cell | None, results: dict[str, Any] | None, state: str, ok: bool,
+                         transformers_raw: str | None, trl_raw: str | None, torch: str | None) -> str:
+    """Fill ``out["nearest"]`` (cells on the installed torch where one passed) and return the
+    pair's one-line summary."""
+    pair = f"transformers {transformers_raw or 'not installed'} + trl {trl_raw or 'not installed'}"
+    if cell is not None and _release(torch) is not None and Version(cell.torch) != _release(torch):
+        pair += f" (its cell runs on torch {cell.torch})"
+    if ok:
+        return f"verified: {pair} is grid cell {cell.name} ({_brief(results)})"  # type: ignore[union-attr]
+
+    pool = torch_pool(grid, recorded, torch) if torch is not None else grid.cells
+    candidates = [c for c in pool
                   if c is not cell and passing(recorded.get(c.name)) and _releases(c, recorded) is not None]
     if transformers_raw is not None and candidates:
         def key(c: Cell) -> tuple[float, bool, int]:
@@ -153,18 +218,16 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
         near = (f"; nearest passing cell: {out['nearest']['cell']} (transformers {out['nearest']['transformers']}, "
                 f"trl {out['nearest']['trl']}), stale (recorded at {recorded_at(out['nearest']['results'])})")
     if transformers_raw is None:
-        out["summary"] = "transformers not installed: nothing to compare with the version matrix"
-    elif state == "stale":
+        return "transformers not installed: nothing to compare with the version matrix"
+    if state == "stale":
         near = near if out["nearest"] and out["nearest"]["state"] == "verified" else ""
-        out["summary"] = (f"stale (recorded at {recorded_at(results)}): {pair} is grid cell {cell.name}, whose run "
-                          f"passed ({_brief(results)}) on other code than this liger_compat{near}")
-    elif state == "failing":
-        out["summary"] = f"NOT verified: {pair} is grid cell {cell.name} but its recorded run failed ({_brief(results)}){near}"
-    elif cell is not None:
-        out["summary"] = f"{pair} is grid cell {cell.name}, not run yet{near}"
-    else:
-        out["summary"] = f"{pair} is not a grid cell{near}"
-    return out
+        return (f"stale (recorded at {recorded_at(results)}): {pair} is grid cell {cell.name}, whose run "  # type: ignore
+                f"passed ({_brief(results)}) on other code than this liger_compat{near}")  # type: ignore[arg-type]
+    if state == "failing":
+        return f"NOT verified: {pair} is grid cell {cell.name} but its recorded run failed ({_brief(results)}){near}"  # type: ignore
+    if cell is not None:
+        return f"{pair} is grid cell {cell.name}, not run yet{near}"
+    return f"{pair} is not a grid cell{near}"
 
 
 def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, verified: dict[str, Any] | None = None,
@@ -174,7 +237,9 @@ def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, ve
     would put the user on each.
 
     ``installed``: distribution name -> installed version or None (transformers, trl, accelerate,
-    datasets and any optional library of the grid). The installed pair's own cell is left out; a
+    datasets, torch and any optional library of the grid). Only cells that speak for the installed
+    torch are offered (:func:`torch_pool`: those on that torch release when one passed, else those on
+    the grid's torch; torch itself is advised apart). The installed pair's own cell is left out; a
     cell with ``extras`` counts only when each of them is installed (in whatever release: the
     pins then name the cell's). Verified cells (a passing run of this very code) come before
     stale ones (left out with ``only_verified``), then by :func:`distance`, then in grid order. Each entry: ``cell``, ``state``
@@ -188,12 +253,15 @@ def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, ve
     t_raw, r_raw = installed.get("transformers"), installed.get("trl")
     if t_raw is None:
         return []
-    own = grid.find(t_raw, r_raw, installed) or _newest_match(grid, recorded, t_raw, r_raw)
+    torch_raw = installed.get("torch")
+    own = ((grid.find(t_raw, r_raw, installed, torch_raw) if _release(torch_raw) is not None else None)
+           or grid.find(t_raw, r_raw, installed) or _newest_match(grid, recorded, t_raw, r_raw))
+    pool = torch_pool(grid, recorded, torch_raw)
     found = []
     for i, c in enumerate(grid.cells):
         res = recorded.get(c.name)
         rel = _releases(c, recorded)
-        if c is own or not passing(res) or rel is None:
+        if c is own or c not in pool or not passing(res) or rel is None:
             continue
         if any(installed.get(d) is None for d, _ in c.extras):
             continue
