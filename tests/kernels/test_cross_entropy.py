@@ -372,7 +372,7 @@ def test_flce_logits_setting_and_the_kernel_knobs_are_checked(monkeypatch):
     assert rel_err(fused_linear_cross_entropy(hid, w, t, logits_impl="cublas"), ref) <= tolerance(torch.float32, n=16)
     monkeypatch.setattr(_config.settings, "flce_logits", "auto")
     for kw, match in (({"logits_impl": "gemm"}, "logits_impl must be one of auto, cublas, triton, got 'gemm'"),
-                      ({"compact_ignored": 1}, "compact_ignored must be True or False, got 1"),
+                      ({"compact_ignored": 1}, "compact_ignored must be True, False or None, got 1"),
                       ({"ce_variant": "rows"}, "ce_variant must be one of split, row, got 'rows'")):
         with pytest.raises(ValueError, match=match):
             fused_linear_cross_entropy(hid, w, t, **kw)
@@ -452,3 +452,21 @@ def test_logits_gemm_capability_probe(monkeypatch):
     monkeypatch.delitem(sys.modules, "triton.tools.tensor_descriptor")
     monkeypatch.setattr(lt.tl, "range", type("range", (), {"__init__": lambda self, *a, **k: None}))
     assert lt._capable(torch.device("cpu")) is False  # a range() without warp_specialize
+
+
+def test_ignored_rows_are_compacted_only_for_a_large_loss():
+    """``compact_ignored=None`` (the default) compacts, at one host sync, only a loss whose rows x
+    vocabulary x hidden reaches COMPACT_MIN_MACS: a host-bound small step makes no sync, a large
+    head skips the ignored rows' matmuls; True / False force it, anything else is refused."""
+    from liger_compat.kernels import loss as loss_mod
+
+    assert loss_mod.compact_for(8192, 128256, 4096, None) is True       # Llama-3-8B head
+    assert loss_mod.compact_for(2048, 128256, 1024, None) is False      # 2 x 1024 tokens, small model
+    assert loss_mod.compact_for(2048, 128256, 1024, True) is True
+    assert loss_mod.compact_for(8192, 128256, 4096, False) is False
+    edge = loss_mod.COMPACT_MIN_MACS
+    assert loss_mod.compact_for(edge, 1, 1, None) and not loss_mod.compact_for(edge - 1, 1, 1, None)
+    h, w = torch.randn(4, 8), torch.randn(16, 8)
+    t = torch.randint(0, 16, (4,))
+    with pytest.raises(ValueError, match="compact_ignored"):
+        loss_mod.fused_linear_cross_entropy(h, w, t, compact_ignored="yes")
