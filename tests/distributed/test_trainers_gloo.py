@@ -62,6 +62,10 @@ def test_two_process_trainer_with_its_defaults_trains_as_natively(tmp_path):
 
 def test_two_process_sft_trainer_with_its_defaults_trains_as_natively(tmp_path):
     pytest.importorskip("trl")
+    from liger_compat.compat import known_issues
+
+    if known_issues.by_id("trl-head-on-cpu").applies(cuda=torch.cuda.is_available()):
+        pytest.skip("trl 1.15.0's own head fails on CPU natively (known issue trl-head-on-cpu): no native run to compare")
     pat, nat, seed = _run_both(tmp_path, "sft")
     # trl < 1.15: liger_compat's fused output (F1 metrics from its token_accuracy); 1.15+: trl's own
     # fused head output (its head run by liger_compat's kernel): either goes through DDP's rebuild

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from liger_compat.compat import versions
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks import e2e  # noqa: E402
@@ -238,6 +240,8 @@ def test_trl_step_times_native_and_patched_sft_with_the_same_loss():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not versions.matches(versions.installed("trl").raw, ">=1.16"),
+                    reason="the benchmark's DPO step is written for trl 1.16 (the GPU machine's); older trl not covered")
 def test_trl_step_times_native_and_patched_dpo_with_the_same_loss_and_log_probs():
     """One CPU DPOTrainer step of the tiny model (a reference model beside the policy, a text
     preference dataset trl tokenizes): trl in a fresh process that never loads liger_compat, and
