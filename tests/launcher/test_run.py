@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import venv
 from pathlib import Path
 
 import pytest
@@ -237,14 +238,17 @@ def test_non_python_and_python_without_the_package_are_left_alone(tmp_path):
     # a program that is not Python sees only the extra PYTHONPATH entry
     proc = _run(LAUNCH + ["--", "sh", "-c", 'echo "$PYTHONPATH"'])
     assert proc.returncode == 0 and proc.stdout.split(os.pathsep)[0] == str(launcher.BOOT_DIR)
-    # the base interpreter of this venv has no liger_compat: under the command's environment it starts
-    # silently, without it
-    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    if not base.exists():
-        pytest.skip("no base interpreter")
+    # a Python without liger_compat (a bare venv: it sees neither this environment's site-packages nor the
+    # system's, wherever the package is installed) starts silently under the command's environment, without it
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False, symlinks=True)
+    python = bare / "bin" / "python"
+    probe = _run([str(python), "-c", "import importlib.util; print(importlib.util.find_spec('liger_compat'))"],
+                 env={**_env(), "PYTHONPATH": ""}, cwd=tmp_path)
+    assert probe.stdout.strip() == "None", probe.stdout + probe.stderr  # the premise: the package is not there
     env = launcher.command_env({}, {**_env(), "PYTHONPATH": ""})
     code = "import sys; print('liger_compat' in sys.modules, sys.modules['sitecustomize'].__file__)"
-    proc = _run([str(base), "-c", code], env=env, cwd=tmp_path)
+    proc = _run([str(python), "-c", code], env=env, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stderr == ""
     assert proc.stdout.split() == ["False", str(launcher.BOOT_FILE)]
 
