@@ -17,6 +17,20 @@ from patch_helpers import CORE_FAMILIES, native  # noqa: F401  (re-exported to t
 FAMILY_NAMES = [f.name for f in FAMILIES if f.name in CORE_FAMILIES]
 
 
+class GatedMLP(torch.nn.Module):
+    """A gated MLP outside the families (as remote code defines one): ``down(silu(gate(x)) * up(x))``.
+    Subclasses name it (the module shims match classes whose name ends in ``MLP``)."""
+
+    def __init__(self, h, i):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(h, i), torch.nn.Linear(h, i)
+        self.down_proj = torch.nn.Linear(i, h)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 
 
 def tiny(family: str, **kw):

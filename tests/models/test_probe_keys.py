@@ -12,6 +12,7 @@ import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import gated_mlp, rms_norm
 from liger_compat.shims._patching import unwrap
+from model_helpers import GatedMLP
 
 
 def _falcon_mlp_class():
@@ -91,14 +92,8 @@ def test_rms_norms_of_one_class_with_different_offsets_each_match_their_native_f
     assert sorted(v for v in modes.values() if isinstance(v, tuple)) == [(0.0, "llama"), (1.0, "llama")], modes
 
 
-class ClampedMLP(torch.nn.Module):
+class ClampedMLP(GatedMLP):
     """Gate / up / down with SiLU, but clamped: not ``down(act(gate) * up)``, refused by the probe."""
-
-    def __init__(self, h, i):
-        super().__init__()
-        self.gate_proj, self.up_proj = torch.nn.Linear(h, i), torch.nn.Linear(h, i)
-        self.down_proj = torch.nn.Linear(i, h)
-        self.act_fn = torch.nn.SiLU()
 
     def forward(self, x):
         return self.down_proj((self.act_fn(self.gate_proj(x)) * self.up_proj(x)).clamp(-0.05, 0.05))

@@ -11,7 +11,7 @@ import torch
 import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import _forward_args, causal_lm
-from model_helpers import random_batch, tiny
+from model_helpers import GatedMLP, random_batch, tiny
 
 
 class RemoteRMSNorm(torch.nn.Module):
@@ -28,15 +28,8 @@ class RemoteRMSNorm(torch.nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class RemoteMLP(torch.nn.Module):
-    def __init__(self, h, i):
-        super().__init__()
-        self.gate_proj, self.up_proj = torch.nn.Linear(h, i), torch.nn.Linear(h, i)
-        self.down_proj = torch.nn.Linear(i, h)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+class RemoteMLP(GatedMLP):
+    pass
 
 
 def _net():
