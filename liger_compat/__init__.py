@@ -29,7 +29,8 @@ from .shims import load_all as _load_all
 
 
 def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
-              return_logits: bool | None = None, decode_native: bool | None = None) -> None:
+              return_logits: bool | None = None, decode_native: bool | None = None,
+              cpu_native: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -41,8 +42,14 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     passes its own ``return_logits=`` (``LIGER_COMPAT_RETURN_LOGITS``). ``decode_native=False``
     keeps the RMSNorm, RoPE and MLP kernels in decode steps too (``LIGER_COMPAT_DECODE_NATIVE``:
     by default a call with no autograd graph and one position per sequence runs natively).
+    ``cpu_native=False`` runs the kernels' torch references where no Triton kernel runs (CPU
+    tensors without ``TRITON_INTERPRET=1``; ``LIGER_COMPAT_CPU_NATIVE``: by default transformers'
+    own RMSNorm, RoPE and MLP code and, up to 2**24 logits, the fused loss as plain torch ops).
     """
     s = _config.settings
+    if cpu_native is not None:
+        s.cpu_native = _config.parse_bool(cpu_native, "cpu_native")
+        s.source["cpu_native"] = "configure()"
     if decode_native is not None:
         s.decode_native = _config.parse_bool(decode_native, "decode_native")
         s.source["decode_native"] = "configure()"

@@ -77,6 +77,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mlp_recompute", "LIGER_COMPAT_MLP_RECOMPUTE", "1",
             f"1, 0, or comma-separated names from {', '.join(MLP_RECOMPUTE_PARTS)}"),
     Setting("decode_native", "LIGER_COMPAT_DECODE_NATIVE", "1", _ONOFF),
+    Setting("cpu_native", "LIGER_COMPAT_CPU_NATIVE", "1", _ONOFF),
 )
 _BY_ATTR = {s.attr: s for s in SETTINGS}
 
@@ -125,12 +126,12 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 class Settings(Record):
     _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
-               "mlp_recompute", "decode_native", "source")
+               "mlp_recompute", "decode_native", "cpu_native", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
                  source: dict[str, str] | None = None, flce_mode: str = "auto", return_logits: bool = False,
                  flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1",
-                 decode_native: bool = True) -> None:
+                 decode_native: bool = True, cpu_native: bool = True) -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
@@ -144,6 +145,10 @@ class Settings(Record):
         self.mlp_recompute = mlp_recompute
         #: a decode step (no grad, one position per sequence) runs the RMSNorm, RoPE and MLP natively
         self.decode_native = decode_native
+        #: where no Triton kernel runs (CPU tensors without the interpreter), the RMSNorm, RoPE and
+        #: MLP run transformers' own code and a small fused loss plain torch ops; off: the kernels'
+        #: torch references (:func:`liger_compat.kernels._dispatch.reference_only`)
+        self.cpu_native = cpu_native
         #: where a setting came from, for the report (absent: the default)
         self.source: dict[str, str] = {} if source is None else source
 
@@ -155,7 +160,7 @@ def _from_env(environ: Any = None) -> Settings:
         raw = env.get(spec.env)
         if raw is None:
             continue
-        if spec.attr in ("disabled", "debug", "return_logits", "kernels", "decode_native"):
+        if spec.attr in ("disabled", "debug", "return_logits", "kernels", "decode_native", "cpu_native"):
             # used at import or on every call: a bad value is reported and ignored, never breaks the import
             try:
                 value: Any = parse_kernels(raw) if spec.attr == "kernels" else parse_bool(raw, spec.env)
@@ -236,15 +241,22 @@ def mlp_recompute_parts() -> frozenset[str]:
         if not parts <= set(MLP_RECOMPUTE_PARTS):
             raise ValueError(f"LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from "
                              f"{', '.join(MLP_RECOMPUTE_PARTS)}; got {raw!r}")
-    if not _tracing():  # a cache entry made while torch.compile traces fails the next call's guards
+    if not compiling():  # a cache entry made while torch.compile traces fails the next call's guards
         _mlp_parts[key] = parts
     return parts
 
 
-def _tracing() -> bool:
+def compiling() -> bool:
+    """True while TorchDynamo traces (``torch.compiler.is_compiling``; False before torch is imported
+    and on a torch without it). The package's one test for it: the kernels call their custom ops
+    then, and no cache is written then (an entry made while tracing fails the next call's guards,
+    which compiles again)."""
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
+    try:
+        return bool(is_compiling is not None and is_compiling())
+    except Exception:  # pragma: no cover - a torch whose is_compiling fails outside a trace
+        return False
 
 
 _mlp_parts: dict[tuple, frozenset[str]] = {}
@@ -287,7 +299,7 @@ def describe() -> list[dict[str, str]]:
 def _shown(attr: str) -> str:
     if attr == "kernels":
         return ",".join(k for k in ALL_KERNELS if k in settings.kernels) or "none"
-    if attr in ("disabled", "debug", "return_logits", "decode_native"):
+    if attr in ("disabled", "debug", "return_logits", "decode_native", "cpu_native"):
         return "1" if getattr(settings, attr) else "0"
     if attr == "flce_mode":
         return flce_mode()
@@ -308,7 +320,7 @@ def check_value(attr: str, raw: str) -> str:
     spec = _BY_ATTR[attr]
     if attr == "kernels":
         parse_kernels(raw)
-    elif attr in ("disabled", "debug", "return_logits", "decode_native"):
+    elif attr in ("disabled", "debug", "return_logits", "decode_native", "cpu_native"):
         parse_bool(raw, spec.env)
     probe = _from_env({spec.env: raw})
     saved, settings = settings, probe

@@ -8,6 +8,7 @@ random examples instead (for hunting new failures locally).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -78,3 +79,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: the test directories that check the kernels' math: on CPU through their torch references
+_KERNEL_SUITES = {"models", "compile", "kernels"}
+
+
+@pytest.fixture(autouse=True)
+def _kernel_references_on_cpu(request, monkeypatch):
+    """In tests/models, tests/compile and tests/kernels, ``LIGER_COMPAT_CPU_NATIVE`` is off: on CPU
+    tensors the patched modules and the fused loss run the kernels' torch references (the math the
+    Triton kernels implement, which the interpreter tests check against the same references), not
+    transformers' own code, so that comparing them with the unpatched library tests something.
+    A test marked ``cpu_native`` keeps the default, the path a CPU user gets. The other suites
+    (trainers, launcher, distributed, foundation) run with the default."""
+    here = Path(str(request.node.fspath)).resolve().parent
+    if here.name not in _KERNEL_SUITES or request.node.get_closest_marker("cpu_native") is not None:
+        yield
+        return
+    from liger_compat import _config
+
+    monkeypatch.setattr(_config.settings, "cpu_native", False)
+    yield

@@ -38,6 +38,17 @@ def interpret_mode() -> bool:
     return _config.triton_interpret()
 
 
+def _no_triton_path(where: str) -> tuple[str, str]:
+    """(backend, what runs) on ``where``'s tensors when no Triton kernel runs there, as
+    ``LIGER_COMPAT_CPU_NATIVE`` decides (``shims._module_shims.native_call``, ``kernels.loss.dense_for``)."""
+    if _config.settings.cpu_native:
+        return ("transformers' modules + torch loss",
+                f"{where} tensors run transformers' own RMSNorm, RoPE and MLP code and the fused loss as torch "
+                "ops (dense up to 2**24 logits, chunked beyond); LIGER_COMPAT_CPU_NATIVE=0: the kernels' torch "
+                "references")
+    return "torch reference", f"{where} tensors use the kernels' torch references (chunked for the fused loss)"
+
+
 def detect() -> DeviceInfo:
     info = DeviceInfo(torch_available=versions.installed("torch").installed)
     info.triton_installed = versions.installed("triton").installed
@@ -63,9 +74,11 @@ def detect() -> DeviceInfo:
         info.capability = f"{major}.{minor}"
         # the backend is the one _dispatch.choose takes for GPU tensors: Triton whenever it imports
         if broken:
-            info.reason = f"{broken}: GPU tensors use the torch reference"
+            info.kernel_backend, what = _no_triton_path("GPU")
+            info.reason = f"{broken}: {what}"
         elif not importable:
-            info.reason = "triton is not installed: GPU tensors use the torch reference"
+            info.kernel_backend, what = _no_triton_path("GPU")
+            info.reason = f"triton is not installed: {what}"
         else:
             info.kernel_backend = "triton (HIP)" if info.hip else "triton (CUDA)"
             if not info.hip and (major, minor) < MIN_TRITON_CAPABILITY:
@@ -75,7 +88,8 @@ def detect() -> DeviceInfo:
         info.kernel_backend = "triton interpreter (TRITON_INTERPRET=1)"
         info.reason = "no GPU: Triton kernels run in the interpreter on CPU tensors"
     else:
-        info.reason = "no GPU: CPU tensors use the torch reference (chunked for the fused loss)"
+        info.kernel_backend, what = _no_triton_path("CPU")
+        info.reason = f"no GPU: {what}"
         if broken:
             info.reason += f"; {broken}"
     return info

@@ -49,12 +49,8 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def compiling() -> bool:
-    """True while TorchDynamo traces (the public functions then call the custom ops of :data:`OPS`)."""
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:  # pragma: no cover - torch without torch.compiler
-        return False
+#: True while TorchDynamo traces (the public functions then call the custom ops of :data:`OPS`)
+compiling = _config.compiling
 
 
 #: the kernels' custom ops, registered by ``_ops.py`` (which the package imports after the kernel
@@ -79,6 +75,19 @@ def use_backend(backend: str) -> Iterator[None]:
         yield
     finally:
         _forced.pop()
+
+
+def reference_only(device: torch.device) -> bool:
+    """Whether tensors on ``device`` get no Triton kernel by default: ``choose`` would take the torch
+    reference there (CPU tensors without ``TRITON_INTERPRET=1``, or no importable Triton) and no
+    backend is forced. Callers with a cheaper equivalent of the reference (the module shims: the
+    native module code) use it there; a forced backend always runs the kernel code it names."""
+    if _forced and _forced[-1] != "auto":
+        return False
+    kind = device.type
+    if kind == "cuda":
+        return not HAS_TRITON
+    return not (HAS_TRITON and kind == "cpu" and interpret_mode())
 
 
 def choose(kernel: str, device: torch.device) -> str:

@@ -636,6 +636,50 @@ def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowm
     return loss, z if z is not None else zero, acc if acc is not None else zero
 
 
+#: the most logits (rows x vocabulary) the dense torch path computes at once (:func:`dense_for`)
+DENSE_MAX_LOGITS = 2**24
+
+
+def dense_for(n: int, v: int, device: torch.device) -> bool:
+    """Whether a fused loss of ``n`` rows over ``v`` classes runs :func:`_dense_torch`: on tensors no
+    Triton kernel runs on by default (``_dispatch.reference_only``: CPU tensors without the
+    interpreter), with at most :data:`DENSE_MAX_LOGITS` logits, while ``LIGER_COMPAT_CPU_NATIVE`` is
+    on (the default). There the chunked reference would save memory the native head spends anyway,
+    at the price of more ops and Python a call (the regime of small models on CPU, where a step is
+    per-call host work); above it the chunked reference keeps the ``[N, V]`` logits from existing."""
+    return n * v <= DENSE_MAX_LOGITS and _config.settings.cpu_native and _dispatch.reference_only(device)
+
+
+def _dense_torch(h, w, b, target, opt, reduction, num_items, want_z, want_acc):
+    """The fused loss as plain differentiable torch ops over the whole ``[N, V]`` logits (what the
+    native head computes, without returning them), same definitions as :func:`ce_rows_torch`:
+    label smoothing as torch's ``cross_entropy`` has it, the z-loss inside the loss, z-loss and
+    token accuracy not differentiable. The target range was checked before (CPU: raised there)."""
+    n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
+    z = torch.nn.functional.linear(h, w, b).float()
+    if opt.softcap is not None:
+        z = torch.tanh(z / opt.softcap) * opt.softcap
+    loss_rows = torch.nn.functional.cross_entropy(z, target.long(), ignore_index=opt.ignore_index, reduction="none",
+                                                  label_smoothing=opt.label_smoothing)
+    valid = target != opt.ignore_index
+    zl_rows = None
+    if opt.lse_square_scale:
+        lse = torch.logsumexp(z, dim=-1)
+        zl_rows = torch.where(valid, opt.lse_square_scale * lse * lse, lse.new_zeros(()))
+        loss_rows = loss_rows + zl_rows
+        zl_rows = zl_rows.detach()
+    elif want_z:
+        zl_rows = loss_rows.new_zeros(loss_rows.shape)
+    correct = None
+    if want_acc:
+        with torch.no_grad():
+            correct = (z.argmax(dim=-1) == target) & valid
+    loss, zl, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (target.numel(),), want_z,
+                            want_acc)
+    zero = loss.new_zeros(())
+    return loss, zl if zl is not None else zero, acc if acc is not None else zero
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -733,6 +777,8 @@ def fused_linear_cross_entropy(
         lowmem = (mode or _config.flce_mode()) == "lowmem" and triton_path and _dispatch.HAS_TRITON
         loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc,
                                  lowmem=lowmem, config=config, knobs=knobs)
+    elif mode is None and backend == "torch" and dense_for(h2.shape[0], v, device):
+        loss, z, acc = _dense_torch(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc)
     elif _pick_mode(mode, h2, weight, backend) == "lowmem":
         loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
             h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config, knobs.compact_ignored

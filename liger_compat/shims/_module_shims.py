@@ -27,13 +27,7 @@ from ._patching import Gate, PatchSet, ShimPatches, is_ours
 from ._registry import REGISTRY
 
 
-def compiling() -> bool:
-    import torch
-
-    try:
-        return bool(torch.compiler.is_compiling())
-    except AttributeError:  # torch < 2.3: no torch.compiler.is_compiling, and no compiling through it
-        return False
+compiling = _config.compiling
 
 
 def classes(module: Any, test: Callable[[str], bool]) -> list[type]:
@@ -67,6 +61,22 @@ def decode_step(x: Any) -> bool:
     if not _config.settings.decode_native or torch.is_grad_enabled():
         return False
     return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] == 1 and not compiling()
+
+
+def native_call(x: Any) -> bool:
+    """Whether a module call on ``x`` runs transformers' own code: a decode step (:func:`decode_step`),
+    or tensors no Triton kernel runs on by default (``kernels._dispatch.reference_only``: CPU tensors
+    without ``TRITON_INTERPRET=1``, or no importable Triton) while ``LIGER_COMPAT_CPU_NATIVE`` is on
+    (the default). There the kernels would run their torch references, the native module's result
+    with more ops and Python a call (a tiny model's CPU step took 1.9x native's with them).
+    ``LIGER_COMPAT_CPU_NATIVE=0`` runs the references (the kernels' math, checked without a GPU); so
+    does a forced ``kernels.use_backend("torch")``."""
+    from ..kernels import _dispatch
+
+    device = getattr(x, "device", None)
+    if device is None:
+        return False
+    return (_config.settings.cpu_native and _dispatch.reference_only(device)) or decode_step(x)
 
 
 _refused: set[tuple[str, str]] = set()

@@ -19,7 +19,7 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
-                            guarded, patch_instances, kernel_refusal, replaced_classes, decode_step,
+                            guarded, patch_instances, kernel_refusal, replaced_classes, native_call,
                             verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
@@ -73,7 +73,7 @@ def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
 
 
 def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    if len(args) != 1 or kwargs or instance is None or decode_step(args[0]):
+    if len(args) != 1 or kwargs or instance is None or native_call(args[0]):
         return wrapped(*args, **kwargs)
     found = mlp_layout(instance)
     if found is None:

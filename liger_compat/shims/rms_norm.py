@@ -18,7 +18,7 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
-                            guarded, patch_instances, kernel_refusal, replaced_classes, decode_step,
+                            guarded, patch_instances, kernel_refusal, replaced_classes, native_call,
                             verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
@@ -108,7 +108,7 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
         return wrapped(*args, **kwargs)
     x = args[0]
-    if decode_step(x):
+    if native_call(x):
         return wrapped(x)
     eps = _rms_eps(instance)
     if eps is None or not _rms_shape_ok(instance, x):

@@ -17,7 +17,7 @@ from typing import Any
 from .._log import log
 from .. import _config
 from ..compat import conflicts, families
-from ._module_shims import UPSTREAM, ModuleShim, close, compiling, guarded, kernel_refusal, decode_step
+from ._module_shims import UPSTREAM, ModuleShim, close, compiling, guarded, kernel_refusal, native_call
 from ._patching import ShimPatches, is_ours, signature, unwrap
 from ._registry import register
 
@@ -53,7 +53,7 @@ def _bind(names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> dict[s
 
 def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     # cos ([batch, positions, dim] or [positions, dim]) has the positions, whatever q's layout
-    if not _config.kernel_enabled(_ROPE) or decode_step(args[2] if len(args) > 2 else kwargs.get("cos")):
+    if not _config.kernel_enabled(_ROPE) or native_call(args[2] if len(args) > 2 else kwargs.get("cos")):
         return wrapped(*args, **kwargs)
     params = _rope_params(unwrap(wrapped))
     if isinstance(params, tuple):

@@ -31,6 +31,8 @@ import threading
 import warnings
 from typing import Any, Optional
 
+from .. import _config
+
 #: the extra field of a fused training output
 FIELD = "token_accuracy"
 
@@ -52,19 +54,13 @@ HINT = ("liger_compat: logits of this training output is None: with labels in tr
 
 def _get_logits(self: Any) -> Any:
     value = self.__dict__.get("logits")
-    if _compiling():  # a traced read (transformers < 4.46's __post_init__ reads every field) must
+    if _config.compiling():  # a traced read (transformers < 4.46's __post_init__ reads every field) must
         return value  # not guard on the hint's flag, which an eager read flips afterwards
     # token_accuracy (the last field, never None here) is a key only once construction is over:
     # ModelOutput.__post_init__ reads every field while it fills the keys
     if value is None and not _hinted and not trainer_steps and dict.__contains__(self, FIELD):
         _hint()
     return value
-
-
-def _compiling() -> bool:
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    is_compiling = getattr(compiler, "is_compiling", None)
-    return bool(is_compiling is not None and is_compiling())
 
 
 def _set_logits(self: Any, value: Any) -> None:

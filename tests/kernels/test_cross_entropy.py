@@ -46,15 +46,23 @@ options = st.fixed_dictionaries(
     opts=options,
     with_bias=st.booleans(),
     ignore_frac=st.sampled_from([0.0, 0.3]),
+    cpu_native=st.booleans(),
 )
-def test_flce_matches_float64(seed, n, h, v, dt, opts, with_bias, ignore_frac):
+def test_flce_matches_float64(seed, n, h, v, dt, opts, with_bias, ignore_frac, cpu_native):
+    """Both CPU paths (``LIGER_COMPAT_CPU_NATIVE``: on, the dense torch ops; off, the chunked reference;
+    under the interpreter the Triton kernels either way)."""
     hid, w, b, t = _inputs(seed, n, h, v, DT[dt], ignore_frac, with_bias)
     hid.requires_grad_(True)
     w.requires_grad_(True)
     if b is not None:
         b.requires_grad_(True)
-    out = fused_linear_cross_entropy(hid, w, t, bias=b, return_token_accuracy=True, return_z_loss=True, **opts)
+    saved, _config.settings.cpu_native = _config.settings.cpu_native, cpu_native
+    try:
+        out = fused_linear_cross_entropy(hid, w, t, bias=b, return_token_accuracy=True, return_z_loss=True, **opts)
+    finally:
+        _config.settings.cpu_native = saved
     assert last_backend["fused_linear_cross_entropy"] == expected_backend()
+    assert not (out.z_loss.requires_grad or out.token_accuracy.requires_grad)
     assert isinstance(out, CrossEntropyOutput)
 
     h64 = hid.detach().double().requires_grad_(True)
@@ -125,7 +133,9 @@ def test_flce_num_items_in_batch_and_3d_shapes():
     assert per_row.shape == (2, 12)
 
 
-def test_flce_all_ignored_is_zero_not_nan():
+@pytest.mark.parametrize("cpu_native", [False, True])
+def test_flce_all_ignored_is_zero_not_nan(monkeypatch, cpu_native):
+    monkeypatch.setattr(_config.settings, "cpu_native", cpu_native)
     hid, w, b, t = _inputs(7, 9, 6, 13, torch.float32, 0.0, True)
     t[:] = -100
     hid.requires_grad_(True)
@@ -139,7 +149,9 @@ def test_flce_all_ignored_is_zero_not_nan():
         assert torch.isfinite(x.grad).all() and x.grad.abs().max() == 0
 
 
-def test_flce_no_grad_inputs():
+@pytest.mark.parametrize("cpu_native", [False, True])
+def test_flce_no_grad_inputs(monkeypatch, cpu_native):
+    monkeypatch.setattr(_config.settings, "cpu_native", cpu_native)
     hid, w, _, t = _inputs(11, 6, 5, 17, torch.float32, 0.0, False)
     with torch.no_grad():
         loss = fused_linear_cross_entropy(hid, w, t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -15,7 +16,7 @@ from liger_compat.compat.families import BY_NAME
 from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
 from liger_compat.shims.logits_to_keep import translate
-from model_helpers import FAMILY_NAMES, native, random_batch, tiny
+from model_helpers import FAMILY_NAMES, GatedMLP, native, random_batch, tiny
 
 
 def _targets(family: str):
@@ -110,15 +111,8 @@ class OddRMSNorm(MyRMSNorm):
         return x * self.weight
 
 
-class MyMLP(torch.nn.Module):
-    def __init__(self, h, i):
-        super().__init__()
-        self.gate_proj, self.up_proj = torch.nn.Linear(h, i), torch.nn.Linear(h, i)
-        self.down_proj = torch.nn.Linear(i, h)
-        self.act_fn = torch.nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+class MyMLP(GatedMLP):
+    pass
 
 
 def test_apply_model_patches_structural_instances_and_revert_removes_them():
@@ -367,8 +361,9 @@ def test_modeling_module_imported_under_another_default_device_is_patched(how, f
     import json
     import subprocess
 
+    env = {**os.environ, "LIGER_COMPAT_CPU_NATIVE": "0"}  # the module kernels (references) run on CPU
     r = subprocess.run([sys.executable, "-c", _DEFAULT_DEVICE_SCRIPT, how, family], capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["errors"] == {}, out["errors"]

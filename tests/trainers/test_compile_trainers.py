@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from liger_compat import _config
 from liger_compat.compat import tiny_text as tiny
 
 from trainer_helpers import (assert_logs_close, fresh_model, make_config, native_head_interpreted,
@@ -74,6 +75,8 @@ def _graphs() -> int:
 def test_trainer_torch_compile_matches_native(tokenizer, tmp_path, monkeypatch):
     from transformers import Trainer, TrainingArguments
 
+    monkeypatch.setattr(_config.settings, "cpu_native", False)  # the kernels' ops on CPU tensors too
+
     enc = tokenizer([r["text"] for r in tiny.sft_rows(12)], padding="max_length", truncation=True, max_length=24)
     rows = []
     for ids, mask in zip(enc["input_ids"], enc["attention_mask"]):
@@ -106,6 +109,7 @@ def test_sft_trainer_torch_compile_matches_native(family, tokenizer, tmp_path, m
     not on this path there; the decoder's kernels are, as ops. Where the unpatched trl's head runs
     through Triton's interpreter (trl 1.15.0 on CPU, which cannot run it otherwise), the native
     reference trains eagerly."""
+    monkeypatch.setattr(_config.settings, "cpu_native", False)  # the kernels' ops on CPU tensors too
     trainer_cls, config_cls = trainer_or_skip("sft")
     ds = tiny.dataset(tiny.sft_rows(8))
     builds = []

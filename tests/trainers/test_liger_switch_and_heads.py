@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 import liger_compat
-from liger_compat import kernels
+from liger_compat import _config, kernels
 from liger_compat.shims import REGISTRY
 from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims.trainer_liger_switch import LigerSwitchWarning
@@ -137,10 +137,11 @@ def test_sft_with_the_trainers_switch_on(tokenizer, tmp_path):
         assert_logs_close(train_logs(nat), train_logs(pat), keys)
 
 
-def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path):
+def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path, monkeypatch):
     """trl's own fused head (1.15+ for every SFT run, 1.6 .. 1.14 with loss_type chunked_nll) runs the
     backbone; liger_compat's RMSNorm kernel runs inside the decoder, and check() says that liger_compat's
     log-prob kernel scores the labels (trl 1.15+'s add_fused_lm_head; trl 1.6 .. 1.14's chunked function)."""
+    monkeypatch.setattr(_config.settings, "cpu_native", False)  # the RMSNorm kernel on CPU tensors too
     trainer_cls, config_cls = trainer_or_skip("sft")
     extra = {}
     import trl.trainer.utils as tu
