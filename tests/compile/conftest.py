@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import liger_compat
-from liger_compat import _config
+from patch_helpers import all_kernels_active
 
-
-@pytest.fixture(autouse=True)
-def _patched():
-    s = _config.settings
-    saved = (s.disabled, s.kernels, dict(s.source))
-    s.disabled, s.kernels = False, frozenset(_config.ALL_KERNELS)
-    liger_compat.apply()
-    yield
-    s.disabled, s.kernels, s.source = saved[0], saved[1], saved[2]
-    liger_compat.apply()
+_patched = pytest.fixture(autouse=True)(all_kernels_active)
 
 
 @pytest.fixture(autouse=True)

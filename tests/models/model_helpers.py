@@ -10,11 +10,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_compat.compat.families import FAMILIES
+from liger_compat.compat import tiny_vlms
+from liger_compat.compat.families import BY_NAME, FAMILIES
 from liger_compat.compat.tiny_models import FamilyUnavailable, build
 from patch_helpers import CORE_FAMILIES, native  # noqa: F401  (re-exported to the model tests)
 
 FAMILY_NAMES = [f.name for f in FAMILIES if f.name in CORE_FAMILIES]
+
+
+class LlamaStyleRMSNorm(torch.nn.Module):
+    """A remote-code style Llama RMSNorm, in no transformers modeling module. Subclasses name it."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(h))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
 
 
 class GatedMLP(torch.nn.Module):
@@ -74,3 +89,22 @@ def manual_accuracy(logits, labels, ignore_index=-100):
 
 
 __all__ = ["CORE_FAMILIES", "FAMILY_NAMES", "native", "tiny", "random_batch", "grads", "manual_loss", "manual_accuracy"]
+
+
+def family_model_and_batch(family: str, seed: int):
+    """The family's tiny model (train mode), the forward's inputs, the labels and the unpatched
+    model's output on them. The tiny configs are written against transformers 5.23; where the
+    unpatched model itself cannot be built or run on them (an older release with other config
+    fields), the family is skipped with that error."""
+    try:
+        model = tiny(family)
+        if BY_NAME[family].vision:
+            kw, labels = tiny_vlms.inputs(model, seed=seed)
+        else:
+            ids, labels = random_batch(model, seed=seed)
+            kw = dict(input_ids=ids)
+        with native(), torch.no_grad():
+            ref = model(**kw, labels=labels)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
+        pytest.skip(f"the unpatched {family} model does not run on its tiny config here: {type(exc).__name__}: {exc}")
+    return model, kw, labels, ref

@@ -15,11 +15,10 @@ import torch
 import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import causal_lm
-from liger_compat.compat import tiny_vlms
 from liger_compat.compat.families import BY_NAME, FAMILIES
 from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
-from model_helpers import grads, manual_accuracy, native, random_batch, tiny
+from model_helpers import family_model_and_batch, grads, manual_accuracy, native
 
 ALL = [f.name for f in FAMILIES]
 FUSED = [f.name for f in FAMILIES if not f.why_native()]
@@ -32,20 +31,7 @@ GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def _model_and_batch(family: str, seed: int):
-    """The family's tiny model (train mode) and a batch. The tiny configs are written against
-    transformers 5.23; where the unpatched model itself cannot be built or run on them (an older
-    release with other config fields), the family is skipped with that error."""
-    try:
-        model = tiny(family)
-        if BY_NAME[family].vision:
-            kw, labels = tiny_vlms.inputs(model, seed=seed)
-        else:
-            ids, labels = random_batch(model, seed=seed)
-            kw = dict(input_ids=ids)
-        with native(), torch.no_grad():
-            model(**kw, labels=labels)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
-        pytest.skip(f"the unpatched {family} model does not run on its tiny config here: {type(exc).__name__}: {exc}")
+    model, kw, labels, _ = family_model_and_batch(family, seed)
     return model, kw, labels
 
 

@@ -175,7 +175,7 @@ CPU_STEP_RATIO_GOAL = 1.1
 
 @pytest.mark.slow
 @pytest.mark.cpu_native
-@pytest.mark.xfail(reason="the shims' per-call Python and the fused loss's argument checks: about 1.25x native's "
+@pytest.mark.xfail(reason="the shims' per-call Python and the fused loss's argument checks: about 1.2x native's "
                           "step and 1.5x its Python calls (benchmarks.cpu_step)", strict=False)
 def test_tiny_model_cpu_step_close_to_native():
     """Alternating batches in one process, median step time (``benchmarks.cpu_step``). Marked

@@ -16,7 +16,7 @@ from liger_compat.compat.families import BY_NAME
 from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
 from liger_compat.shims.logits_to_keep import translate
-from model_helpers import FAMILY_NAMES, GatedMLP, native, random_batch, tiny
+from model_helpers import FAMILY_NAMES, GatedMLP, LlamaStyleRMSNorm, native, random_batch, tiny
 
 
 def _targets(family: str):
@@ -90,18 +90,8 @@ def test_kernel_selection_reverts_the_deselected_shims():
 # -- instance-level patching of classes outside the families ---------------------------------
 
 
-class MyRMSNorm(torch.nn.Module):
-    """A remote-code style Llama RMSNorm (not in any transformers modeling module)."""
-
-    def __init__(self, h):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(h))
-        self.variance_epsilon = 1e-6
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xf.to(x.dtype)
+class MyRMSNorm(LlamaStyleRMSNorm):
+    pass
 
 
 class OddRMSNorm(MyRMSNorm):

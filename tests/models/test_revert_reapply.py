@@ -11,21 +11,11 @@ import torch
 import liger_compat
 from liger_compat import kernels
 from liger_compat.shims import _forward_args, causal_lm
-from model_helpers import GatedMLP, random_batch, tiny
+from model_helpers import GatedMLP, LlamaStyleRMSNorm, random_batch, tiny
 
 
-class RemoteRMSNorm(torch.nn.Module):
-    """A remote-code style Llama RMSNorm (in no transformers modeling module)."""
-
-    def __init__(self, h):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(h))
-        self.variance_epsilon = 1e-6
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xf.to(x.dtype)
+class RemoteRMSNorm(LlamaStyleRMSNorm):
+    pass
 
 
 class RemoteMLP(GatedMLP):

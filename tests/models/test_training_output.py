@@ -23,27 +23,15 @@ import torch.utils._pytree as pytree
 
 import liger_compat
 from liger_compat import _config
-from liger_compat.compat import tiny_vlms
-from liger_compat.compat.families import BY_NAME, FAMILIES
+from liger_compat.compat.families import FAMILIES
 from liger_compat.shims import causal_lm, training_output
-from model_helpers import native, random_batch, tiny
+from model_helpers import family_model_and_batch, native
 
 FUSED = [f.name for f in FAMILIES if not f.why_native()]
 
 
 def _model_and_batch(family: str, seed: int):
-    """As in test_families: a family whose unpatched model cannot run on its tiny config here is skipped."""
-    try:
-        model = tiny(family)
-        if BY_NAME[family].vision:
-            kw, labels = tiny_vlms.inputs(model, seed=seed)
-        else:
-            ids, labels = random_batch(model, seed=seed)
-            kw = dict(input_ids=ids)
-        with native(), torch.no_grad():
-            ref = model(**kw, labels=labels)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
-        pytest.skip(f"the unpatched {family} model does not run on its tiny config here: {type(exc).__name__}: {exc}")
+    model, kw, labels, ref = family_model_and_batch(family, seed)
     model.native_output = ref
     return model, kw, labels, type(ref)
 
