@@ -27,7 +27,8 @@ from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims._patching import PatchSet, unwrap
 
 from trainer_helpers import (FusedOutputCounter, assert_logs_close, clone, config_fields, fresh_model, make_config,
-                             native, run_native_and_patched, tokenizer_kwarg, train_logs, trainer_or_skip)
+                             native, run_native_and_patched, tokenizer_kwarg, train_logs, trainer_or_skip,
+                             unsloth_style_get_batch_samples)
 
 FUSED_FORWARD = "transformers.fused_causal_lm_forward"
 KEEP_RENAME = "transformers.logits_to_keep"
@@ -543,18 +544,6 @@ def test_f4_padding_free_sft_passes_with_the_shim(tokenizer, tmp_path):
 # F5: label-token counting on ORPO / CPO batches; tokenizer -> processing_class
 # =============================================================================================
 
-def _unsloth_style_get_batch_samples(self, epoch_iterator, num_batches, device=None, *args, **kwargs):
-    """unsloth's replacement of ``Trainer.get_batch_samples`` reads ``batch["labels"]`` of every batch."""
-    batches = []
-    for _ in range(num_batches):
-        try:
-            batches.append(next(epoch_iterator))
-        except StopIteration:
-            break
-    num_items = sum((x["labels"][..., 1:] != -100).sum() for x in batches)
-    return batches, num_items
-
-
 def _pref_builder(name, tokenizer, tmp_path, loop=None):
     trainer_cls, config_cls = trainer_or_skip(name)
     ds = tiny.dataset(tiny.preference_rows(8))
@@ -581,7 +570,7 @@ def _needs_counting():
 @pytest.mark.parametrize("name", ["orpo", "cpo"])
 def test_f5_label_counting_fails_without_the_shim(name, tokenizer, tmp_path):
     _needs_counting()
-    build = _pref_builder(name, tokenizer, tmp_path, loop=_unsloth_style_get_batch_samples)
+    build = _pref_builder(name, tokenizer, tmp_path, loop=unsloth_style_get_batch_samples)
     trainer = build(fresh_model("llama", tokenizer))
     with REGISTRY.suspended(LABEL_COUNT):
         with pytest.raises(KeyError, match="labels"):
@@ -613,7 +602,7 @@ def test_f5_label_counting_passes_with_the_shim(name, tokenizer, tmp_path):
         nat = _quiet_train(_pref_builder(name, tokenizer, tmp_path)(clone(base)))
     model = clone(base)
     liger_compat.apply(model)
-    pat = _pref_builder(name, tokenizer, tmp_path, loop=_unsloth_style_get_batch_samples)(model)
+    pat = _pref_builder(name, tokenizer, tmp_path, loop=unsloth_style_get_batch_samples)(model)
     rec = _CountRecorder(pat)
     _quiet_train(pat)
     keys = [k for k in train_logs(nat)[0] if k in ("loss", "rewards/chosen", "rewards/rejected", "nll_loss",

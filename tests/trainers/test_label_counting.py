@@ -8,7 +8,7 @@ import torch
 from liger_compat.shims import REGISTRY
 from liger_compat.shims.num_items_in_batch_labels import count_label_tokens, label_keys
 
-from trainer_helpers import make_config, native
+from trainer_helpers import make_config, native, unsloth_style_get_batch_samples
 
 
 def _labels(shape, gen, p_ignore=0.3):
@@ -100,18 +100,6 @@ def test_mixed_micro_batches(tmp_path, tokenizer):
     assert int(count) == _expected(trainer, batches)
 
 
-def _unsloth_style_get_batch_samples(self, epoch_iterator, num_batches, device=None, *args, **kwargs):
-    """Like unsloth's replacement: reads x["labels"] of every batch without looking first."""
-    batches = []
-    for _ in range(num_batches):
-        try:
-            batches.append(next(epoch_iterator))
-        except StopIteration:
-            break
-    num_items = sum((x["labels"][..., 1:] != -100).sum() for x in batches)
-    return batches, num_items
-
-
 class _PreferenceLikeTrainer:
     """Mixin: a loss over chosen_labels only (an ORPO-style batch) that records num_items_in_batch."""
 
@@ -154,7 +142,7 @@ def test_unsloth_style_loop_with_preference_batches(tmp_path, tokenizer):
     from liger_compat.compat import tiny_text as tiny
 
     class UnslothLike(_PreferenceLikeTrainer, Trainer):
-        get_batch_samples = _unsloth_style_get_batch_samples
+        get_batch_samples = unsloth_style_get_batch_samples
 
     def build():
         args = make_config(TrainingArguments, tmp_path, remove_unused_columns=False, gradient_accumulation_steps=2,

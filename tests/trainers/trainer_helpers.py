@@ -218,3 +218,16 @@ def comparable_keys(logs) -> list[str]:
     return sorted(k for k, v in logs[0].items()
                   if isinstance(v, (int, float)) and k not in NOT_COMPARED
                   and not any(t in k for t in ("time", "runtime", "per_second")))
+
+
+def unsloth_style_get_batch_samples(self, epoch_iterator, num_batches, device=None, *args, **kwargs):
+    """Like unsloth's replacement of ``Trainer.get_batch_samples``: reads ``batch["labels"]`` of every
+    batch without looking first (preference batches have none)."""
+    batches = []
+    for _ in range(num_batches):
+        try:
+            batches.append(next(epoch_iterator))
+        except StopIteration:
+            break
+    num_items = sum((x["labels"][..., 1:] != -100).sum() for x in batches)
+    return batches, num_items
