@@ -507,9 +507,11 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     # autocast's, or else the gathered weight's: under FSDP2 mixed precision the shard read here is
     # fp32 while the gathered weight is param_dtype (bf16, say)
     auto = _autocast_dtype(h)
-    with torch.autocast(h.device.type, enabled=False):
-        res = _distributed.fused_head_loss(model.lm_head, h if auto is None else h.to(auto), target,
-                                           dtype=auto, **opts)
+    if auto is None:  # no autocast on this device: nothing to turn off (a context manager less a call)
+        res = _distributed.fused_head_loss(model.lm_head, h, target, dtype=None, **opts)
+    else:
+        with torch.autocast(h.device.type, enabled=False):
+            res = _distributed.fused_head_loss(model.lm_head, h.to(auto), target, dtype=auto, **opts)
     loss = res.loss
     if num_items is None:
         # native's loss is a mean over the labelled positions: NaN (0 / 0) when there are none (every
