@@ -7,7 +7,11 @@ and backward, so the step is almost all per-call host work (Python, dispatch), t
 wrappers cost the most. Native and patched (``liger_compat.revert()`` / ``apply()``) alternate in
 batches of ``--steps`` steps, ``--rounds`` times; the figure is the ratio of the medians of the
 per-step times, and of the fastest batches; and the Python calls of one step of each
-(:func:`call_counts`, independent of the machine's load). Prints one JSON line.
+(:func:`call_counts`, independent of the machine's load). Prints one JSON line per variant:
+``default`` (``LIGER_COMPAT_CPU_NATIVE`` on: transformers' own module code and the dense torch loss)
+and ``references`` (off: the kernels' torch references, as the CPU path ran before that setting).
+
+    python -m benchmarks.cpu_step --out benchmarks/results   # also writes cpu_step.json / cpu_step.md
 """
 
 from __future__ import annotations
@@ -104,12 +108,61 @@ def call_counts(seed: int = 0) -> dict:
     return out
 
 
+#: variant -> LIGER_COMPAT_CPU_NATIVE for it
+VARIANTS = {"default": True, "references": False}
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    import torch
+    import transformers
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (1 intra-op thread), "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}")
+
+
+def _markdown(rows: list[dict], machine: str) -> str:
+    lines = [f"A tiny Llama's training step on the CPU (2 layers, hidden 32, vocabulary 256, 2 x 16 tokens: per-call "
+             f"host work), native and patched alternating in one process; {machine}.", "",
+             "| variant | native ms | patched ms | patched / native (median) | (fastest batches) | Python calls native / patched |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        pc = r["python_calls"]
+        lines.append(f"| {r['variant']} | {r['native_ms']:.3f} | {r['patched_ms']:.3f} | {r['ratio_median']:.3f} | "
+                     f"{r['ratio_best_batch']:.3f} | {pc['native']} / {pc['patched']} |")
+    lines += ["", "default: `LIGER_COMPAT_CPU_NATIVE=1` (transformers' own RMSNorm, RoPE and MLP code, the fused loss "
+              "as dense torch ops); references: `LIGER_COMPAT_CPU_NATIVE=0` (the kernels' torch references)."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from liger_compat import _config
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None, help="also write <name>.json and <name>.md there")
+    ap.add_argument("--name", default="cpu_step")
     a = ap.parse_args(argv)
-    print(json.dumps({**step_times(a.steps, a.rounds), "python_calls": call_counts()}))
+    rows = []
+    saved = _config.settings.cpu_native
+    try:
+        for variant, on in VARIANTS.items():
+            _config.settings.cpu_native = on
+            row = {"variant": variant, **step_times(a.steps, a.rounds), "python_calls": call_counts()}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        _config.settings.cpu_native = saved
+    if a.out:
+        from . import _results
+
+        name = "" if a.name == "cpu_step" else f" --name {a.name}"
+        command = f"python -m benchmarks.cpu_step --steps {a.steps} --rounds {a.rounds} --out {a.out}{name}"
+        machine = _machine()
+        _results.write(a.out, a.name, {"machine": machine, "rows": rows}, _markdown(rows, machine), command)
     return 0
 
 

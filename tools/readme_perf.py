@@ -4,7 +4,7 @@ committed benchmark results.
     python tools/readme_perf.py          # rewrite the blocks between the markers
     python tools/readme_perf.py --check  # exit 1 when a block is stale
 
-Reads benchmarks/results/{kernels,e2e,e2e_settings,overhead}.json. Every ratio compares
+Reads benchmarks/results/{kernels,e2e,e2e_settings,overhead,cpu_step}.json. Every ratio compares
 implementations measured together.
 """
 
@@ -159,6 +159,20 @@ def _overhead(o: dict) -> list[str]:
     return out
 
 
+def _cpu_step(c: dict) -> list[str]:
+    rows = {r["variant"]: r for r in c["rows"]}
+    d, ref = rows.get("default"), rows.get("references")
+    if d is None:
+        return []
+    text = (f"A tiny Llama's training step on the CPU (`python -m benchmarks.cpu_step`, `benchmarks/results/cpu_step.md`; "
+            f"{c['machine']}): patched {d['patched_ms']:.2f} ms against native's {d['native_ms']:.2f} "
+            f"({d['ratio_median']:.2f}x; transformers' own module code and the dense torch loss, the default)")
+    if ref is not None:
+        text += (f"; with the kernels' torch references (`LIGER_COMPAT_CPU_NATIVE=0`) {ref['patched_ms']:.2f} ms "
+                 f"against {ref['native_ms']:.2f} ({ref['ratio_median']:.2f}x)")
+    return ["", text + "."]
+
+
 def render() -> str:
     parts: list[str] = []
     k = _load("kernels.json")
@@ -171,6 +185,9 @@ def render() -> str:
     o = _load("overhead.json")
     if o:
         parts += _overhead(o)
+    c = _load("cpu_step.json")
+    if c:
+        parts += _cpu_step(c)
     return START + "\n" + "\n".join(parts) + "\n" + END
 
 
