@@ -9,7 +9,7 @@
 # (MODELS_ARGS), pytest:<args> (a pytest selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 # The device tool brings back at most 8 files from $OUT: the steps write under $RES, which is packed
-# into $OUT/results.tgz after every step (a run cut short keeps what the finished steps wrote).
+# into $OUT/results.tgz after every step and every 30 s (a run cut short keeps what was written).
 # The wheels go to a directory named site-packages: datasets hashes its functions with dill, which
 # pickles modules outside a site-packages directory by value (and fails on pyarrow's).
 set -u
@@ -26,6 +26,10 @@ export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L >"$OUT/machine.log" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >>"$OUT/machine.log" 2>&1
 pack() { tar czf "$DEST/results.tgz.tmp" -C "$OUT" . && mv "$DEST/results.tgz.tmp" "$DEST/results.tgz"; cp "$OUT/machine.log" "$DEST/"; }
+# also every 30 s, so that a step the call's time limit cuts short keeps what it wrote so far
+( while sleep 30; do pack 2>/dev/null; done ) &
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null' EXIT
 for step in "$@"; do
   t0=$(date +%s)
   case "$step" in

@@ -292,7 +292,9 @@ def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
     return rows
 
 
-def fresh_timing(args, families: list[str]) -> list[dict]:
+def fresh_timing(args, families: list[str], on_process=None) -> list[dict]:
+    """Rows of ``--fresh`` timing; ``on_process(rows)`` after every child process, so that a run cut
+    short keeps what it measured (the rows then cover the processes done so far)."""
     runs: dict[str, dict[str, list]] = {"native": {}, "patched": {}}
     skipped: dict[str, str] = {}
     for r in range(args.fresh):
@@ -304,11 +306,17 @@ def fresh_timing(args, families: list[str]) -> list[dict]:
                 else:
                     skipped[fam] = row.get("skipped") or row.get("error", "?")
             log(f"round {r + 1}/{args.fresh} {which}: {time.perf_counter() - t0:.0f} s")
+            if on_process is not None:
+                on_process(_fresh_rows(runs, skipped, families))
+    return _fresh_rows(runs, skipped, families)
+
+
+def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], families: list[str]) -> list[dict]:
     rows = []
     for fam in families:
         n, p = runs["native"].get(fam, []), runs["patched"].get(fam, [])
         if not n or not p:
-            rows.append({"family": fam, "skipped": skipped.get(fam, "no timing (see the log)")})
+            rows.append({"family": fam, "skipped": skipped.get(fam, "no timing (yet, or see the log)")})
             continue
         rows.append({"family": fam, "ms_native": statistics.median(n), "ms_patched": statistics.median(p),
                      "ratio": statistics.median(p) / statistics.median(n),
@@ -387,11 +395,14 @@ def main(argv=None) -> int:
     cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
     if args.fresh:
         meta.update(fresh=args.fresh, steps=args.steps)
-        rows = fresh_timing(args, families)
-        (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
-        md = _results.md_line(cmd) + timing_markdown(rows, meta)
-        (out / f"{args.name}.md").write_text(md + "\n")
-        log(md)
+
+        def write_timing(rows: list[dict]) -> str:  # after every child process
+            (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
+            md = _results.md_line(cmd) + timing_markdown(rows, meta)
+            (out / f"{args.name}.md").write_text(md + "\n")
+            return md
+
+        log(write_timing(fresh_timing(args, families, on_process=write_timing)))
         return 0
 
     def write() -> str:  # after every family, so a run cut short keeps what it measured
