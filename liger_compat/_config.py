@@ -277,7 +277,8 @@ def return_logits() -> bool:
 
 def triton_interpret() -> bool:
     """True when ``TRITON_INTERPRET`` (read now, on every call) asks for Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_VALUES
+    raw = os.environ.get("TRITON_INTERPRET")
+    return raw is not None and raw.strip().lower() in TRUE_VALUES
 
 
 def describe() -> list[dict[str, str]]:

@@ -71,12 +71,24 @@ def native_call(x: Any) -> bool:
     with more ops and Python a call (a tiny model's CPU step took 1.9x native's with them).
     ``LIGER_COMPAT_CPU_NATIVE=0`` runs the references (the kernels' math, checked without a GPU); so
     does a forced ``kernels.use_backend("torch")``."""
-    from ..kernels import _dispatch
-
     device = getattr(x, "device", None)
     if device is None:
         return False
-    return (_config.settings.cpu_native and _dispatch.reference_only(device)) or decode_step(x)
+    return (_config.settings.cpu_native and _kernel_dispatch().reference_only(device)) or decode_step(x)
+
+
+_dispatch_module: Any = None
+
+
+def _kernel_dispatch() -> Any:
+    """``liger_compat.kernels._dispatch``, imported on the first module call (it imports torch, which
+    ``import liger_compat`` does not) and kept: no import statement runs on every call."""
+    global _dispatch_module
+    if _dispatch_module is None:
+        from ..kernels import _dispatch
+
+        _dispatch_module = _dispatch
+    return _dispatch_module
 
 
 _refused: set[tuple[str, str]] = set()

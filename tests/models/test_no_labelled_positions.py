@@ -54,7 +54,9 @@ def test_loss_and_grads_are_natives(family, case, num_items, mode):
     with native():
         ref, g_ref = _step(model, ids, labels, kw)
     assert math.isnan(ref) == (num_items is None)  # what native gives, so the test means something
-    torch.testing.assert_close(loss, ref, equal_nan=True, rtol=0, atol=0)
+    # NaN as native's, or its 0; a MoE family adds its router's auxiliary loss where its config asks
+    # (transformers 4.48's tiny Mixtral), from hidden states the kernels computed: equal up to an ulp
+    torch.testing.assert_close(loss, ref, equal_nan=True, rtol=1e-6, atol=0)
     assert g.keys() == g_ref.keys()
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
