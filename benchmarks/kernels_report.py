@@ -20,6 +20,19 @@ def _spread(r, digits):
     return f"{min(ts):.{digits}f}-{max(ts):.{digits}f}" if len(ts) > 1 else ""
 
 
+def _by_shape(rows: list[dict], ref_impl: str, lines: list[str], ncols: int):
+    """``(shape, row, ms of ref_impl on that shape or None)`` for every measured row, shapes in the
+    order first seen; a row without a time becomes an error line of ``ncols`` columns in ``lines``."""
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        rs = [r for r in rows if r["shape"] == shape]
+        ref = next((r.get("ms") for r in rs if r["impl"] == ref_impl), None)
+        for r in rs:
+            if r.get("ms") is None:
+                lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} |" + " |" * (ncols - 3))
+                continue
+            yield shape, r, ref
+
+
 def _mib(r):
     return f"{r['extra_mib']:.0f}" if r.get("extra_mib") is not None else "-"
 
@@ -109,16 +122,10 @@ def report() -> str:
                   "x trl: time / trl head's time on the same rows; errors vs an fp32 head for the SFT loss.", "",
                   "| head | impl | ms | x floor | x trl head | extra MiB | grad_h err vs fp32 | grad_w err vs fp32 |",
                   "|---|---|---|---|---|---|---|---|"]
-        for shape in dict.fromkeys(r["shape"] for r in lp):
-            rs = [r for r in lp if r["shape"] == shape]
-            trl = next((r.get("ms") for r in rs if r["impl"] == "trl head"), None)
-            for r in rs:
-                if r.get("ms") is None:
-                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | |")
-                    continue
-                ge = (f"{r['gh_err_vs_fp32']:.2e} | {r['gw_err_vs_fp32']:.2e}" if "gh_err_vs_fp32" in r else " | ")
-                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
-                             f"{r['ms'] / trl if trl else float('nan'):.2f} | {_mib(r)} | {ge} |")
+        for shape, r, trl in _by_shape(lp, "trl head", lines, 8):
+            ge = (f"{r['gh_err_vs_fp32']:.2e} | {r['gw_err_vs_fp32']:.2e}" if "gh_err_vs_fp32" in r else " | ")
+            lines.append(f"| {shape} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+                         f"{r['ms'] / trl if trl else float('nan'):.2f} | {_mib(r)} | {ge} |")
     el = _rows("elementwise")
     if el:
         lines += ["", "## RMSNorm, SwiGLU, GeGLU, RoPE (bf16, forward+backward)", "",
@@ -126,18 +133,12 @@ def report() -> str:
                   "slowest; eager ms: ordinary launches from Python (first round).", "",
                   "| kernel | impl | GPU ms | rounds | eager ms | x bandwidth floor | x liger_compat | extra MiB | grad err vs eager |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for shape in dict.fromkeys(r["shape"] for r in el):
-            rs = [r for r in el if r["shape"] == shape]
-            ours = next((r.get("ms") for r in rs if r["impl"] == "liger_compat"), None)
-            for r in rs:
-                if r.get("ms") is None:
-                    lines.append(f"| {shape} | {r['impl']} | error: {r.get('error', '')[:80]} | | | | | | |")
-                    continue
-                ge = r.get("grad_err_vs_eager")
-                le = r.get("ms_eager_launch")
-                lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {_spread(r, 3)} | {'' if le is None else f'{le:.3f}'} | "
-                             f"{r['ms'] / r['floor_ms']:.2f} | {r['ms'] / ours if ours else float('nan'):.2f} | {_mib(r)} | "
-                             f"{'' if ge is None else f'{ge:.1e}'} |")
+        for shape, r, ours in _by_shape(el, "liger_compat", lines, 9):
+            ge = r.get("grad_err_vs_eager")
+            le = r.get("ms_eager_launch")
+            lines.append(f"| {shape} | {r['impl']} | {r['ms']:.3f} | {_spread(r, 3)} | {'' if le is None else f'{le:.3f}'} | "
+                         f"{r['ms'] / r['floor_ms']:.2f} | {r['ms'] / ours if ours else float('nan'):.2f} | {_mib(r)} | "
+                         f"{'' if ge is None else f'{ge:.1e}'} |")
     return "\n".join(lines) + "\n"
 
 
