@@ -81,14 +81,17 @@ _dispatch_module: Any = None
 
 
 def _kernel_dispatch() -> Any:
-    """``liger_compat.kernels._dispatch``, imported on the first module call (it imports torch, which
-    ``import liger_compat`` does not) and kept: no import statement runs on every call."""
+    """``liger_compat.kernels._dispatch``, imported on the first eager module call (it imports torch,
+    which ``import liger_compat`` does not) and kept: no import statement runs on later calls. Not
+    kept while torch.compile traces: a global written then fails the next call's guards."""
     global _dispatch_module
-    if _dispatch_module is None:
-        from ..kernels import _dispatch
+    mod = _dispatch_module
+    if mod is None:
+        from ..kernels import _dispatch as mod
 
-        _dispatch_module = _dispatch
-    return _dispatch_module
+        if not _config.compiling():
+            _dispatch_module = mod
+    return mod
 
 
 _refused: set[tuple[str, str]] = set()
