@@ -57,8 +57,25 @@ def _tiny_setup(tmp_path: Path, seed: int) -> tuple[Path, Path]:
     return model_dir, data_dir
 
 
+def _trl_script(tmp_path: Path) -> Path:
+    """trl's console script for this interpreter: the one pip installed beside it, else (trl seen
+    through another environment's site-packages, as tox's cells see the system's) the same script
+    written here from trl's entry point, as pip writes it."""
+    beside = Path(sys.executable).with_name("trl")
+    if beside.exists():
+        return beside
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "trl"]
+    module, func = ep.value.split(":")
+    script = tmp_path / "trl"
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n")
+    script.chmod(0o755)
+    return script
+
+
 def _sft(tmp_path: Path, name: str, prefix: list[str], model_dir: Path, data_dir: Path, seed: int):
-    trl = Path(sys.executable).with_name("trl")
+    trl = _trl_script(tmp_path)
     out, probes, site = tmp_path / name, tmp_path / f"{name}-probes", tmp_path / f"{name}-site"
     probes.mkdir()
     site.mkdir()
