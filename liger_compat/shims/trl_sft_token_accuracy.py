@@ -21,7 +21,10 @@ What the shim does, per ``compute_loss`` call, without copying trl's metric code
   ``mean_token_accuracy`` as correct / valid tokens over all ranks (``correct`` recovered from the
   fused fraction and the number of valid shifted labels), and ``entropy`` from the decoder's last
   hidden state (captured by a second hook) through the LM head in row chunks under ``no_grad``,
-  with the version's own masking. trl >= 0.26 logs the accuracy itself from ``token_accuracy``.
+  with the version's own masking. trl 0.26 .. 1.14's liger branch logs an accuracy of its own, the
+  plain mean of the ranks' ``token_accuracy`` fractions; on more than one rank with different
+  numbers of valid tokens that is not the native figure, so the shim takes that value back and
+  logs the native one in its place.
 """
 
 from __future__ import annotations
@@ -213,6 +216,7 @@ def _make_wrapper(style: SFTMetricStyle):
                 setattr(targs, style.switch, True)  # trl now takes its logits-free branch
                 switched = True
 
+        logged = len(_metrics_for(instance, style).get("mean_token_accuracy", ()))
         handles.append(model.register_forward_hook(on_model))
         if style.entropy is not None:
             decoder = getattr(_base_model(model), "model", None)
@@ -228,8 +232,9 @@ def _make_wrapper(style: SFTMetricStyle):
         if cap.fused_out is None:
             return result
         metrics = _metrics_for(instance, style)
-        if not style.logs_accuracy_on_switch:
-            _log_accuracy(instance, metrics, cap.fused_out, inputs)
+        if style.logs_accuracy_on_switch and len(metrics.get("mean_token_accuracy", ())) == logged + 1:
+            metrics["mean_token_accuracy"].pop()  # trl's unweighted mean over ranks: the native one replaces it
+        _log_accuracy(instance, metrics, cap.fused_out, inputs)
         if style.entropy is not None and cap.hidden is not None:
             _log_entropy(instance, metrics, style, cap.hidden, inputs)
         return result

@@ -68,12 +68,36 @@ def _trainer(seed: int, out_dir: str):
     return Trainer(model=model, args=_args(TrainingArguments, out_dir), train_dataset=ds)
 
 
-def _sft(seed: int, out_dir: str):
+def _install_logits_reader(trainer_cls) -> bool:
+    """Give ``trainer_cls`` a compute_loss that reads ``outputs.logits`` (trl 1.3 .. 1.14's, see
+    ``tests/trainers/sft_logits_reader.py``) where the installed one reads none; the token-accuracy
+    shim is applied to it afresh, as an import of such a trl would. Whether one was installed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
+    from sft_logits_reader import compute_loss_reading_logits, reads_logits
+
+    from liger_compat.shims import REGISTRY
+
+    if reads_logits(trainer_cls):
+        return False
+    if os.environ.get("LIGER_COMPAT_DISABLE") == "1":
+        trainer_cls.compute_loss = compute_loss_reading_logits
+        return True
+    with REGISTRY.suspended("trl.sft_token_accuracy"):
+        trainer_cls.compute_loss = compute_loss_reading_logits
+    return True
+
+
+def _sft(seed: int, out_dir: str, logits_reader: bool = False):
     from liger_compat.compat import tiny_text as tiny
     from liger_compat.compat.trl_trainer_locations import find_trainer
     from liger_compat.shims._patching import signature
 
     trainer_cls, config_cls = find_trainer("sft")
+    if logits_reader:
+        _install_logits_reader(trainer_cls)
     tok = tiny.build_tokenizer()
     model = tiny.build_model("llama", tok, seed=seed)
     # loss_type="nll": the model computes the loss (trl >= 1.10 defaults to its own chunked head);
@@ -90,6 +114,8 @@ def main() -> None:
     ap.add_argument("kind", choices=["trainer", "sft"])
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--logits-reader", action="store_true",
+                    help="sft: an SFTTrainer.compute_loss that reads outputs.logits, where the installed one does not")
     a = ap.parse_args()
     _quiet()
     import tempfile
@@ -97,7 +123,7 @@ def main() -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = (_trainer if a.kind == "trainer" else _sft)(a.seed, tmp)
+        trainer = _trainer(a.seed, tmp) if a.kind == "trainer" else _sft(a.seed, tmp, a.logits_reader)
         rec = OutputRecorder(trainer.model)
         trainer.train()
     ddp = trainer.model_wrapped
@@ -114,6 +140,7 @@ def main() -> None:
             "logs": [h for h in trainer.state.log_history if "loss" in h],
             "state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             "patched": not lc._config.settings.disabled,
+            "compute_loss": getattr(type(trainer).compute_loss, "__wrapped__", type(trainer).compute_loss).__name__,
         }, a.out)
 
 

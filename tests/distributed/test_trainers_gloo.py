@@ -26,10 +26,10 @@ if not torch.distributed.is_available():  # pragma: no cover
 WORKER = Path(__file__).with_name("_trainer_worker.py")
 
 
-def _run_both(tmp_path: Path, kind: str) -> tuple[dict, dict, int]:
+def _run_both(tmp_path: Path, kind: str, *extra: str) -> tuple[dict, dict, int]:
     seed = random.randrange(2**31)
     pat_out, nat_out = tmp_path / "patched.pt", tmp_path / "native.pt"
-    args = [kind, "--seed", str(seed)]
+    args = [kind, "--seed", str(seed), *extra]
     h.torchrun_many([(WORKER, args + ["--out", str(pat_out)], None),
                      (WORKER, args + ["--out", str(nat_out)], {"LIGER_COMPAT_DISABLE": "1"})], timeout=300)
     return torch.load(pat_out, weights_only=False), torch.load(nat_out, weights_only=False), seed
@@ -74,3 +74,30 @@ def test_two_process_sft_trainer_with_its_defaults_trains_as_natively(tmp_path):
     for a, b in zip(nat["logs"], pat["logs"]):  # the token accuracy reaches trl's logs (F1)
         if "mean_token_accuracy" in a:
             assert math.isclose(a["mean_token_accuracy"], b["mean_token_accuracy"], abs_tol=1e-6), (a, b)
+
+
+def _assert_same_sft_metrics(pat: dict, nat: dict, seed: int) -> None:
+    logged = 0
+    for a, b in zip(nat["logs"], pat["logs"]):
+        for key in ("mean_token_accuracy", "entropy"):
+            if key in a:
+                assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-6), (seed, key, a, b)
+                logged += key == "mean_token_accuracy"
+    assert logged == len(nat["logs"]), (seed, nat["logs"])
+
+
+def test_two_process_sft_token_accuracy_is_weighted_by_tokens_as_natively(tmp_path):
+    """trl 0.26 .. 1.14 read ``outputs.logits`` for the token accuracy (correct over valid tokens of all
+    ranks); given a model without logits, their own branch logs the plain mean of the ranks' fractions,
+    which differs whenever the ranks hold different numbers of valid tokens. Run on that compute_loss
+    (trl 1.15+: the same reads, written in ``tests/trainers/sft_logits_reader.py``)."""
+    pytest.importorskip("trl")
+    from liger_compat.compat import known_issues
+
+    if known_issues.by_id("trl-head-on-cpu").applies(cuda=torch.cuda.is_available()):
+        pytest.skip("trl 1.15.0's own head fails on CPU natively (known issue trl-head-on-cpu): no native run to compare")
+    pat, nat, seed = _run_both(tmp_path, "sft", "--logits-reader")
+    assert pat["compute_loss"] == nat["compute_loss"], (pat["compute_loss"], nat["compute_loss"])
+    assert any(k.endswith(" fused") for k in pat["outputs"]), pat["outputs"]  # logits None reached compute_loss
+    _assert_same_training(pat, nat, seed)
+    _assert_same_sft_metrics(pat, nat, seed)

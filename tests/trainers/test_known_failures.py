@@ -26,6 +26,7 @@ from liger_compat.shims import REGISTRY
 from liger_compat.compat import tiny_text as tiny
 from liger_compat.shims._patching import PatchSet, unwrap
 
+from sft_logits_reader import compute_loss_reading_logits
 from trainer_helpers import (FusedOutputCounter, assert_logs_close, clone, config_fields, fresh_model, make_config,
                              native, run_native_and_patched, tokenizer_kwarg, train_logs, trainer_or_skip,
                              unsloth_style_get_batch_samples)
@@ -75,37 +76,6 @@ def _decoder_hidden(instance, kwargs):
 # F1: SFTTrainer reads outputs.logits for its token accuracy / entropy; the fused forward has none
 # =============================================================================================
 
-def _compute_loss_reading_logits(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-    """An ``SFTTrainer.compute_loss`` modelled on trl 1.3 .. 1.14's with ``loss_type="nll"`` (the reads the
-    F1 shim steers), written here for trl 1.15+, whose own compute_loss reads no logits: the loss is
-    ``transformers.Trainer.compute_loss``'s (the labels go through the model's forward), then ``entropy``
-    (masked by the shifted labels: entropy_sum / valid tokens) and ``mean_token_accuracy`` come from
-    ``outputs.logits``, unless ``self.args.use_liger_kernel`` says the model returns no logits: then the
-    accuracy is ``outputs.token_accuracy``."""
-    from transformers import Trainer
-    from trl.trainer.utils import entropy_from_logits
-
-    mode = "train" if self.model.training else "eval"
-    inputs["use_cache"] = False
-    loss, outputs = Trainer.compute_loss(self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-    metrics = self._metrics[mode]
-    if self.args.use_liger_kernel:
-        acc = self.accelerator.gather_for_metrics(outputs.token_accuracy.detach().float())
-        metrics["mean_token_accuracy"].append(acc.mean().item())
-    else:
-        shift_logits = outputs.logits[..., :-1, :].detach()
-        shift_labels = inputs["labels"][..., 1:]
-        mask = shift_labels != -100
-        entropy_sum = (entropy_from_logits(shift_logits) * mask).sum()
-        entropy_sum = self.accelerator.gather_for_metrics(entropy_sum).sum()
-        correct = ((shift_logits.argmax(-1) == shift_labels) & mask).sum()
-        correct = self.accelerator.gather_for_metrics(correct).sum()
-        total = self.accelerator.gather_for_metrics(mask.sum()).sum()
-        metrics["entropy"].append((entropy_sum / total).item() if total > 0 else 0.0)
-        metrics["mean_token_accuracy"].append((correct / total).item() if total > 0 else 0.0)
-    return (loss, outputs) if return_outputs else loss
-
-
 @contextlib.contextmanager
 def _sft_reading_logits():
     """The installed SFTTrainer, made to read ``outputs.logits`` where its own compute_loss does not."""
@@ -122,7 +92,7 @@ def _sft_reading_logits():
         pytest.skip(f"trl {_trl_version()}: {style}; token accuracy from outputs.logits came with trl 0.15, the "
                     "premise of F1 does not exist here")
     with REGISTRY.suspended(SFT_ACCURACY):  # the shim reads compute_loss when it is applied again
-        trainer_cls.compute_loss = _compute_loss_reading_logits
+        trainer_cls.compute_loss = compute_loss_reading_logits
     try:
         yield "trl 1.3 .. 1.14's compute_loss on the installed SFTTrainer (trl 1.15+ reads no logits)"
     finally:
