@@ -8,7 +8,7 @@ wrappers cost the most. Native and patched (``liger_compat.revert()`` / ``apply(
 batches of ``--steps`` steps, ``--rounds`` times; the figure is the ratio of the medians of the
 per-step times, and of the fastest batches; and the Python calls of one step of each
 (:func:`call_counts`, independent of the machine's load). Prints one JSON line per variant:
-``default`` (``LIGER_COMPAT_CPU_NATIVE`` on: transformers' own module code and the dense torch loss)
+``default`` (``LIGER_COMPAT_CPU_NATIVE`` on: transformers' own module code and the native head's loss)
 and ``references`` (off: the kernels' torch references, as the CPU path ran before that setting).
 
     python -m benchmarks.cpu_step --out benchmarks/results   # also writes cpu_step.json / cpu_step.md
@@ -132,8 +132,8 @@ def _markdown(rows: list[dict], machine: str) -> str:
         pc = r["python_calls"]
         lines.append(f"| {r['variant']} | {r['native_ms']:.3f} | {r['patched_ms']:.3f} | {r['ratio_median']:.3f} | "
                      f"{r['ratio_best_batch']:.3f} | {pc['native']} / {pc['patched']} |")
-    lines += ["", "default: `LIGER_COMPAT_CPU_NATIVE=1` (transformers' own RMSNorm, RoPE and MLP code, the fused loss "
-              "as dense torch ops); references: `LIGER_COMPAT_CPU_NATIVE=0` (the kernels' torch references)."]
+    lines += ["", "default: `LIGER_COMPAT_CPU_NATIVE=1` (transformers' own RMSNorm, RoPE and MLP code, the loss as "
+              "the model's head computes it); references: `LIGER_COMPAT_CPU_NATIVE=0` (the kernels' torch references)."]
     return "\n".join(lines) + "\n"
 
 

@@ -44,7 +44,8 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     by default a call with no autograd graph and one position per sequence runs natively).
     ``cpu_native=False`` runs the kernels' torch references where no Triton kernel runs (CPU
     tensors without ``TRITON_INTERPRET=1``; ``LIGER_COMPAT_CPU_NATIVE``: by default transformers'
-    own RMSNorm, RoPE and MLP code and, up to 2**24 logits, the fused loss as plain torch ops).
+    own RMSNorm, RoPE and MLP code and, up to 2**24 logits, the loss as the model's head computes
+    it: ``lm_head``'s call, then ``cross_entropy``; the fused loss function as plain torch ops).
     """
     s = _config.settings
     if cpu_native is not None:

@@ -80,6 +80,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cpu_native", "LIGER_COMPAT_CPU_NATIVE", "1", _ONOFF),
 )
 _BY_ATTR = {s.attr: s for s in SETTINGS}
+#: the on / off settings (parsed by :func:`parse_bool`)
+_ONOFF_ATTRS: frozenset[str] = frozenset(s.attr for s in SETTINGS if s.allowed == _ONOFF)
 
 #: Every environment variable the package reads: its own and Triton's interpreter switch.
 ENV_VARS: tuple[str, ...] = tuple(s.env for s in SETTINGS) + ("TRITON_INTERPRET",)
@@ -160,7 +162,7 @@ def _from_env(environ: Any = None) -> Settings:
         raw = env.get(spec.env)
         if raw is None:
             continue
-        if spec.attr in ("disabled", "debug", "return_logits", "kernels", "decode_native", "cpu_native"):
+        if spec.attr in _ONOFF_ATTRS or spec.attr == "kernels":
             # used at import or on every call: a bad value is reported and ignored, never breaks the import
             try:
                 value: Any = parse_kernels(raw) if spec.attr == "kernels" else parse_bool(raw, spec.env)
@@ -275,10 +277,32 @@ def return_logits() -> bool:
     return bool(settings.return_logits)
 
 
+#: ``os.environ``'s own store and its key for ``TRITON_INTERPRET`` (CPython keeps the encoded
+#: variables in ``_data``; None where it does not, and the mapping is read instead)
+_ENV_STORE: Any = getattr(os.environ, "_data", None)
+try:
+    _INTERPRET_KEY: Any = os.environ.encodekey("TRITON_INTERPRET")  # type: ignore[attr-defined]
+except (AttributeError, TypeError):  # pragma: no cover - not CPython's os.environ
+    _ENV_STORE = None
+_interpret_values: dict[Any, bool] = {}
+
+
 def triton_interpret() -> bool:
-    """True when ``TRITON_INTERPRET`` (read now, on every call) asks for Triton's CPU interpreter."""
-    raw = os.environ.get("TRITON_INTERPRET")
-    return raw is not None and raw.strip().lower() in TRUE_VALUES
+    """True when ``TRITON_INTERPRET`` (read now, on every call) asks for Triton's CPU interpreter.
+
+    Read on every module call of a step, so read cheaply: one lookup in ``os.environ``'s store (its
+    value parsed once per distinct value), not the mapping's Python-level ``get``."""
+    if _ENV_STORE is None or not isinstance(_ENV_STORE, dict):
+        raw = os.environ.get("TRITON_INTERPRET")
+        return raw is not None and raw.strip().lower() in TRUE_VALUES
+    raw = _ENV_STORE.get(_INTERPRET_KEY)
+    if raw is None:
+        return False
+    on = _interpret_values.get(raw)
+    if on is None:
+        text = os.environ.decodevalue(raw) if hasattr(os.environ, "decodevalue") else str(raw)  # type: ignore[attr-defined]
+        on = _interpret_values[raw] = text.strip().lower() in TRUE_VALUES
+    return on
 
 
 def describe() -> list[dict[str, str]]:
@@ -300,7 +324,7 @@ def describe() -> list[dict[str, str]]:
 def _shown(attr: str) -> str:
     if attr == "kernels":
         return ",".join(k for k in ALL_KERNELS if k in settings.kernels) or "none"
-    if attr in ("disabled", "debug", "return_logits", "decode_native", "cpu_native"):
+    if attr in _ONOFF_ATTRS:
         return "1" if getattr(settings, attr) else "0"
     if attr == "flce_mode":
         return flce_mode()
@@ -321,7 +345,7 @@ def check_value(attr: str, raw: str) -> str:
     spec = _BY_ATTR[attr]
     if attr == "kernels":
         parse_kernels(raw)
-    elif attr in ("disabled", "debug", "return_logits", "decode_native", "cpu_native"):
+    elif attr in _ONOFF_ATTRS:
         parse_bool(raw, spec.env)
     probe = _from_env({spec.env: raw})
     saved, settings = settings, probe

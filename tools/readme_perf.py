@@ -166,7 +166,7 @@ def _cpu_step(c: dict) -> list[str]:
         return []
     text = (f"A tiny Llama's training step on the CPU (`python -m benchmarks.cpu_step`, `benchmarks/results/cpu_step.md`; "
             f"{c['machine']}): patched {d['patched_ms']:.2f} ms against native's {d['native_ms']:.2f} "
-            f"({d['ratio_median']:.2f}x; transformers' own module code and the dense torch loss, the default)")
+            f"({d['ratio_median']:.2f}x; transformers' own module code and the native head's loss, the default)")
     if ref is not None:
         text += (f"; with the kernels' torch references (`LIGER_COMPAT_CPU_NATIVE=0`) {ref['patched_ms']:.2f} ms "
                  f"against {ref['native_ms']:.2f} ({ref['ratio_median']:.2f}x)")

@@ -40,12 +40,13 @@ def interpret_mode() -> bool:
 
 def _no_triton_path(where: str) -> tuple[str, str]:
     """(backend, what runs) on ``where``'s tensors when no Triton kernel runs there, as
-    ``LIGER_COMPAT_CPU_NATIVE`` decides (``shims._module_shims.native_call``, ``kernels.loss.dense_for``)."""
+    ``LIGER_COMPAT_CPU_NATIVE`` decides (``shims._module_shims.native_call``,
+    ``shims.causal_lm._native_head_loss``, ``kernels.loss.dense_for``)."""
     if _config.settings.cpu_native:
         return ("transformers' modules + torch loss",
-                f"{where} tensors run transformers' own RMSNorm, RoPE and MLP code and the fused loss as torch "
-                "ops (dense up to 2**24 logits, chunked beyond); LIGER_COMPAT_CPU_NATIVE=0: the kernels' torch "
-                "references")
+                f"{where} tensors run transformers' own RMSNorm, RoPE and MLP code and a model's loss as its "
+                "head computes it (up to 2**24 logits; the fused loss's chunked reference beyond); "
+                "LIGER_COMPAT_CPU_NATIVE=0: the kernels' torch references")
     return "torch reference", f"{where} tensors use the kernels' torch references (chunked for the fused loss)"
 
 

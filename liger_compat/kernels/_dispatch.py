@@ -60,9 +60,9 @@ compiling = _config.compiling
 OPS = torch.ops.liger_compat
 
 
-def interpret_mode() -> bool:
-    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (:func:`liger_compat._config.triton_interpret`)."""
-    return _config.triton_interpret()
+#: True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (the setting's one parser, read
+#: on every call; an alias rather than a wrapper: it runs on every module call of a step)
+interpret_mode = _config.triton_interpret
 
 
 @contextlib.contextmanager

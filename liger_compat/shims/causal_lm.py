@@ -66,7 +66,7 @@ from .. import _config
 from ..compat import conflicts, families
 from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
                             normalize_keep, pop_keep, stable_key)
-from ._module_shims import compiling
+from ._module_shims import compiling, native_device
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
@@ -225,7 +225,9 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     # everything that is not the loss's goes to the decoder (attention kwargs of packed batches
     # included); a decoder that does not take a kwarg raises, as the native forward would
     dec_out = decoder(**kw)
-    hidden = dec_out[0]
+    hidden = getattr(dec_out, "last_hidden_state", None)  # a ModelOutput's [0] builds its whole tuple
+    if hidden is None:
+        hidden = dec_out[0]
     hidden = keep_positions(hidden, keep)
 
     loss = token_accuracy = logits = None
@@ -495,6 +497,8 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     ignore_index = int(loss_kw.get("ignore_index", -100))
     num_items = loss_kw.get("num_items_in_batch")
     target = _targets(labels, hidden, loss_kw, ignore_index)
+    if _native_head_loss(model, hidden, target):
+        return _unfused_loss(model, fam, hidden, target, ignore_index, num_items)
     softcap, divisor = _final_logit_quirks(model, fam)
     inner = _plain_head(model)
     if inner is None or (divisor is not None and inner.bias is not None):
@@ -520,8 +524,26 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     return loss, res.token_accuracy
 
 
+def _native_head_loss(model: Any, hidden: Any, target: Any) -> bool:
+    """Whether the loss is computed as the native head computes it (:func:`_unfused_loss`: the logits
+    through ``lm_head``'s own call, then ``cross_entropy``): on devices where no Triton kernel runs by
+    default while ``LIGER_COMPAT_CPU_NATIVE`` is on (CPU tensors; the fused loss would run as torch
+    ops there anyway, with more of them and more Python a call), for at most
+    ``kernels.loss.DENSE_MAX_LOGITS`` logits; above that the chunked reference keeps them from
+    existing. Out-of-range labels then fail as natively (``cross_entropy``'s own error)."""
+    if not native_device(hidden.device):
+        return False
+    vocab = getattr(model.lm_head, "out_features", None)  # nn.Linear, and wrappers that forward it
+    if not isinstance(vocab, int):
+        return False
+    from ..kernels.loss import DENSE_MAX_LOGITS
+
+    return target.numel() * vocab <= DENSE_MAX_LOGITS
+
+
 def _unfused_loss(model: Any, fam: families.Family, hidden: Any, target: Any, ignore_index: int, num_items: Any):
-    """Loss from materialised logits, for heads the fused kernel cannot read (LoRA, quantised)."""
+    """Loss from materialised logits, for heads the fused kernel cannot read (LoRA, quantised), and
+    on CPU (:func:`_native_head_loss`)."""
     import torch
 
     logits = _logits(model, fam, hidden).float()

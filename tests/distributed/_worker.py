@@ -20,7 +20,8 @@ as trl's fused-loss paths do); ``*_bypass`` (negative
 control: the head gathered by hand, outside its hooks; its gradients must come out wrong). ``--forward helper`` runs the loss
 through ``liger_compat.shims._sharded_head.fused_head_loss`` from an instance forward (what the
 fused forward does once wired); ``--forward patched`` uses ``liger_compat.apply(model)`` (the
-model shims' fused forward). A config may name its own forward: ``fsdp2_head@patched``.
+model shims' fused forward; on CPU with ``cpu_native`` off, so that the fused loss takes the engine's
+route as on the GPU). A config may name its own forward: ``fsdp2_head@patched``.
 """
 
 from __future__ import annotations
@@ -309,6 +310,9 @@ def _install_forward(model, forward: str, liger_compat) -> None:
         model.forward = types.MethodType(bypass_forward, model)
     elif forward == "patched":
         liger_compat.apply(model)
+        # the fused loss through the engine's route, as on the GPU: by default CPU tensors compute the
+        # loss as the native head does (lm_head's own call), which needs no route of its own
+        liger_compat.configure(cpu_native=False)
     else:
         raise ValueError(forward)
 

@@ -1,6 +1,7 @@
 """On CPU tensors (no Triton kernel there), the default path: transformers' own RMSNorm, RoPE and
-MLP code, the fused loss as dense torch ops (``LIGER_COMPAT_CPU_NATIVE``, on by default); off, or a
-forced backend: the kernels' torch references. Marked ``cpu_native``: this directory otherwise runs
+MLP code, a model's loss as its native head computes it (the logits through ``lm_head``'s call,
+then ``cross_entropy``) and the fused loss function as dense torch ops (``LIGER_COMPAT_CPU_NATIVE``,
+on by default); off, or a forced backend: the kernels' torch references. Marked ``cpu_native``: this directory otherwise runs
 with the setting off (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -47,6 +48,23 @@ class _Spy:
         return sum(self.n[k] for k in MODULE_KERNELS)
 
 
+class _HeadCalls:
+    """Calls of a model's ``lm_head`` module (a forward hook) and of the fused loss function."""
+
+    def __init__(self, monkeypatch, model):
+        self.head = self.fused = 0
+        model.lm_head.register_forward_hook(lambda *_: setattr(self, "head", self.head + 1))
+        from liger_compat.shims import _sharded_head
+
+        real = _sharded_head.fused_head_loss
+
+        def fused(*a, **k):
+            self.fused += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(_sharded_head, "fused_head_loss", fused)
+
+
 def _step(model, ids, labels):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=labels)
@@ -55,14 +73,16 @@ def _step(model, ids, labels):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mixtral"])
-def test_default_cpu_step_runs_native_modules_and_the_dense_loss(monkeypatch, family):
+def test_default_cpu_step_runs_native_modules_and_the_native_head_loss(monkeypatch, family):
     assert _config.settings.cpu_native  # the default
     model = tiny(family)
     ids, labels = random_batch(model, seed=random.randrange(2**31))
     spy = _Spy(monkeypatch)
+    calls = _HeadCalls(monkeypatch, model)
     out, g = _step(model, ids, labels)
-    assert spy.modules() == 0 and spy.n["dense"] == 1, spy.n
-    assert out.logits is None  # still the fused loss: no [batch, seq, vocab] logits in training
+    assert spy.modules() == 0 and spy.n["dense"] == 0, spy.n
+    assert (calls.head, calls.fused) == (1, 0), (calls.head, calls.fused)  # the head's own call, no fused loss
+    assert out.logits is None  # the training output as on the GPU: no [batch, seq, vocab] logits returned
     with native():
         ref, g_ref = _step(model, ids, labels)
     torch.testing.assert_close(out.loss, ref.loss, rtol=2e-6, atol=2e-6)
@@ -78,6 +98,7 @@ def test_the_setting_off_and_a_forced_backend_run_the_references(monkeypatch):
     spy = _Spy(monkeypatch)
     with native():
         ref, g_ref = _step(model, ids, labels)
+    calls = _HeadCalls(monkeypatch, model)
     liger_compat.configure(cpu_native=False)
     try:
         assert _config.settings.source["cpu_native"] == "configure()"
@@ -85,7 +106,7 @@ def test_the_setting_off_and_a_forced_backend_run_the_references(monkeypatch):
     finally:
         liger_compat.configure(cpu_native=True)
     assert spy.n["rms_norm"] > 0 and spy.n["apply_rotary_pos_emb"] > 0 and spy.n["gated_project"] > 0
-    assert spy.n["dense"] == 0
+    assert spy.n["dense"] == 0 and calls.fused == 1 and calls.head == 0  # the fused loss's chunked reference
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
     for k in spy.n:
         spy.n[k] = 0
@@ -127,6 +148,34 @@ def test_dense_loss_above_its_limit_is_the_chunked_reference(monkeypatch, opts):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
 
 
+def test_model_loss_past_the_dense_limit_is_the_fused_loss(monkeypatch):
+    """Above ``DENSE_MAX_LOGITS`` logits the model's loss is the fused loss again (its chunked
+    reference: the ``[N, V]`` logits never exist), with the same result."""
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=random.randrange(2**31))
+    calls = _HeadCalls(monkeypatch, model)
+    small, g_small = _step(model, ids, labels)
+    monkeypatch.setattr(loss_mod, "DENSE_MAX_LOGITS", ids.numel() * model.config.vocab_size - 1)
+    big, g_big = _step(model, ids, labels)
+    assert (calls.head, calls.fused) == (1, 1), (calls.head, calls.fused)
+    torch.testing.assert_close(big.loss, small.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(big.token_accuracy, small.token_accuracy, rtol=0, atol=1e-6)
+    for name in g_small:
+        torch.testing.assert_close(g_big[name], g_small[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_label_outside_the_vocabulary_fails_as_natively():
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=random.randrange(2**31))
+    labels[0, 5] = model.config.vocab_size + 3
+    with native():
+        with pytest.raises(Exception) as nat:
+            model(input_ids=ids, labels=labels)
+    with pytest.raises(type(nat.value), match=str(model.config.vocab_size + 3)) as pat:
+        model(input_ids=ids, labels=labels)
+    assert str(pat.value) == str(nat.value)
+
+
 def test_dense_loss_raises_on_a_target_outside_the_vocabulary():
     hid, w, t = _head(random.randrange(2**31))
     t[3] = w.shape[0] + 5
@@ -149,7 +198,7 @@ def test_the_variable_is_read_and_reported(monkeypatch):
 
 
 def test_every_family_patched_step_on_cpu_matches_native_by_default(monkeypatch):
-    """Every fused family, one step each: with the modules native and the dense loss the patched
+    """Every fused family, one step each: with the modules native and the native head's loss the patched
     step's loss is native's (the families' own heads and quirks: softcap, logit scaling)."""
     for family in FAMILY_NAMES:
         model = tiny(family)
