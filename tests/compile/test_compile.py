@@ -188,6 +188,29 @@ def test_fullgraph_training_step_matches_native(family):
     assert rec.ops() == expected, (rec.ops(), expected)
 
 
+@pytest.mark.cpu_native
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_fullgraph_default_cpu_step_is_native_code_in_one_graph(family):
+    """The default CPU path (``LIGER_COMPAT_CPU_NATIVE``: transformers' own modules, the loss as the
+    head computes it) under ``fullgraph=True``: one graph, reused by the second batch, none of the
+    package's ops in it, and native's loss and gradients; the output is still the fused one."""
+    from liger_compat import _config
+
+    assert _config.settings.cpu_native
+    model = _tiny(family)
+    batches = [_batch(model, seed=3), _batch(model, seed=4)]
+    refs = [_native_step(model, ids, labels) for ids, labels in batches]
+    rec = Recorder()
+    compiled = torch.compile(model, fullgraph=True, backend=rec)
+    for i, ((ids, labels), (ref_loss, ref_grads)) in enumerate(zip(batches, refs)):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = _step(compiled, ids, labels)
+        assert out.logits is None and out.token_accuracy is not None
+        _assert_matches(out.loss, model, ref_loss, ref_grads)
+        model.zero_grad(set_to_none=True)
+    assert len(rec.graphs) == 1 and rec.ops() == set(), rec.ops()
+
+
 @pytest.mark.slow
 def test_inductor_training_steps_match_native():
     """Inductor's generated code (not only the traced graph) around our ops, three steps."""
