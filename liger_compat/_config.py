@@ -280,6 +280,8 @@ def return_logits() -> bool:
 #: ``os.environ``'s own store and its key for ``TRITON_INTERPRET`` (CPython keeps the encoded
 #: variables in ``_data``; None where it does not, and the mapping is read instead)
 _ENV_STORE: Any = getattr(os.environ, "_data", None)
+if not isinstance(_ENV_STORE, dict):  # pragma: no cover - not CPython's os.environ
+    _ENV_STORE = None
 try:
     _INTERPRET_KEY: Any = os.environ.encodekey("TRITON_INTERPRET")  # type: ignore[attr-defined]
 except (AttributeError, TypeError):  # pragma: no cover - not CPython's os.environ
@@ -292,7 +294,7 @@ def triton_interpret() -> bool:
 
     Read on every module call of a step, so read cheaply: one lookup in ``os.environ``'s store (its
     value parsed once per distinct value), not the mapping's Python-level ``get``."""
-    if _ENV_STORE is None or not isinstance(_ENV_STORE, dict):
+    if _ENV_STORE is None:
         raw = os.environ.get("TRITON_INTERPRET")
         return raw is not None and raw.strip().lower() in TRUE_VALUES
     raw = _ENV_STORE.get(_INTERPRET_KEY)

@@ -646,7 +646,9 @@ def dense_for(n: int, v: int, device: torch.device) -> bool:
     interpreter), with at most :data:`DENSE_MAX_LOGITS` logits, while ``LIGER_COMPAT_CPU_NATIVE`` is
     on (the default). There the chunked reference would save memory the native head spends anyway,
     at the price of more ops and Python a call (the regime of small models on CPU, where a step is
-    per-call host work); above it the chunked reference keeps the ``[N, V]`` logits from existing."""
+    per-call host work); above it the chunked reference keeps the ``[N, V]`` logits from existing.
+    The same rule decides whether a patched model's loss is computed as its own head computes it
+    (``shims.causal_lm._native_head_loss``)."""
     return n * v <= DENSE_MAX_LOGITS and _config.settings.cpu_native and _dispatch.reference_only(device)
 
 

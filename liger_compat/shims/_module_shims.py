@@ -74,16 +74,10 @@ def native_call(x: Any) -> bool:
     device = getattr(x, "device", None)
     if device is None:
         return False
-    if _config.settings.cpu_native:  # native_device, inlined: this runs on every module call
-        if (_dispatch_module or _kernel_dispatch()).reference_only(device):
-            return True
+    # the kept dispatch module read directly: this runs on every module call
+    if _config.settings.cpu_native and (_dispatch_module or _kernel_dispatch()).reference_only(device):
+        return True
     return decode_step(x)
-
-
-def native_device(device: Any) -> bool:
-    """Whether calls on ``device`` run native code under ``LIGER_COMPAT_CPU_NATIVE`` (on by default):
-    no Triton kernel runs there by default (``kernels._dispatch.reference_only``)."""
-    return _config.settings.cpu_native and _kernel_dispatch().reference_only(device)
 
 
 _dispatch_module: Any = None

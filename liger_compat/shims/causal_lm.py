@@ -66,7 +66,7 @@ from .. import _config
 from ..compat import conflicts, families
 from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
                             normalize_keep, pop_keep, stable_key)
-from ._module_shims import compiling, native_device
+from ._module_shims import compiling
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
@@ -530,15 +530,14 @@ def _native_head_loss(model: Any, hidden: Any, target: Any) -> bool:
     default while ``LIGER_COMPAT_CPU_NATIVE`` is on (CPU tensors; the fused loss would run as torch
     ops there anyway, with more of them and more Python a call), for at most
     ``kernels.loss.DENSE_MAX_LOGITS`` logits; above that the chunked reference keeps them from
-    existing. Out-of-range labels then fail as natively (``cross_entropy``'s own error)."""
-    if not native_device(hidden.device):
-        return False
+    existing (the fused loss function's own rule, ``kernels.loss.dense_for``). Out-of-range labels
+    then fail as natively (``cross_entropy``'s own error)."""
     vocab = getattr(model.lm_head, "out_features", None)  # nn.Linear, and wrappers that forward it
     if not isinstance(vocab, int):
         return False
-    from ..kernels.loss import DENSE_MAX_LOGITS
+    from ..kernels.loss import dense_for
 
-    return target.numel() * vocab <= DENSE_MAX_LOGITS
+    return dense_for(target.numel(), vocab, hidden.device)
 
 
 def _unfused_loss(model: Any, fam: families.Family, hidden: Any, target: Any, ignore_index: int, num_items: Any):

@@ -68,10 +68,10 @@ def _trainer(seed: int, out_dir: str):
     return Trainer(model=model, args=_args(TrainingArguments, out_dir), train_dataset=ds)
 
 
-def _install_logits_reader(trainer_cls) -> bool:
+def _install_logits_reader(trainer_cls) -> None:
     """Give ``trainer_cls`` a compute_loss that reads ``outputs.logits`` (trl 1.3 .. 1.14's, see
     ``tests/trainers/sft_logits_reader.py``) where the installed one reads none; the token-accuracy
-    shim is applied to it afresh, as an import of such a trl would. Whether one was installed."""
+    shim is applied to it afresh, as an import of such a trl would."""
     import sys
     from pathlib import Path
 
@@ -81,13 +81,12 @@ def _install_logits_reader(trainer_cls) -> bool:
     from liger_compat.shims import REGISTRY
 
     if reads_logits(trainer_cls):
-        return False
-    if os.environ.get("LIGER_COMPAT_DISABLE") == "1":
+        return
+    if os.environ.get("LIGER_COMPAT_DISABLE") == "1":  # the native run: no shim to apply afresh
         trainer_cls.compute_loss = compute_loss_reading_logits
-        return True
+        return
     with REGISTRY.suspended("trl.sft_token_accuracy"):
         trainer_cls.compute_loss = compute_loss_reading_logits
-    return True
 
 
 def _sft(seed: int, out_dir: str, logits_reader: bool = False):
@@ -130,6 +129,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         import liger_compat as lc
+        from liger_compat.shims._patching import unwrap
 
         torch.save({
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
@@ -140,7 +140,7 @@ def main() -> None:
             "logs": [h for h in trainer.state.log_history if "loss" in h],
             "state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             "patched": not lc._config.settings.disabled,
-            "compute_loss": getattr(type(trainer).compute_loss, "__wrapped__", type(trainer).compute_loss).__name__,
+            "compute_loss": unwrap(type(trainer).compute_loss).__name__,
         }, a.out)
 
 

@@ -21,6 +21,9 @@ pytest.importorskip("transformers")
 
 import _harness as h  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
+from sft_logits_reader import reads_logits  # noqa: E402
+
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
@@ -53,6 +56,14 @@ def _assert_same_training(pat: dict, nat: dict, seed: int) -> None:
     assert diff < 3e-3, (diff, msg)
 
 
+def _skip_without_a_native_sft_run() -> None:
+    pytest.importorskip("trl")
+    from liger_compat.compat import known_issues
+
+    if known_issues.by_id("trl-head-on-cpu").applies(cuda=torch.cuda.is_available()):
+        pytest.skip("trl 1.15.0's own head fails on CPU natively (known issue trl-head-on-cpu): no native run to compare")
+
+
 def test_two_process_trainer_with_its_defaults_trains_as_natively(tmp_path):
     pat, nat, seed = _run_both(tmp_path, "trainer")
     # the fused forward ran (its output went through DDP's rebuild), and the native one natively
@@ -62,11 +73,7 @@ def test_two_process_trainer_with_its_defaults_trains_as_natively(tmp_path):
 
 
 def test_two_process_sft_trainer_with_its_defaults_trains_as_natively(tmp_path):
-    pytest.importorskip("trl")
-    from liger_compat.compat import known_issues
-
-    if known_issues.by_id("trl-head-on-cpu").applies(cuda=torch.cuda.is_available()):
-        pytest.skip("trl 1.15.0's own head fails on CPU natively (known issue trl-head-on-cpu): no native run to compare")
+    _skip_without_a_native_sft_run()
     pat, nat, seed = _run_both(tmp_path, "sft")
     # trl < 1.15: liger_compat's fused output (F1 metrics from its token_accuracy); 1.15+: trl's own
     # fused head output (its head run by liger_compat's kernel): either goes through DDP's rebuild
@@ -92,18 +99,11 @@ def test_two_process_sft_token_accuracy_is_weighted_by_tokens_as_natively(tmp_pa
     ranks); given a model without logits, their own branch logs the plain mean of the ranks' fractions,
     which differs whenever the ranks hold different numbers of valid tokens. Run on that compute_loss
     (trl 1.15+: the same reads, written in ``tests/trainers/sft_logits_reader.py``)."""
-    pytest.importorskip("trl")
-    from liger_compat.compat import known_issues
-
-    if known_issues.by_id("trl-head-on-cpu").applies(cuda=torch.cuda.is_available()):
-        pytest.skip("trl 1.15.0's own head fails on CPU natively (known issue trl-head-on-cpu): no native run to compare")
+    _skip_without_a_native_sft_run()
     import trl
 
     from liger_compat.compat.trl_trainer_locations import find_trainer
     from liger_compat.compat.versions import matches
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainers"))
-    from sft_logits_reader import reads_logits
 
     if not reads_logits(find_trainer("sft")[0]) and not matches(trl.__version__, ">=1.15"):
         pytest.skip(f"trl {trl.__version__}: SFTTrainer reads no logits for its metrics (trl < 0.15): no premise")
