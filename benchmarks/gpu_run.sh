@@ -6,7 +6,9 @@
 # compile_families (COMPILE_ARGS), generate (GENERATE_ARGS), kernels_regimes (REGIMES_ARGS; about 4-5 min:
 # every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s),
 # e2e_small (the host-bound llama-small 2x1024 step; E2E_SMALL_ARGS), trl_step (TRL_ARGS), models_gpu
-# (MODELS_ARGS), pytest:<args> (a pytest selection).
+# (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes),
+# module_host (host time per module call, native and patched), pytest:<args> (a pytest
+# selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 # The device tool brings back at most 8 files from $OUT: the steps write under $RES, which is packed
 # into $OUT/results.tgz after every step and every 30 s (a run cut short keeps what was written).
@@ -43,6 +45,8 @@ for step in "$@"; do
     e2e_small) python3 -m benchmarks.e2e --out "$OUT" --name e2e_small_h100 --models llama-small --shapes 2x1024 ${E2E_SMALL_ARGS:-} >"$OUT/e2e_small.log" 2>&1 ;;
     trl_step) python3 -m benchmarks.trl_step --out "$OUT" ${TRL_ARGS:-} >"$OUT/trl_step.log" 2>&1 ;;
     models_gpu) python3 -m benchmarks.models_gpu --out "$OUT" ${MODELS_ARGS:-} >"$OUT/models_gpu.log" 2>&1 ;;
+    module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
+    host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;
     pytest:*) python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$OUT/pytest.log" 2>&1 ;;
     *) echo "unknown step $step" >>"$OUT/machine.log" ;;
   esac

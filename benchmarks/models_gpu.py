@@ -268,6 +268,41 @@ def time_family(family: str, args) -> dict:
     return {"family": family, "ms": ms}
 
 
+def time_family_paired(family: str, args) -> dict:
+    """Native and patched median step times of ``family`` in this process, interleaved: one model,
+    ``liger_compat.revert()`` / ``apply()`` between batches of ``--steps`` steps, ``--rounds``
+    rounds with the order reversed every other one (the two sides meet the same machine state)."""
+    fam = BY_NAME.get(family)
+    if fam is None:
+        return {"family": family, "skipped": "not in the family table"}
+    if fam.why_native():
+        return {"family": family, "skipped": f"native forward: {fam.why_native()}"}
+    try:
+        model = make_model(family, args, torch.bfloat16)
+    except FamilyUnavailable as exc:
+        return {"family": family, "skipped": str(exc)}
+    kw, labels = batch(model, args, family)
+    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
+    sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
+    for switch in sides.values():  # warm-up: kernels compile, probes run, the allocator settles
+        switch()
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(**kw, labels=labels, use_cache=False).loss.backward()
+    got: dict[str, list[float]] = {"native": [], "patched": []}
+    for r in range(args.rounds):
+        for side in ("native", "patched") if r % 2 == 0 else ("patched", "native"):
+            sides[side]()
+            got[side].append(timed(model, kw, labels, args.steps))
+    liger_compat.apply()
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"family": family, "ms_native": statistics.median(got["native"]),
+            "ms_patched": statistics.median(got["patched"])}
+
+
 def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
     import os
     import subprocess
@@ -280,7 +315,9 @@ def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "benchmarks.models_gpu", "--time-only", "--families", ",".join(families),
            "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
            "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--vocab", str(args.vocab),
-           "--steps", str(args.steps), "--device", args.device]
+           "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
+    if which == "paired":
+        cmd.append("--paired")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     rows = {}
     for line in proc.stdout.splitlines():
@@ -297,6 +334,19 @@ def fresh_timing(args, families: list[str], on_process=None) -> list[dict]:
     short keeps what it measured (the rows then cover the processes done so far)."""
     runs: dict[str, dict[str, list]] = {"native": {}, "patched": {}}
     skipped: dict[str, str] = {}
+    if args.paired:  # each fresh process times both sides, interleaved
+        for r in range(args.fresh):
+            t0 = time.perf_counter()
+            for fam, row in _child_times("paired", args, families).items():
+                if "ms_native" in row:
+                    runs["native"].setdefault(fam, []).append(row["ms_native"])
+                    runs["patched"].setdefault(fam, []).append(row["ms_patched"])
+                else:
+                    skipped[fam] = row.get("skipped") or row.get("error", "?")
+            log(f"process {r + 1}/{args.fresh} (both sides): {time.perf_counter() - t0:.0f} s")
+            if on_process is not None:
+                on_process(_fresh_rows(runs, skipped, families, paired=True))
+        return _fresh_rows(runs, skipped, families, paired=True)
     for r in range(args.fresh):
         for which in ("native", "patched") if r % 2 == 0 else ("patched", "native"):
             t0 = time.perf_counter()
@@ -311,24 +361,31 @@ def fresh_timing(args, families: list[str], on_process=None) -> list[dict]:
     return _fresh_rows(runs, skipped, families)
 
 
-def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], families: list[str]) -> list[dict]:
+def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], families: list[str],
+                paired: bool = False) -> list[dict]:
+    """Per family: median times over the processes and the ratio patched / native (paired: the
+    median of each process's own ratio)."""
     rows = []
     for fam in families:
         n, p = runs["native"].get(fam, []), runs["patched"].get(fam, [])
         if not n or not p:
             rows.append({"family": fam, "skipped": skipped.get(fam, "no timing (yet, or see the log)")})
             continue
+        ratio = (statistics.median(b / a for a, b in zip(n, p)) if paired
+                 else statistics.median(p) / statistics.median(n))
         rows.append({"family": fam, "ms_native": statistics.median(n), "ms_patched": statistics.median(p),
-                     "ratio": statistics.median(p) / statistics.median(n),
-                     "ms_native_runs": n, "ms_patched_runs": p,
+                     "ratio": ratio, "ms_native_runs": n, "ms_patched_runs": p,
                      "native_spread": (max(n) - min(n)) / statistics.median(n)})
     return rows
 
 
 def timing_markdown(rows: list[dict], meta: dict) -> str:
+    how = (f"{meta['fresh']} fresh processes, each timing native and patched interleaved ({meta['rounds']} "
+           f"rounds of {meta['steps']} steps a side, median), the ratio the median of the processes' ratios"
+           if meta.get("paired") else
+           f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)")
     out = [f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
-           f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; "
-           f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)", "",
+           f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; {how}", "",
            "| family | ms native | ms patched | patched / native | native spread over processes |",
            "|---|---|---|---|---|"]
     for r in rows:
@@ -363,6 +420,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", type=int, default=0,
                     help="timing only: N fresh processes each of native and patched, alternating")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per family and process (--fresh)")
+    ap.add_argument("--paired", action="store_true",
+                    help="with --fresh: every process times both sides, interleaved (--rounds batches a side)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved batches a side and process (--paired)")
     ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)  # one --fresh child
     args = ap.parse_args(argv)
     if args.small:
@@ -371,7 +431,7 @@ def main(argv=None) -> int:
     if args.time_only:
         for family in families:
             try:
-                row = time_family(family, args)
+                row = time_family_paired(family, args) if args.paired else time_family(family, args)
             except Exception as exc:  # one family failing must not hide the others
                 row = {"family": family, "error": f"{type(exc).__name__}: {exc}"}
                 gc.collect()
@@ -394,7 +454,7 @@ def main(argv=None) -> int:
 
     cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
     if args.fresh:
-        meta.update(fresh=args.fresh, steps=args.steps)
+        meta.update(fresh=args.fresh, steps=args.steps, paired=args.paired, rounds=args.rounds)
 
         def write_timing(rows: list[dict]) -> str:  # after every child process
             (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))

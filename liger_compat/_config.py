@@ -252,13 +252,29 @@ def compiling() -> bool:
     """True while TorchDynamo traces (``torch.compiler.is_compiling``; False before torch is imported
     and on a torch without it). The package's one test for it: the kernels call their custom ops
     then, and no cache is written then (an entry made while tracing fails the next call's guards,
-    which compiles again)."""
+    which compiles again). It runs several times in every module call: ``is_compiling`` is looked up
+    once, on the first call that finds it answering False (never while tracing)."""
+    fn = _is_compiling
+    if fn is not None:
+        return fn()
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
     is_compiling = getattr(compiler, "is_compiling", None)
     try:
-        return bool(is_compiling is not None and is_compiling())
+        now = bool(is_compiling is not None and is_compiling())
     except Exception:  # pragma: no cover - a torch whose is_compiling fails outside a trace
         return False
+    if is_compiling is not None and not now:
+        _keep_is_compiling(is_compiling)
+    return now
+
+
+#: ``torch.compiler.is_compiling`` once :func:`compiling` has found it (None before torch is imported)
+_is_compiling: Any = None
+
+
+def _keep_is_compiling(fn: Any) -> None:
+    global _is_compiling
+    _is_compiling = fn
 
 
 _mlp_parts: dict[tuple, frozenset[str]] = {}

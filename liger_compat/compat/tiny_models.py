@@ -148,18 +148,18 @@ def config_for(family: str | Family, **overrides: Any):
     return cfg
 
 
-def randomize(model: Any, *, seed: int, init_std: float, perturb_norms: bool = True) -> None:
-    """Matrices drawn with std ``init_std`` from a seeded generator (logits far from 0); norm
-    weights, with ``perturb_norms``, moved a little off their neutral value."""
+def randomize(model: Any, *, seed: int, init_std: float, perturb_norms: bool = True, device: Any = "cpu") -> None:
+    """Matrices drawn with std ``init_std`` from a seeded generator on ``device`` (logits far from 0);
+    norm weights, with ``perturb_norms``, moved a little off their neutral value."""
     import torch
 
     with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * init_std)
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * init_std)
             elif perturb_norms and "norm" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+                p.add_(torch.randn(p.shape, generator=g, device=device) * 0.1)
 
 
 def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any = "cpu",
@@ -180,8 +180,18 @@ def build(family: str | Family, *, seed: int = 0, dtype: Any = None, device: Any
     else:
         cfg = config_for(fam, **overrides)
     torch.manual_seed(seed)
-    model = cls(cfg)
-    randomize(model, seed=seed, init_std=init_std, perturb_norms=perturb_norms)
+    dev = torch.device(device)
+    model = None
+    if dev.type != "cpu":  # built and drawn on the device: big configs (benchmarks) build in a fraction of the time
+        try:
+            with dev:
+                model = cls(cfg)
+            randomize(model, seed=seed, init_std=init_std, perturb_norms=perturb_norms, device=dev)
+        except Exception:  # a family whose init needs the CPU: built there as below
+            model = None
+    if model is None:
+        model = cls(cfg)
+        randomize(model, seed=seed, init_std=init_std, perturb_norms=perturb_norms)
     if fam.vision:
         with torch.no_grad():  # Mllama's cross-attention gates start at 0 (tanh(0): the image has no effect)
             for name, p in model.named_parameters():

@@ -163,8 +163,9 @@ def _remake(out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     return remake
 
 
-def _prepare(name: str, gate, up):
-    """Checked, contiguous ``(gate, up, backend)``."""
+def check_args(gate, up) -> torch.device:
+    """The gated kernels' argument checks (``TypeError`` / ``ValueError`` naming the argument); the
+    inputs' device. The MLP shim runs them once, before :func:`gated_project_checked`."""
     _checks.tensor("gate", gate)
     _checks.tensor("up", up)
     _checks.float_dtype("gate", gate)
@@ -172,11 +173,20 @@ def _prepare(name: str, gate, up):
     if gate.shape != up.shape:
         raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}; they must match")
     _checks.same_dtype(gate=gate, up=up)
-    device = _checks.same_device(gate=gate, up=up)
+    return _checks.same_device(gate=gate, up=up)
+
+
+def _contiguous(name: str, gate, up, device):
+    """Contiguous ``(gate, up, backend)`` of checked inputs."""
     backend = "auto" if _dispatch.compiling() else _dispatch.choose(name, device)
     g = gate if gate.is_contiguous() else gate.contiguous()
     u = up if up.is_contiguous() else up.contiguous()
     return g, u, backend
+
+
+def _prepare(name: str, gate, up):
+    """Checked, contiguous ``(gate, up, backend)``."""
+    return _contiguous(name, gate, up, check_args(gate, up))
 
 
 def _apply_gated(g, u, kind: str, backend: str, inplace: bool):
@@ -254,11 +264,16 @@ def gated_project(gate: torch.Tensor, up: torch.Tensor, project, *, activation: 
     same kernel). Without grad, under ``torch.compile`` or with ``LIGER_COMPAT_MLP_RECOMPUTE`` not
     naming ``activation`` this is exactly that call. ``inplace_backward`` as for :func:`swiglu`.
     """
-    name = KERNEL_OF_ACTIVATION.get(activation)
-    if name is None:
+    if activation not in KERNEL_OF_ACTIVATION:
         raise ValueError(f"activation must be one of {sorted(KERNEL_OF_ACTIVATION)}, got {activation!r}")
-    g, u, backend = _prepare(name, gate, up)
-    inplace = bool(inplace_backward)
+    return gated_project_checked(gate, up, project, activation, bool(inplace_backward), check_args(gate, up))
+
+
+def gated_project_checked(gate: torch.Tensor, up: torch.Tensor, project, activation: str, inplace: bool,
+                          device: torch.device):
+    """:func:`gated_project` on arguments :func:`check_args` passed (``activation`` a key of
+    :data:`KERNEL_OF_ACTIVATION`, ``device`` the one it returned)."""
+    g, u, backend = _contiguous(KERNEL_OF_ACTIVATION[activation], gate, up, device)
     rebuild = "activation" in recompute_parts()
     if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and _plain_linear(project, g)
             and (g.requires_grad or u.requires_grad or project.weight.requires_grad)):

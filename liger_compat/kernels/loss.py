@@ -201,7 +201,7 @@ def _reduction_scale(target, opt, reduction, num_items_in_batch, device) -> tupl
             n = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
         return n_valid, 1.0 / n
     if reduction == "mean":
-        return n_valid, 1.0 / n_valid.clamp(min=1).float()
+        return n_valid, n_valid.clamp(min=1).reciprocal()  # an integer's reciprocal is float32
     return n_valid, torch.ones((), dtype=torch.float32, device=device)
 
 
@@ -213,7 +213,7 @@ def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape
     else:
         loss = loss_rows.sum() * scale
         z = zl_rows.sum() * scale if want_z else None
-        acc = correct.sum().float() / n_valid.clamp(min=1).float() if want_acc else None
+        acc = correct.sum() / n_valid.clamp(min=1) if want_acc else None  # true division: float32
     return loss, z, acc
 
 
@@ -349,9 +349,12 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     m = n if idx is None else idx.numel()
     rows = _chunk_rows(max(m, 1), v, hdim, h.element_size(), backend, dev)
     new = torch.empty if idx is None else torch.zeros  # skipped rows must read as zero
-    loss = new(n, dtype=f32, device=dev) if want_stats else None
-    zl = new(n, dtype=f32, device=dev) if want_stats else None
-    correct = new(n, dtype=torch.bool, device=dev) if want_stats else None
+    # one chunk of every row: its statistics are the rows' own (no buffers to copy them into)
+    single = idx is None and 0 < m <= rows
+    gather = want_stats and not single
+    loss = new(n, dtype=f32, device=dev) if gather else None
+    zl = new(n, dtype=f32, device=dev) if gather else None
+    correct = new(n, dtype=torch.bool, device=dev) if gather else None
     gh = new(h.shape, dtype=h.dtype, device=dev) if need_gh else None
     # the torch reference accumulates grad_weight in fp32; the GPU path in the weight's dtype
     # (an fp32 copy would cost 2x the weight in memory, over the extra-memory target)
@@ -394,7 +397,9 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             extra["variant"] = knobs.ce_variant
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
-            if idx is None:
+            if single:
+                loss, zl, correct = st[0], st[1], st[3]
+            elif idx is None:
                 loss[start:end], zl[start:end], _, correct[start:end] = st
             else:
                 loss[ic], zl[ic], correct[ic] = st[0], st[1], st[3]

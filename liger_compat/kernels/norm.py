@@ -50,11 +50,22 @@ def rms_norm_backward_torch(dy, x2, w, rstd, offset, casting, need_dw=True):
     return dx.to(x2.dtype), dw
 
 
+#: ``_rms_norm_triton`` once imported (Triton is optional: imported on the first Triton call)
+_triton_impl = None
+
+
+def _triton():
+    global _triton_impl
+    if _triton_impl is None:
+        from . import _rms_norm_triton
+
+        _triton_impl = _rms_norm_triton
+    return _triton_impl
+
+
 def _forward_fn(backend):
     if backend == "triton":
-        from ._rms_norm_triton import rms_norm_forward_triton
-
-        return rms_norm_forward_triton
+        return _triton().rms_norm_forward_triton
     return rms_norm_forward_torch
 
 
@@ -73,10 +84,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, w, rstd = ctx.saved_tensors
-        if ctx.backend == "triton":
-            from ._rms_norm_triton import rms_norm_backward_triton as bwd
-        else:
-            bwd = rms_norm_backward_torch
+        bwd = _triton().rms_norm_backward_triton if ctx.backend == "triton" else rms_norm_backward_torch
         dy2 = dy.reshape(x2.shape)
         dx, dw = bwd(dy2.contiguous(), x2, w, rstd, ctx.offset, ctx.casting, ctx.needs_input_grad[1])
         if dw is not None:
@@ -100,8 +108,10 @@ def rebuild(y: torch.Tensor):
     return remake
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"):
-    """RMSNorm over the last dimension of ``x`` (``[..., H]``) with ``weight[H]``."""
+def check_args(x, weight, eps, casting: str = "llama") -> torch.device:
+    """:func:`rms_norm`'s argument checks (``TypeError`` / ``ValueError`` naming the argument); the
+    device of ``x`` and ``weight``. The RMSNorm shim runs them once, before a call of
+    :func:`rms_norm_checked`."""
     _checks.tensor("x", x)
     _checks.tensor("weight", weight)
     _checks.float_dtype("x", x)
@@ -114,28 +124,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}")
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    device = _checks.same_device(x=x, weight=weight)
+    return _checks.same_device(x=x, weight=weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"):
+    """RMSNorm over the last dimension of ``x`` (``[..., H]``) with ``weight[H]``."""
+    device = check_args(x, weight, eps, casting)
+    return rms_norm_checked(x, weight, float(eps), float(offset), casting, device)
+
+
+def rms_norm_checked(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str,
+                     device: torch.device):
+    """:func:`rms_norm` on arguments :func:`check_args` passed (``eps`` and ``offset`` floats, ``casting``
+    one of :data:`CASTINGS`, ``device`` the one it returned)."""
     if _dispatch.compiling():
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        return _dispatch.OPS.rms_norm_fwd.default(x2, weight, float(eps), float(offset), casting, "auto")[0].view(x.shape)
+        return _dispatch.OPS.rms_norm_fwd.default(x2, weight, eps, offset, casting, "auto")[0].view(x.shape)
     backend = _dispatch.choose("rms_norm", device)
-    return _RMSNorm.apply(x, weight, float(eps), float(offset), casting, backend)
+    return _RMSNorm.apply(x, weight, eps, offset, casting, backend)
+
+
+#: The smallest norm output (bytes) :func:`project_norm_output` drops and rebuilds: below it the
+#: rebuild's launch and hooks cost the host more than the buffer is worth (a 2 x 1024-token step of
+#: a 1024-wide model keeps 4 MiB a layer, and is host-bound; Llama-3.2-1B at 8192 tokens: 32 MiB).
+RECOMPUTE_INPUT_MIN_BYTES = 16 * 2**20
 
 
 def project_norm_output(y: torch.Tensor, project):
     """``project(y)`` where ``y`` is :func:`rms_norm`'s output, with the tensors of ``y`` that
     ``project``'s graph would keep recomputed in the backward instead (bit for bit the same).
 
-    Plain ``project(y)`` when ``y`` is not such an output (a view of it, a native norm's), without
-    grad, under ``torch.compile`` or other saved-tensor hooks, or with
-    ``LIGER_COMPAT_MLP_RECOMPUTE`` not naming ``input``. The caller must not keep ``y`` alive after the call.
+    Plain ``project(y)`` when ``y`` is not such an output (a view of it, a native norm's), smaller
+    than :data:`RECOMPUTE_INPUT_MIN_BYTES`, without grad, under ``torch.compile`` or other
+    saved-tensor hooks, or with ``LIGER_COMPAT_MLP_RECOMPUTE`` not naming ``input``. The caller must
+    not keep ``y`` alive after the call.
     """
+    if _recompute.compiling() or y.numel() * y.element_size() < RECOMPUTE_INPUT_MIN_BYTES:
+        return project(y)
     from . import gated_mlp
 
-    if _recompute.compiling():
-        return project(y)
     remake = rebuild(y) if "input" in gated_mlp.recompute_parts() else None
     if remake is None:
         return project(y)

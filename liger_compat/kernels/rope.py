@@ -90,6 +90,14 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     (``"flat"``, ``"rows"``: :data:`ROPE_VARIANTS`) is the Triton path's kernel, for benchmarks
     and tests; the torch reference ignores it."""
     _checks.rope_variant(variant)
+    device, cos_u, sin_u = check_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return apply_checked(q, k, cos_u, sin_u, device, variant)
+
+
+def check_args(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
+    """:func:`apply_rotary_pos_emb`'s argument checks (``TypeError`` / ``ValueError`` naming the
+    argument); ``(device, cos, sin)``, cos / sin looked up at ``position_ids`` and unsqueezed as
+    the rotation reads them. The RoPE shim runs them once, before :func:`apply_checked`."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _checks.tensor(name, t)
         _checks.float_dtype(name, t)
@@ -117,6 +125,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
                 f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
                 f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
             )
+    return device, cos_u, sin_u
+
+
+def apply_checked(q, k, cos_u, sin_u, device, variant: str = "flat"):
+    """:func:`apply_rotary_pos_emb` on what :func:`check_args` returned."""
     if _dispatch.compiling():
         out_q = torch.promote_types(q.dtype, cos_u.dtype)
         out_k = torch.promote_types(k.dtype, cos_u.dtype)

@@ -97,6 +97,22 @@ def _kernel_dispatch() -> Any:
     return mod
 
 
+_kernels: Any = None
+
+
+def kernels_module() -> Any:
+    """``liger_compat.kernels``, imported on the first module call (it imports torch, which
+    ``import liger_compat`` does not) and kept, as :func:`_kernel_dispatch` keeps its dispatch."""
+    global _kernels
+    mod = _kernels
+    if mod is None:
+        from .. import kernels as mod
+
+        if not _config.compiling():
+            _kernels = mod
+    return mod
+
+
 _refused: set[tuple[str, str]] = set()
 
 

@@ -520,7 +520,7 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     if num_items is None:
         # native's loss is a mean over the labelled positions: NaN (0 / 0) when there are none (every
         # label ignore_index, a sequence of one token); the kernel's mean is 0 there. Gradients stay zero.
-        loss = torch.where((target != ignore_index).any(), loss, loss.new_full((), float("nan")))
+        loss = torch.where((target != ignore_index).any(), loss, float("nan"))
     return loss, res.token_accuracy
 
 

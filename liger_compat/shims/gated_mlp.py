@@ -19,8 +19,8 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
-                            guarded, patch_instances, kernel_refusal, replaced_classes, native_call,
-                            verdict_key)
+                            guarded, kernels_module, patch_instances, kernel_refusal, replaced_classes,
+                            native_call, verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
 
@@ -85,8 +85,7 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     if kind is None or (fam is not None and fam.mlp_act != kind):
         _not_gated(instance)
         return wrapped(*args)
-    from .. import kernels
-
+    kernels = kernels_module()
     kernel_name = kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind]
     if not _config.kernel_enabled(kernel_name):
         return wrapped(*args)
@@ -110,21 +109,12 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     # may overwrite them with their gradients in the backward. down_proj's input is rebuilt from
     # them in the backward instead of being kept (kernels.gated_project). The verdict holds for
     # these inputs, so down(act(gate) * up) is the native result where the kernel refuses them.
-    refusal = kernel_refusal(lambda: _gated_checks(gate, up))
-    return guarded(kernel_name, refusal,
-                    lambda: kernels.gated_project(gate, up, down_proj, activation=kind, inplace_backward=True),
-                    lambda: down_proj(act(gate) * up))[0]
-
-
-def _gated_checks(gate: Any, up: Any) -> None:
-    from ..kernels import _checks
-
-    _checks.float_dtype("gate", gate)
-    _checks.float_dtype("up", up)
-    if gate.shape != up.shape:
-        raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}")
-    _checks.same_dtype(gate=gate, up=up)
-    _checks.same_device(gate=gate, up=up)
+    # the kernel's own argument checks, run once: the call below skips them
+    try:
+        device = kernels.gated_mlp.check_args(gate, up)
+    except (TypeError, ValueError) as exc:
+        return guarded(kernel_name, f"{type(exc).__name__}: {exc}", lambda: None, lambda: down_proj(act(gate) * up))[0]
+    return kernels.gated_mlp.gated_project_checked(gate, up, down_proj, kind, True, device)
 
 
 #: (class, instance fingerprint, training, input dtype, autocast dtype or None, layout, activation,
@@ -169,7 +159,7 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     with torch.no_grad():
         probe = x.detach()[..., :8, :] if x.dim() >= 2 else x.detach()
         gate, up = project_in(probe)
-        refusal = kernel_refusal(lambda: _gated_checks(gate, up))
+        refusal = kernel_refusal(lambda: kernels.gated_mlp.check_args(gate, up))
         if refusal is not None:
             log.warning("liger_compat: %s kernel refuses an input, native code used: %s",
                         kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind], refusal)

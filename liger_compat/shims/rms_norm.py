@@ -18,7 +18,7 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
-                            guarded, patch_instances, kernel_refusal, replaced_classes, native_call,
+                            guarded, kernels_module, patch_instances, replaced_classes, native_call,
                             verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
@@ -53,14 +53,13 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     """Which kernel mode reproduces ``native``; probed once per class, instance fingerprint
     (:func:`~._module_shims.verdict_key`: the attributes and config its forward can read), training
     mode and dtypes. Under ``torch.compile`` the mode an eager call found, else the family table's."""
-    import torch
-
-    from .. import kernels
-
     key = verdict_key(m, x.dtype, m.weight.dtype)
     hit = None if key is None else _rms_modes.get(key)
     if hit is not None:
         return hit
+    import torch
+
+    from .. import kernels
     if compiling():
         fam = families.BY_MODULE.get(type(m).__module__)
         return (fam.rms_offset, fam.rms_casting) if fam else "no eager call probed it"
@@ -78,7 +77,7 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     with torch.no_grad():
         ref = native(probe).float()
         scale = ref.abs().max().clamp(min=1e-6)
-        for off, casting in order:  # the inputs passed the kernel's checks (_rms_checks) before this
+        for off, casting in order:  # the inputs passed the kernel's checks (check_args) before this
             y = kernels.rms_norm(probe, m.weight, eps, offset=off, casting=casting)
             if y.shape != ref.shape:
                 continue
@@ -96,14 +95,6 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     return result
 
 
-def _rms_checks(x: Any, w: Any) -> None:
-    from ..kernels import _checks
-
-    _checks.float_dtype("x", x)
-    _checks.float_dtype("weight", w)
-    _checks.same_device(x=x, weight=w)
-
-
 def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
         return wrapped(*args, **kwargs)
@@ -113,16 +104,17 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     eps = _rms_eps(instance)
     if eps is None or not _rms_shape_ok(instance, x):
         return wrapped(x)
-    refusal = kernel_refusal(lambda: _rms_checks(x, instance.weight))
-    if refusal is not None:  # the mode probe below would run the kernel on these dtypes
-        return guarded("rms_norm", refusal, lambda: None, lambda: wrapped(x))[0]
+    w = instance.weight
+    norm = kernels_module().norm
+    # the kernel's own argument checks, run once: the call below skips them
+    try:
+        device = norm.check_args(x, w, eps)
+    except (TypeError, ValueError) as exc:  # a refusal (the mode probe would run the kernel on these)
+        return guarded("rms_norm", f"{type(exc).__name__}: {exc}", lambda: None, lambda: wrapped(x))[0]
     mode = _rms_mode(wrapped, instance, x)
     if not isinstance(mode, tuple):
         return wrapped(x)
-    from .. import kernels
-
-    return guarded("rms_norm", refusal, lambda: kernels.rms_norm(x, instance.weight, eps, offset=mode[0],
-                                                                  casting=mode[1]), lambda: wrapped(x))[0]
+    return norm.rms_norm_checked(x, w, eps, mode[0], mode[1], device)
 
 
 def _patch_norms(self: ModuleShim, module: Any, patches: ShimPatches) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from .._log import log
 from .. import _config
 from ..compat import conflicts, families
-from ._module_shims import UPSTREAM, ModuleShim, close, compiling, guarded, kernel_refusal, native_call
+from ._module_shims import UPSTREAM, ModuleShim, close, compiling, guarded, kernels_module, native_call
 from ._patching import ShimPatches, is_ours, signature, unwrap
 from ._registry import register
 
@@ -55,7 +55,8 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     # cos ([batch, positions, dim] or [positions, dim]) has the positions, whatever q's layout
     if not _config.kernel_enabled(_ROPE) or native_call(args[2] if len(args) > 2 else kwargs.get("cos")):
         return wrapped(*args, **kwargs)
-    params = _rope_params(unwrap(wrapped))
+    fn = unwrap(wrapped)
+    params = _rope_params(fn)
     if isinstance(params, tuple):
         a = _bind(params, args, kwargs)
     else:
@@ -77,44 +78,27 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     rot = cos.shape[-1]
     if rot % 2 or rot > q.shape[-1] or k.shape[-1] != q.shape[-1] or q.dtype != k.dtype:
         return wrapped(*args, **kwargs)
-    from .. import kernels
-
-    def checks() -> None:
-        from ..kernels import _checks
-        from ..kernels.rope import _broadcasts_into
-
-        for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-            _checks.float_dtype(name, t)
-        _checks.same_device(q=q, k=k, cos=cos, sin=sin)
-        if cos.shape != sin.shape:
-            raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}")
-        if position_ids is not None:
-            _checks.integer_target("position_ids", position_ids)
-        # the shape of cos.unsqueeze(unsqueeze_dim) (after the position lookup), in plain Python
-        shape = list(cos.shape if position_ids is None else (*position_ids.shape, rot))
-        if not isinstance(unsqueeze_dim, int) or not -len(shape) - 1 <= unsqueeze_dim <= len(shape):
-            raise ValueError(f"unsqueeze_dim={unsqueeze_dim} is out of range for cos of shape {tuple(cos.shape)}")
-        shape.insert(unsqueeze_dim if unsqueeze_dim >= 0 else len(shape) + 1 + unsqueeze_dim, 1)
-        for name, t in (("q", q), ("k", k)):
-            if not _broadcasts_into(tuple(shape[:-1]), t.shape[:-1]):
-                raise ValueError(f"cos of shape {tuple(cos.shape)} does not broadcast against {name}")
-
-    refusal = kernel_refusal(checks)
-    key = (unwrap(wrapped), q.shape[-1], rot, cos.dim(), unsqueeze_dim, q.dtype, cos.dtype)
+    key = (fn, q.shape[-1], rot, cos.dim(), unsqueeze_dim, q.dtype, cos.dtype)
     verdict = _rope_verdicts.get(key)
-    if verdict is False:
+    if verdict is False:  # the probe found the kernel does not reproduce this function
         return wrapped(*args, **kwargs)
+    rope = kernels_module().rope
+    # the kernel's own argument checks, run once: the calls below skip them
+    try:
+        device, cos_u, sin_u = rope.check_args(q, k, cos, sin, position_ids, unsqueeze_dim)
+        refusal = None
+    except (TypeError, ValueError) as exc:
+        refusal = f"{type(exc).__name__}: {exc}"
 
     def run_kernel() -> tuple[Any, Any]:
-        q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin, position_ids=position_ids,
-                                                    unsqueeze_dim=unsqueeze_dim)
+        q_out, k_out = rope.apply_checked(q, k, cos_u, sin_u, device)
         if cos.dtype != q.dtype:
             # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
-            want = _rope_out_dtype(wrapped, unwrap(wrapped), q, cos, a, unsqueeze_dim)
+            want = _rope_out_dtype(wrapped, fn, q, cos, a, unsqueeze_dim)
             q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
         return q_out, k_out
 
-    if verdict is None and compiling() and _rope_fn_verdicts.get(unwrap(wrapped)) is False:
+    if verdict is None and compiling() and _rope_fn_verdicts.get(fn) is False:
         # no eager call probed these shapes, and the function failed the probe of its patch time
         return wrapped(*args, **kwargs)
     if verdict is None and refusal is None and not compiling():
@@ -131,7 +115,7 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         _rope_verdicts[key] = ok
         if not ok:
             log.warning("liger_compat: %s.%s keeps its native code: the rotary kernel does not reproduce it",
-                        getattr(unwrap(wrapped), "__module__", "?"), _ROPE_FN)
+                        getattr(fn, "__module__", "?"), _ROPE_FN)
             return wrapped(*args, **kwargs)
     return guarded(_ROPE, refusal, run_kernel, lambda: wrapped(*args, **kwargs))[0]
 

@@ -84,7 +84,8 @@ def test_benchmark_commands_name_the_files_they_write():
     defaults = {"benchmarks.kernels": "kernels", "benchmarks.e2e": "e2e", "benchmarks.models_gpu": "models_gpu",
                 "benchmarks.e2e_memory": "e2e_memory", "benchmarks.overhead": "overhead",
                 "benchmarks.compile_families": "compile_families", "benchmarks.gpu_tests": "gpu_tests",
-                "benchmarks.trl_step": "trl_step", "benchmarks.cpu_step": "cpu_step"}
+                "benchmarks.trl_step": "trl_step", "benchmarks.cpu_step": "cpu_step",
+                "benchmarks.module_host": "module_host", "benchmarks.host_profile": "host_profile"}
     for stem in stems:
         cmd = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())["regenerate"]
         m = re.match(r"python -m (benchmarks\.\w+)", cmd)

@@ -15,6 +15,7 @@ import torch
 from liger_compat import _config
 from liger_compat.kernels import gated_mlp, gated_project, geglu, last_backend, project_norm_output, rms_norm, swiglu
 from liger_compat.kernels import _recompute
+from liger_compat.kernels import norm as norm_module
 from harness import expected_backend, tolerance
 from reference64 import geglu64, rel_err, rms_norm64, swiglu64
 
@@ -33,6 +34,12 @@ class _Recorder(torch.nn.Module):
     def forward(self, h):
         self.seen.append(weakref.ref(h.untyped_storage()))
         return self.lin(h)
+
+
+@pytest.fixture(autouse=True)
+def _rebuild_norm_outputs_of_any_size(monkeypatch):
+    """These tests' norm outputs are a few KiB: below the size the default rebuilds."""
+    monkeypatch.setattr(norm_module, "RECOMPUTE_INPUT_MIN_BYTES", 0)
 
 
 def _setup(seed, rows=(3, 5), h=24, i=40, dtype=torch.float32):
@@ -196,6 +203,35 @@ def test_project_norm_output_drops_the_norm_output(casting, offset, wdt):
     tol = tolerance(torch.bfloat16, n=32 + 24)  # bf16: the norm sums 32 channels, the projections 32 terms, the weight gradient 15 rows
     assert rel_err(out1, ref_out) <= tol
     assert all(rel_err(a, b) <= tol for a, b in zip(g1, r))
+
+
+def test_norm_outputs_below_the_size_floor_are_kept(monkeypatch):
+    """A norm output smaller than RECOMPUTE_INPUT_MIN_BYTES is kept (its rebuild would cost the host
+    more than the buffer is worth); from that size on it is dropped, with the same gradients."""
+    g = torch.Generator().manual_seed(83)
+    x = torch.randn(6, 32, generator=g, requires_grad=True)
+    w = torch.randn(32, generator=g)
+    lin = torch.nn.Linear(32, 8)
+    dy = torch.randn(6, 8, generator=g)
+    nbytes = 6 * 32 * 4
+
+    def run(floor):
+        monkeypatch.setattr(norm_module, "RECOMPUTE_INPUT_MIN_BYTES", floor)
+        seen = []
+
+        def project(t):
+            seen.append(weakref.ref(t.untyped_storage()))
+            return lin(t)
+
+        out = project_norm_output(rms_norm(x, w), project)
+        gc.collect()
+        alive = seen[0]() is not None
+        return alive, torch.autograd.grad((out * dy).sum(), (x, lin.weight))
+
+    kept, g_kept = run(nbytes + 1)
+    dropped, g_dropped = run(nbytes)
+    assert kept and not dropped
+    assert all(torch.equal(a, b) for a, b in zip(g_kept, g_dropped))
 
 
 def test_project_norm_output_leaves_other_tensors_alone():

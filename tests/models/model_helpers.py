@@ -48,6 +48,20 @@ class GatedMLP(torch.nn.Module):
 
 
 
+def module_kernel_entry(name: str):
+    """``(owner, attribute)``: where the module shims reach the kernel ``name``: the unchecked entries
+    they call after running the kernels' argument checks themselves."""
+    from liger_compat import kernels
+
+    if name == "rms_norm":
+        return kernels.norm, "rms_norm_checked"
+    if name == "gated_project":
+        return kernels.gated_mlp, "gated_project_checked"
+    if name == "apply_rotary_pos_emb":
+        return kernels.rope, "apply_checked"
+    return kernels, name
+
+
 def tiny(family: str, **kw):
     """The family's tiny model in train mode, where a forward with labels takes the fused loss
     (the configs have no dropout, so train and eval mode compute the same numbers); ``.eval()`` it

@@ -15,7 +15,7 @@ import liger_compat
 from liger_compat import _config, kernels
 from liger_compat.kernels import TargetOutOfRangeError, fused_linear_cross_entropy
 from liger_compat.kernels import loss as loss_mod
-from model_helpers import FAMILY_NAMES, grads, manual_accuracy, native, random_batch, tiny
+from model_helpers import FAMILY_NAMES, grads, manual_accuracy, module_kernel_entry, native, random_batch, tiny
 
 pytestmark = pytest.mark.cpu_native
 
@@ -29,13 +29,14 @@ class _Spy:
     def __init__(self, monkeypatch):
         self.n = dict.fromkeys(MODULE_KERNELS + ("dense",), 0)
         for name in MODULE_KERNELS:
-            real = getattr(kernels, name)
+            owner, attr = module_kernel_entry(name)
+            real = getattr(owner, attr)
 
             def spy(*a, _real=real, _name=name, **k):
                 self.n[_name] += 1
                 return _real(*a, **k)
 
-            monkeypatch.setattr(kernels, name, spy)
+            monkeypatch.setattr(owner, attr, spy)
         real_dense = loss_mod._dense_torch
 
         def dense(*a, **k):

@@ -14,7 +14,7 @@ import torch
 
 import liger_compat
 from liger_compat import _config, kernels
-from model_helpers import native, random_batch, tiny
+from model_helpers import module_kernel_entry, native, random_batch, tiny
 
 class _Calls:
     """Counts the calls of the module kernels the shims reach through ``liger_compat.kernels``."""
@@ -22,13 +22,14 @@ class _Calls:
     def __init__(self, monkeypatch):
         self.n = {"rms_norm": 0, "gated_project": 0, "apply_rotary_pos_emb": 0}
         for name in self.n:
-            real = getattr(kernels, name)
+            owner, attr = module_kernel_entry(name)
+            real = getattr(owner, attr)
 
             def spy(*a, _real=real, _name=name, **k):
                 self.n[_name] += 1
                 return _real(*a, **k)
 
-            monkeypatch.setattr(kernels, name, spy)
+            monkeypatch.setattr(owner, attr, spy)
 
     def total(self) -> int:
         return sum(self.n.values())

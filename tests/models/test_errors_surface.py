@@ -66,8 +66,16 @@ def test_model_walks_take_torch_modules_and_let_their_errors_through():
 
 
 def test_compiling_probe(monkeypatch):
+    from liger_compat import _config
+
+    monkeypatch.setattr(_config, "_is_compiling", None)  # found again below, as on a first call
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _module_shims.compiling() is True
+    assert _config._is_compiling is None  # never kept from a call that answered True (a trace)
     monkeypatch.delattr(torch.compiler, "is_compiling")  # torch < 2.3
     assert _module_shims.compiling() is False
+    answers = iter([False, True])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: next(answers), raising=False)
+    assert _module_shims.compiling() is False
+    assert _module_shims.compiling() is True  # the kept function is asked on every call
 

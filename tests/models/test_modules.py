@@ -16,7 +16,7 @@ from liger_compat.compat.families import BY_NAME
 from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
 from liger_compat.shims.logits_to_keep import translate
-from model_helpers import FAMILY_NAMES, GatedMLP, LlamaStyleRMSNorm, native, random_batch, tiny
+from model_helpers import FAMILY_NAMES, GatedMLP, LlamaStyleRMSNorm, module_kernel_entry, native, random_batch, tiny
 
 
 def _targets(family: str):
@@ -252,7 +252,7 @@ def test_an_error_inside_a_kernel_raises_instead_of_falling_back(monkeypatch, ke
     def broken(*a, **k):
         raise ValueError(f"{kernel}: simulated bug inside the kernel")
 
-    monkeypatch.setattr(kernels, kernel, broken)
+    monkeypatch.setattr(*module_kernel_entry(kernel), broken)
     rms_norm._rms_modes.clear()
     try:
         with torch.no_grad(), pytest.raises(ValueError, match=f"^{kernel}: simulated bug inside the kernel$"):
@@ -262,11 +262,15 @@ def test_an_error_inside_a_kernel_raises_instead_of_falling_back(monkeypatch, ke
         rms_norm._rms_modes.clear()
 
 
-def test_patched_norm_and_mlp_keep_neither_activation_and_pass_down_projs_errors_on(caplog):
+def test_patched_norm_and_mlp_keep_neither_activation_and_pass_down_projs_errors_on(caplog, monkeypatch):
     """RMSNorm -> MLP: gate/up_proj's input (the norm output) and down_proj's (act(gate) * up) are
     recomputed in the backward instead of kept; gradients match float64."""
     import gc
     import weakref
+
+    from liger_compat.kernels import norm as norm_module
+
+    monkeypatch.setattr(norm_module, "RECOMPUTE_INPUT_MIN_BYTES", 0)  # this norm output is 640 bytes
 
     torch.manual_seed(3)
     net = torch.nn.Sequential(MyRMSNorm(16), MyMLP(16, 24))

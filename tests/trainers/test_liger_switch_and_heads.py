@@ -158,7 +158,9 @@ def test_trl_head_reported_and_layer_kernels_run(tokenizer, tmp_path, monkeypatc
                        **extra)
     trainer = trainer_cls(model=model, args=args, train_dataset=ds, **tokenizer_kwarg(trainer_cls, tokenizer))
     assert trl_head_on(trainer.model)
-    with mock.patch.object(kernels, "rms_norm", wraps=kernels.rms_norm) as spy, warnings.catch_warnings():
+    # the unchecked entry the RMSNorm shim calls once it has run the kernel's argument checks
+    with mock.patch.object(kernels.norm, "rms_norm_checked", wraps=kernels.norm.rms_norm_checked) as spy, \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
     assert spy.call_count > 0, "liger_compat's RMSNorm did not run inside the decoder"

@@ -1,0 +1,208 @@
+"""Where the host time of a small training step goes, native against patched, on one GPU.
+
+    python -m benchmarks.host_profile [--families llama,deepseek_v2] [--steps 30] [--out DIR]
+
+Per family, at ``benchmarks.models_gpu``'s host-bound shape (2 layers, hidden 1024, vocabulary
+128256, 2 x 1024 tokens, bf16, SDPA): one model, native (``liger_compat.revert()``) and patched
+steps (forward with labels + backward) alternating in batches, CUDA-event timing; then, for each
+side, the host's own time per step (``time.perf_counter`` around the step with no synchronisation
+inside it, the GPU drained before and after: what the Python and launch code cost, whatever the
+GPU does), a ``cProfile`` of the patched steps (top functions by own time), and a
+``torch.profiler`` table of each side (top operators by self CPU time; host syncs per step).
+Writes ``host_profile_<family>.txt`` and ``host_profile.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import liger_compat
+
+from . import _results
+from .models_gpu import batch, make_model
+
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+            "aten::nonzero", "aten::equal", "aten::masked_select")
+
+
+def _args(ns: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(layers=ns.layers, hidden=ns.hidden, vocab=ns.vocab, batch=ns.batch, seq=ns.seq,
+                              intermediate=0, device=ns.device)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _step(model, kw, labels):
+    model.zero_grad(set_to_none=True)
+    model(**kw, labels=labels, use_cache=False).loss.backward()
+
+
+def _gpu_ms(model, kw, labels, steps: int) -> float:
+    if not labels.is_cuda:
+        return _host_ms(model, kw, labels, steps)
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _step(model, kw, labels)
+        b.record()
+        _sync()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _host_ms(model, kw, labels, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        _sync()
+        t0 = time.perf_counter()
+        _step(model, kw, labels)
+        times.append((time.perf_counter() - t0) * 1e3)
+    _sync()
+    return statistics.median(times)
+
+
+def _torch_profile(model, kw, labels, steps: int) -> tuple[str, dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if labels.is_cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            _step(model, kw, labels)
+        _sync()
+    avg = prof.key_averages()
+    syncs = {e.key: e.count / steps for e in avg if e.key in SYNC_OPS and e.count}
+    table = avg.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=60)
+    return table, syncs
+
+
+def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
+    args = _args(ns)
+    model = make_model(family, args, torch.bfloat16)
+    kw, labels = batch(model, args, family)
+    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
+    sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
+    gpu: dict[str, list[float]] = {"native": [], "patched": []}
+    host: dict[str, list[float]] = {"native": [], "patched": []}
+    for side, switch in sides.items():  # warm-up: kernels compile, caches fill
+        switch()
+        for _ in range(4):
+            _step(model, kw, labels)
+    for r in range(ns.rounds):
+        for side in (("native", "patched") if r % 2 == 0 else ("patched", "native")):
+            sides[side]()
+            gpu[side].append(_gpu_ms(model, kw, labels, ns.steps))
+            host[side].append(_host_ms(model, kw, labels, ns.steps))
+    row = {"family": family, "shape": f"{ns.batch}x{ns.seq}",
+           **{f"step_ms_{s}": statistics.median(v) for s, v in gpu.items()},
+           **{f"host_ms_{s}": statistics.median(v) for s, v in host.items()}}
+    row["ratio"] = row["step_ms_patched"] / row["step_ms_native"]
+    text = [f"{family} {row['shape']}: step ms native {row['step_ms_native']:.2f} patched {row['step_ms_patched']:.2f} "
+            f"(ratio {row['ratio']:.3f}); host ms per step (no sync inside) native {row['host_ms_native']:.2f} "
+            f"patched {row['host_ms_patched']:.2f}", ""]
+    liger_compat.apply()
+    pr = cProfile.Profile()
+    _sync()
+    pr.enable()
+    for _ in range(ns.steps):
+        _step(model, kw, labels)
+    pr.disable()
+    _sync()
+    if ns.dump:
+        pr.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}.pstats"))
+        fwd = cProfile.Profile()
+        _sync()
+        fwd.enable()
+        for _ in range(ns.steps):
+            model(**kw, labels=labels, use_cache=False)
+        fwd.disable()
+        _sync()
+        fwd.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_forward.pstats"))
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(45)
+        text += [f"## cProfile of {ns.steps} patched steps, by {key}", buf.getvalue()]
+    for side, switch in sides.items():
+        switch()
+        table, syncs = _torch_profile(model, kw, labels, 5)
+        row[f"syncs_{side}"] = syncs
+        text += [f"## torch.profiler, {side}, 5 steps; host syncs per step: {syncs}", table, ""]
+    liger_compat.apply()
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row, "\n".join(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default="llama,deepseek_v2,mllama_text")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (tiny sizes advised)")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="host_profile")
+    ap.add_argument("--dump", action="store_true", help="also write the cProfile data (.pstats) of the patched steps "
+                    "and of patched forwards alone")
+    ns = ap.parse_args(argv)
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    liger_compat.apply()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for family in [f for f in ns.families.split(",") if f]:
+        try:
+            row, text = profile_family(family, ns)
+        except Exception as exc:  # one family failing must not hide the others
+            row, text = {"family": family, "error": f"{type(exc).__name__}: {exc}"}, ""
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        cmd = _results.command("benchmarks.host_profile", sys.argv[1:] if argv is None else argv)
+        if text:
+            (out / f"{ns.name}_{family}.txt").write_text(_results.md_line(cmd) + text)
+        (out / f"{ns.name}.json").write_text(json.dumps({"regenerate": cmd, "rows": rows}, indent=2))
+        (out / f"{ns.name}.md").write_text(_results.md_line(cmd) + _markdown(rows, ns))
+    return 0
+
+
+def _markdown(rows: list[dict], ns: argparse.Namespace) -> str:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    lines = [f"A small training step's time and host time, native and patched in one process ({ns.rounds} interleaved "
+             f"rounds of {ns.steps} steps, medians); {gpu}, torch {torch.__version__}; {ns.layers} layers, hidden "
+             f"{ns.hidden}, vocabulary {ns.vocab}, bf16. Host ms: the step's own host time with the GPU drained "
+             "before it. Profiles: host_profile_<family>.txt.", "",
+             "| family | batch x seq | step ms native | step ms patched | patched / native | host ms native | host ms patched "
+             "| host syncs native / patched |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['family']} | {r['error']} | | | | | | |")
+            continue
+        syncs = f"{sum(r['syncs_native'].values()):.1f} / {sum(r['syncs_patched'].values()):.1f}"
+        lines.append(f"| {r['family']} | {r['shape']} | {r['step_ms_native']:.2f} | {r['step_ms_patched']:.2f} | "
+                     f"{r['ratio']:.3f} | {r['host_ms_native']:.2f} | {r['host_ms_patched']:.2f} | {syncs} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
