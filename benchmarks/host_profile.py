@@ -168,6 +168,11 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     liger_compat.apply()
+    import transformers
+
+    meta = dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+                transformers=transformers.__version__, rounds=ns.rounds, steps=ns.steps, layers=ns.layers,
+                hidden=ns.hidden, vocab=ns.vocab)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -181,17 +186,17 @@ def main(argv=None) -> int:
         cmd = _results.command("benchmarks.host_profile", sys.argv[1:] if argv is None else argv)
         if text:
             (out / f"{ns.name}_{family}.txt").write_text(_results.md_line(cmd) + text)
-        (out / f"{ns.name}.json").write_text(json.dumps({"regenerate": cmd, "rows": rows}, indent=2))
-        (out / f"{ns.name}.md").write_text(_results.md_line(cmd) + _markdown(rows, ns))
+        (out / f"{ns.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
+        (out / f"{ns.name}.md").write_text(_results.md_line(cmd) + _markdown(rows, meta))
     return 0
 
 
-def _markdown(rows: list[dict], ns: argparse.Namespace) -> str:
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    lines = [f"A small training step's time and host time, native and patched in one process ({ns.rounds} interleaved "
-             f"rounds of {ns.steps} steps, medians); {gpu}, torch {torch.__version__}; {ns.layers} layers, hidden "
-             f"{ns.hidden}, vocabulary {ns.vocab}, bf16. Host ms: the step's own host time with the GPU drained "
-             "before it. Profiles: host_profile_<family>.txt.", "",
+def _markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"A small training step's time and host time, native and patched in one process ({meta['rounds']} "
+             f"interleaved rounds of {meta['steps']} steps, medians); {meta['gpu']}, torch {meta['torch']}, "
+             f"transformers {meta['transformers']}; {meta['layers']} layers, hidden {meta['hidden']}, vocabulary "
+             f"{meta['vocab']}, bf16. Host ms: the step's own host time with the GPU drained before it. Profiles: "
+             "host_profile_<family>.txt.", "",
              "| family | batch x seq | step ms native | step ms patched | patched / native | host ms native | host ms patched "
              "| host syncs native / patched |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:

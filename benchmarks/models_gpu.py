@@ -380,7 +380,8 @@ def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], famil
 
 
 def timing_markdown(rows: list[dict], meta: dict) -> str:
-    how = (f"{meta['fresh']} fresh processes, each timing native and patched interleaved ({meta['rounds']} "
+    procs = f"{meta['fresh']} fresh process{'es' if meta['fresh'] != 1 else ''}"
+    how = (f"{procs}, each timing native and patched interleaved ({meta['rounds']} "
            f"rounds of {meta['steps']} steps a side, median), the ratio the median of the processes' ratios"
            if meta.get("paired") else
            f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)")
