@@ -284,3 +284,56 @@ def test_trl_step_times_native_and_patched_dpo_with_the_same_loss_and_log_probs(
     assert "## SFTTrainer" in md and "## DPOTrainer" in md and "| model | pairs x seq |" in md
     dpo_part = md[md.index("## DPOTrainer"):]
     assert "| tiny | 2x16 | trl | " in dpo_part and "| tiny | 2x16 | trl_liger_compat | " in dpo_part
+
+
+def test_paired_fresh_rows_take_the_median_of_each_process_ratio():
+    """--fresh --paired: every process times both sides; the ratio is the median of the processes'
+    own ratios (not the ratio of medians taken over different processes)."""
+    from benchmarks import models_gpu
+
+    runs = {"native": {"a": [10.0, 20.0, 12.0]}, "patched": {"a": [9.0, 22.0, 6.0]}}
+    (row,) = models_gpu._fresh_rows(runs, {}, ["a"], paired=True)
+    assert row["ratio"] == pytest.approx(0.9)  # per process 0.9, 1.1, 0.5
+    (unpaired,) = models_gpu._fresh_rows(runs, {}, ["a"])
+    assert unpaired["ratio"] == pytest.approx(9.0 / 12.0)
+    meta = dict(transformers="t", torch="p", gpu="g", batch=2, seq=8, hidden=4, layers=1, vocab=9, fresh=1, steps=5,
+                paired=True, rounds=2)
+    md = models_gpu.timing_markdown([row], meta)
+    assert "1 fresh process, each timing native and patched interleaved (2 rounds of 5 steps a side" in md
+    assert "patched slower than native on 0 of 1 families" in md
+
+
+def test_paired_timing_runs_both_sides_in_fresh_processes_on_cpu(tmp_path):
+    """A CPU smoke run of --fresh --paired: one child process per round, both sides timed in it."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.models_gpu", "--device", "cpu", "--seq", "8", "--hidden", "64",
+                          "--vocab", "96", "--layers", "1", "--fresh", "1", "--paired", "--steps", "1", "--rounds", "2",
+                          "--families", "llama,no_such_family", "--out", str(tmp_path), "--name", "p"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "p.json").read_text())
+    rows = {r["family"]: r for r in data["rows"]}
+    assert data["meta"]["paired"] and len(rows["llama"]["ms_native_runs"]) == 1
+    assert rows["llama"]["ms_native"] > 0 and rows["llama"]["ms_patched"] > 0
+    assert "skipped" in rows["no_such_family"]
+    assert (tmp_path / "p.md").read_text().startswith("regenerate: `python -m benchmarks.models_gpu --device cpu")
+
+
+def test_host_profile_writes_its_table_and_profiles_on_cpu(tmp_path):
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_profile", "--device", "cpu", "--hidden", "64", "--vocab",
+                          "96", "--seq", "8", "--steps", "2", "--rounds", "2", "--families", "llama", "--out",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "host_profile.json").read_text())["rows"]
+    assert row["family"] == "llama" and row["step_ms_native"] > 0 and row["step_ms_patched"] > 0
+    assert row["ratio"] == pytest.approx(row["step_ms_patched"] / row["step_ms_native"])
+    text = (tmp_path / "host_profile_llama.txt").read_text()
+    assert text.startswith("regenerate: `python -m benchmarks.host_profile --device cpu")
+    assert "cProfile of 2 patched steps" in text and "torch.profiler, native" in text
+    md = (tmp_path / "host_profile.md").read_text()
+    assert "| llama | 2x8 |" in md
