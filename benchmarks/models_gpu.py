@@ -243,9 +243,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(out)
 
 
-def time_family(family: str, args) -> dict:
-    """This process's median step time of ``family`` (whatever liger_compat's state: the parent
-    starts native processes with ``LIGER_COMPAT_DISABLE=1``)."""
+def _timing_model(family: str, args):
+    """``(model, inputs, labels)`` in bf16 for a timing run, or the row of a family that is skipped."""
     fam = BY_NAME.get(family)
     if fam is None:
         return {"family": family, "skipped": "not in the family table"}
@@ -256,15 +255,32 @@ def time_family(family: str, args) -> dict:
     except FamilyUnavailable as exc:
         return {"family": family, "skipped": str(exc)}
     kw, labels = batch(model, args, family)
-    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
-    for _ in range(3):  # warm-up: kernels compile, caches fill, the allocator settles
+    return model, {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}, labels
+
+
+def _warm_up(model, kw, labels) -> None:
+    for _ in range(3):  # kernels compile, probes run, caches fill, the allocator settles
         model.zero_grad(set_to_none=True)
         model(**kw, labels=labels, use_cache=False).loss.backward()
-    ms = timed(model, kw, labels, args.steps)
-    del model
+
+
+def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def time_family(family: str, args) -> dict:
+    """This process's median step time of ``family`` (whatever liger_compat's state: the parent
+    starts native processes with ``LIGER_COMPAT_DISABLE=1``)."""
+    got = _timing_model(family, args)
+    if isinstance(got, dict):
+        return got
+    model, kw, labels = got
+    _warm_up(model, kw, labels)
+    ms = timed(model, kw, labels, args.steps)
+    del model, got
+    _release()
     return {"family": family, "ms": ms}
 
 
@@ -272,35 +288,24 @@ def time_family_paired(family: str, args) -> dict:
     """Native and patched median step times of ``family`` in this process, interleaved: one model,
     ``liger_compat.revert()`` / ``apply()`` between batches of ``--steps`` steps, ``--rounds``
     rounds with the order reversed every other one (the two sides meet the same machine state)."""
-    fam = BY_NAME.get(family)
-    if fam is None:
-        return {"family": family, "skipped": "not in the family table"}
-    if fam.why_native():
-        return {"family": family, "skipped": f"native forward: {fam.why_native()}"}
-    try:
-        model = make_model(family, args, torch.bfloat16)
-    except FamilyUnavailable as exc:
-        return {"family": family, "skipped": str(exc)}
-    kw, labels = batch(model, args, family)
-    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
+    got = _timing_model(family, args)
+    if isinstance(got, dict):
+        return got
+    model, kw, labels = got
     sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
-    for switch in sides.values():  # warm-up: kernels compile, probes run, the allocator settles
+    for switch in sides.values():
         switch()
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            model(**kw, labels=labels, use_cache=False).loss.backward()
-    got: dict[str, list[float]] = {"native": [], "patched": []}
+        _warm_up(model, kw, labels)
+    times: dict[str, list[float]] = {"native": [], "patched": []}
     for r in range(args.rounds):
         for side in ("native", "patched") if r % 2 == 0 else ("patched", "native"):
             sides[side]()
-            got[side].append(timed(model, kw, labels, args.steps))
+            times[side].append(timed(model, kw, labels, args.steps))
     liger_compat.apply()
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"family": family, "ms_native": statistics.median(got["native"]),
-            "ms_patched": statistics.median(got["patched"])}
+    del model, got
+    _release()
+    return {"family": family, "ms_native": statistics.median(times["native"]),
+            "ms_patched": statistics.median(times["patched"])}
 
 
 def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
