@@ -380,3 +380,39 @@ def test_an_autocast_call_leaves_the_plain_dtype_on_the_kernel(monkeypatch):
         ref = model(input_ids=ids, labels=labels)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     assert all(ok is True for key, ok in gated_mlp._mlp_verdicts.items() if key[0].__name__ == "LlamaMLP"), gated_mlp._mlp_verdicts
+
+
+def test_the_module_shims_run_each_kernels_argument_checks_once_a_call(monkeypatch):
+    """RMSNorm, MLP and RoPE: the shim runs the kernel's own argument checks (its refusal test) and
+    then the kernel's unchecked entry, so every float-dtype check runs once a module call: two a norm
+    (x, weight), two an MLP (gate, up), four a rotary call (q, k, cos, sin)."""
+    from liger_compat import _config
+    from liger_compat.kernels import _checks
+
+    monkeypatch.setattr(_config.settings, "cpu_native", False)  # the kernels' path on CPU tensors
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    with torch.no_grad():
+        model(input_ids=ids)  # the first calls probe each class (more kernel calls): not counted
+    calls = {"rms_norm": 0, "gated_project": 0, "apply_rotary_pos_emb": 0, "float_dtype": 0}
+    for name in ("rms_norm", "gated_project", "apply_rotary_pos_emb"):
+        owner, attr = module_kernel_entry(name)
+
+        def spy(*a, _real=getattr(owner, attr), _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(owner, attr, spy)
+    real_check = _checks.float_dtype
+
+    def count_check(*a, **k):
+        calls["float_dtype"] += 1
+        return real_check(*a, **k)
+
+    monkeypatch.setattr(_checks, "float_dtype", count_check)
+    with torch.no_grad():
+        model(input_ids=ids)
+    layers = model.config.num_hidden_layers
+    assert calls["rms_norm"] == 2 * layers + 1 and calls["gated_project"] == layers, calls
+    assert calls["apply_rotary_pos_emb"] == layers, calls
+    assert calls["float_dtype"] == 2 * calls["rms_norm"] + 2 * calls["gated_project"] + 4 * layers, calls
