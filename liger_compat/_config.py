@@ -254,6 +254,7 @@ def compiling() -> bool:
     then, and no cache is written then (an entry made while tracing fails the next call's guards,
     which compiles again). It runs several times in every module call: ``is_compiling`` is looked up
     once, on the first call that finds it answering False (never while tracing)."""
+    global _is_compiling
     fn = _is_compiling
     if fn is not None:
         return fn()
@@ -264,17 +265,12 @@ def compiling() -> bool:
     except Exception:  # pragma: no cover - a torch whose is_compiling fails outside a trace
         return False
     if is_compiling is not None and not now:
-        _keep_is_compiling(is_compiling)
+        _is_compiling = is_compiling
     return now
 
 
 #: ``torch.compiler.is_compiling`` once :func:`compiling` has found it (None before torch is imported)
 _is_compiling: Any = None
-
-
-def _keep_is_compiling(fn: Any) -> None:
-    global _is_compiling
-    _is_compiling = fn
 
 
 _mlp_parts: dict[tuple, frozenset[str]] = {}

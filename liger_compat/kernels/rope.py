@@ -90,14 +90,14 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
     (``"flat"``, ``"rows"``: :data:`ROPE_VARIANTS`) is the Triton path's kernel, for benchmarks
     and tests; the torch reference ignores it."""
     _checks.rope_variant(variant)
-    device, cos_u, sin_u = check_args(q, k, cos, sin, position_ids, unsqueeze_dim)
-    return apply_checked(q, k, cos_u, sin_u, device, variant)
+    return apply_checked(q, k, *check_args(q, k, cos, sin, position_ids, unsqueeze_dim), variant)
 
 
 def check_args(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
     """:func:`apply_rotary_pos_emb`'s argument checks (``TypeError`` / ``ValueError`` naming the
-    argument); ``(device, cos, sin)``, cos / sin looked up at ``position_ids`` and unsqueezed as
-    the rotation reads them. The RoPE shim runs them once, before :func:`apply_checked`."""
+    argument); ``(cos, sin, device)``, cos / sin looked up at ``position_ids`` and unsqueezed as
+    the rotation reads them: :func:`apply_checked`'s arguments after q and k. The RoPE shim runs
+    them once, before :func:`apply_checked`."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _checks.tensor(name, t)
         _checks.float_dtype(name, t)
@@ -125,7 +125,7 @@ def check_args(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
                 f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
                 f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
             )
-    return device, cos_u, sin_u
+    return cos_u, sin_u, device
 
 
 def apply_checked(q, k, cos_u, sin_u, device, variant: str = "flat"):

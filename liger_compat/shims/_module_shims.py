@@ -74,35 +74,19 @@ def native_call(x: Any) -> bool:
     device = getattr(x, "device", None)
     if device is None:
         return False
-    # the kept dispatch module read directly: this runs on every module call
-    if _config.settings.cpu_native and (_dispatch_module or _kernel_dispatch()).reference_only(device):
+    # the kept kernels package read directly: this runs on every module call
+    if _config.settings.cpu_native and (_kernels or kernels_module())._dispatch.reference_only(device):
         return True
     return decode_step(x)
-
-
-_dispatch_module: Any = None
-
-
-def _kernel_dispatch() -> Any:
-    """``liger_compat.kernels._dispatch``, imported on the first eager module call (it imports torch,
-    which ``import liger_compat`` does not) and kept: no import statement runs on later calls. Not
-    kept while torch.compile traces: a global written then fails the next call's guards."""
-    global _dispatch_module
-    mod = _dispatch_module
-    if mod is None:
-        from ..kernels import _dispatch as mod
-
-        if not _config.compiling():
-            _dispatch_module = mod
-    return mod
 
 
 _kernels: Any = None
 
 
 def kernels_module() -> Any:
-    """``liger_compat.kernels``, imported on the first module call (it imports torch, which
-    ``import liger_compat`` does not) and kept, as :func:`_kernel_dispatch` keeps its dispatch."""
+    """``liger_compat.kernels``, imported on the first eager module call (it imports torch, which
+    ``import liger_compat`` does not) and kept: no import statement runs on later calls. Not kept
+    while torch.compile traces: a global written then fails the next call's guards."""
     global _kernels
     mod = _kernels
     if mod is None:
@@ -116,16 +100,15 @@ def kernels_module() -> Any:
 _refused: set[tuple[str, str]] = set()
 
 
-def kernel_refusal(checks: Callable[[], Any]) -> str | None:
-    """Why the kernel would refuse these inputs, from its own argument checks run on them before
-    any call (``checks`` calls ``kernels._checks`` functions, which raise TypeError / ValueError
-    naming the argument: float64 or integer tensors, mixed devices or dtypes); None when it takes
-    them."""
+def kernel_refusal(checks: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(what checks returned, None)``, or ``(None, why the kernel refuses these inputs)``: ``checks``
+    runs the kernel's own argument checks (a ``check_args`` of the kernels, which raise TypeError /
+    ValueError naming the argument: float64 or integer tensors, mixed devices or dtypes) before any
+    call, and the shim then calls the kernel's unchecked entry with what they returned."""
     try:
-        checks()
+        return checks(), None
     except (TypeError, ValueError) as exc:  # only the argument checks run here: a refusal, not a bug
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def guarded(kernel: str, refusal: str | None, run_kernel: Callable[[], Any],

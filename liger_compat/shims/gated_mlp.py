@@ -110,10 +110,9 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     # them in the backward instead of being kept (kernels.gated_project). The verdict holds for
     # these inputs, so down(act(gate) * up) is the native result where the kernel refuses them.
     # the kernel's own argument checks, run once: the call below skips them
-    try:
-        device = kernels.gated_mlp.check_args(gate, up)
-    except (TypeError, ValueError) as exc:
-        return guarded(kernel_name, f"{type(exc).__name__}: {exc}", lambda: None, lambda: down_proj(act(gate) * up))[0]
+    device, refusal = kernel_refusal(lambda: kernels.gated_mlp.check_args(gate, up))
+    if refusal is not None:
+        return guarded(kernel_name, refusal, lambda: None, lambda: down_proj(act(gate) * up))[0]
     return kernels.gated_mlp.gated_project_checked(gate, up, down_proj, kind, True, device)
 
 
@@ -159,7 +158,7 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     with torch.no_grad():
         probe = x.detach()[..., :8, :] if x.dim() >= 2 else x.detach()
         gate, up = project_in(probe)
-        refusal = kernel_refusal(lambda: kernels.gated_mlp.check_args(gate, up))
+        _, refusal = kernel_refusal(lambda: kernels.gated_mlp.check_args(gate, up))
         if refusal is not None:
             log.warning("liger_compat: %s kernel refuses an input, native code used: %s",
                         kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind], refusal)

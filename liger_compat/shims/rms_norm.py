@@ -18,7 +18,7 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
-                            guarded, kernels_module, patch_instances, replaced_classes, native_call,
+                            guarded, kernel_refusal, kernels_module, patch_instances, replaced_classes, native_call,
                             verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
@@ -107,10 +107,9 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     w = instance.weight
     norm = kernels_module().norm
     # the kernel's own argument checks, run once: the call below skips them
-    try:
-        device = norm.check_args(x, w, eps)
-    except (TypeError, ValueError) as exc:  # a refusal (the mode probe would run the kernel on these)
-        return guarded("rms_norm", f"{type(exc).__name__}: {exc}", lambda: None, lambda: wrapped(x))[0]
+    device, refusal = kernel_refusal(lambda: norm.check_args(x, w, eps))
+    if refusal is not None:  # the mode probe below would run the kernel on these inputs
+        return guarded("rms_norm", refusal, lambda: None, lambda: wrapped(x))[0]
     mode = _rms_mode(wrapped, instance, x)
     if not isinstance(mode, tuple):
         return wrapped(x)

@@ -17,7 +17,8 @@ from typing import Any
 from .._log import log
 from .. import _config
 from ..compat import conflicts, families
-from ._module_shims import UPSTREAM, ModuleShim, close, compiling, guarded, kernels_module, native_call
+from ._module_shims import (UPSTREAM, ModuleShim, close, compiling, guarded, kernel_refusal, kernels_module,
+                            native_call)
 from ._patching import ShimPatches, is_ours, signature, unwrap
 from ._registry import register
 
@@ -84,14 +85,10 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
         return wrapped(*args, **kwargs)
     rope = kernels_module().rope
     # the kernel's own argument checks, run once: the calls below skip them
-    try:
-        device, cos_u, sin_u = rope.check_args(q, k, cos, sin, position_ids, unsqueeze_dim)
-        refusal = None
-    except (TypeError, ValueError) as exc:
-        refusal = f"{type(exc).__name__}: {exc}"
+    checked, refusal = kernel_refusal(lambda: rope.check_args(q, k, cos, sin, position_ids, unsqueeze_dim))
 
     def run_kernel() -> tuple[Any, Any]:
-        q_out, k_out = rope.apply_checked(q, k, cos_u, sin_u, device)
+        q_out, k_out = rope.apply_checked(q, k, *checked)
         if cos.dtype != q.dtype:
             # mixed precision (OLMo2 5.x keeps cos/sin in fp32): some natives cast back to q's dtype
             want = _rope_out_dtype(wrapped, fn, q, cos, a, unsqueeze_dim)

@@ -62,6 +62,32 @@ def module_kernel_entry(name: str):
     return kernels, name
 
 
+#: the module kernels the shims reach (:func:`module_kernel_entry`)
+MODULE_KERNELS = ("rms_norm", "gated_project", "apply_rotary_pos_emb")
+
+
+class KernelCalls:
+    """Counts the calls of the module kernels the shims reach (:data:`MODULE_KERNELS`), in ``n``."""
+
+    def __init__(self, monkeypatch):
+        self.n = dict.fromkeys(MODULE_KERNELS, 0)
+        for name in MODULE_KERNELS:
+            owner, attr = module_kernel_entry(name)
+
+            def spy(*a, _real=getattr(owner, attr), _name=name, **k):
+                self.n[_name] += 1
+                return _real(*a, **k)
+
+            monkeypatch.setattr(owner, attr, spy)
+
+    def total(self) -> int:
+        return sum(self.n[k] for k in MODULE_KERNELS)
+
+    def reset(self) -> None:
+        for k in self.n:
+            self.n[k] = 0
+
+
 def tiny(family: str, **kw):
     """The family's tiny model in train mode, where a forward with labels takes the fused loss
     (the configs have no dropout, so train and eval mode compute the same numbers); ``.eval()`` it

@@ -15,28 +15,16 @@ import liger_compat
 from liger_compat import _config, kernels
 from liger_compat.kernels import TargetOutOfRangeError, fused_linear_cross_entropy
 from liger_compat.kernels import loss as loss_mod
-from model_helpers import FAMILY_NAMES, grads, manual_accuracy, module_kernel_entry, native, random_batch, tiny
+from model_helpers import FAMILY_NAMES, KernelCalls, grads, manual_accuracy, native, random_batch, tiny
 
 pytestmark = pytest.mark.cpu_native
 
-MODULE_KERNELS = ("rms_norm", "gated_project", "apply_rotary_pos_emb")
-
-
-class _Spy:
-    """Counts calls of the module kernels the shims reach through ``liger_compat.kernels`` and of
-    the fused loss's dense path."""
+class _Spy(KernelCalls):
+    """Counts calls of the module kernels the shims reach and of the fused loss's dense path."""
 
     def __init__(self, monkeypatch):
-        self.n = dict.fromkeys(MODULE_KERNELS + ("dense",), 0)
-        for name in MODULE_KERNELS:
-            owner, attr = module_kernel_entry(name)
-            real = getattr(owner, attr)
-
-            def spy(*a, _real=real, _name=name, **k):
-                self.n[_name] += 1
-                return _real(*a, **k)
-
-            monkeypatch.setattr(owner, attr, spy)
+        super().__init__(monkeypatch)
+        self.n["dense"] = 0
         real_dense = loss_mod._dense_torch
 
         def dense(*a, **k):
@@ -46,7 +34,7 @@ class _Spy:
         monkeypatch.setattr(loss_mod, "_dense_torch", dense)
 
     def modules(self) -> int:
-        return sum(self.n[k] for k in MODULE_KERNELS)
+        return self.total()
 
 
 class _HeadCalls:

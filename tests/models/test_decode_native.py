@@ -14,30 +14,7 @@ import torch
 
 import liger_compat
 from liger_compat import _config, kernels
-from model_helpers import module_kernel_entry, native, random_batch, tiny
-
-class _Calls:
-    """Counts the calls of the module kernels the shims reach through ``liger_compat.kernels``."""
-
-    def __init__(self, monkeypatch):
-        self.n = {"rms_norm": 0, "gated_project": 0, "apply_rotary_pos_emb": 0}
-        for name in self.n:
-            owner, attr = module_kernel_entry(name)
-            real = getattr(owner, attr)
-
-            def spy(*a, _real=real, _name=name, **k):
-                self.n[_name] += 1
-                return _real(*a, **k)
-
-            monkeypatch.setattr(owner, attr, spy)
-
-    def total(self) -> int:
-        return sum(self.n.values())
-
-    def reset(self) -> None:
-        for k in self.n:
-            self.n[k] = 0
-
+from model_helpers import KernelCalls, native, random_batch, tiny
 
 @pytest.fixture
 def decode_on(monkeypatch):
@@ -56,7 +33,7 @@ def test_a_decode_step_runs_native_code_and_gives_native_logits(monkeypatch, dec
 
     model = tiny(family).eval()
     ids, _ = random_batch(model, b=3, t=9, seed=_seed())
-    calls = _Calls(monkeypatch)
+    calls = KernelCalls(monkeypatch)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         assert calls.n["rms_norm"] > 0 and calls.n["apply_rotary_pos_emb"] > 0, "the prompt keeps the kernels"
@@ -78,7 +55,7 @@ def test_generate_gives_native_tokens_and_only_the_prompt_runs_kernels(monkeypat
               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         model(input_ids=ids)  # the first calls probe each class (more kernel calls): not counted
-    calls = _Calls(monkeypatch)
+    calls = KernelCalls(monkeypatch)
     got = model.generate(ids, **kw)
     in_generate = dict(calls.n)
     calls.reset()
@@ -97,7 +74,7 @@ def test_training_and_whole_sequence_no_grad_forwards_keep_the_kernels(monkeypat
     as the training forward does, so a policy and its reference agree at the start."""
     model = tiny("llama")
     ids, labels = random_batch(model, seed=_seed())
-    calls = _Calls(monkeypatch)
+    calls = KernelCalls(monkeypatch)
     model(input_ids=ids, labels=labels)  # the first calls probe each class (more kernel calls)
     calls.reset()
     model(input_ids=ids, labels=labels)
@@ -115,7 +92,7 @@ def test_training_and_whole_sequence_no_grad_forwards_keep_the_kernels(monkeypat
 def test_the_switch_keeps_the_kernels_in_decode_steps(monkeypatch):
     model = tiny("llama").eval()
     ids, _ = random_batch(model, b=2, t=5, seed=_seed())
-    calls = _Calls(monkeypatch)
+    calls = KernelCalls(monkeypatch)
     liger_compat.configure(decode_native=False)
     try:
         assert _config.settings.source["decode_native"] == "configure()"
@@ -132,7 +109,7 @@ def test_the_switch_keeps_the_kernels_in_decode_steps(monkeypatch):
 
 def test_inference_mode_counts_as_a_decode_step_and_other_shapes_do_not(monkeypatch, decode_on):
     model = tiny("qwen2").eval()
-    calls = _Calls(monkeypatch)
+    calls = KernelCalls(monkeypatch)
     norm, h = model.model.norm, model.config.hidden_size
     with torch.inference_mode():
         norm(torch.randn(4, 2, h))  # the first kernel call probes the class (more kernel calls): not counted

@@ -16,7 +16,8 @@ from liger_compat.compat.families import BY_NAME
 from liger_compat.shims._family_states import family_states
 from liger_compat.shims._patching import is_ours
 from liger_compat.shims.logits_to_keep import translate
-from model_helpers import FAMILY_NAMES, GatedMLP, LlamaStyleRMSNorm, module_kernel_entry, native, random_batch, tiny
+from model_helpers import (FAMILY_NAMES, GatedMLP, KernelCalls, LlamaStyleRMSNorm, module_kernel_entry, native,
+                           random_batch, tiny)
 
 
 def _targets(family: str):
@@ -394,15 +395,9 @@ def test_the_module_shims_run_each_kernels_argument_checks_once_a_call(monkeypat
     ids, labels = random_batch(model, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
     with torch.no_grad():
         model(input_ids=ids)  # the first calls probe each class (more kernel calls): not counted
-    calls = {"rms_norm": 0, "gated_project": 0, "apply_rotary_pos_emb": 0, "float_dtype": 0}
-    for name in ("rms_norm", "gated_project", "apply_rotary_pos_emb"):
-        owner, attr = module_kernel_entry(name)
-
-        def spy(*a, _real=getattr(owner, attr), _name=name, **k):
-            calls[_name] += 1
-            return _real(*a, **k)
-
-        monkeypatch.setattr(owner, attr, spy)
+    kernel_calls = KernelCalls(monkeypatch)
+    calls = kernel_calls.n
+    calls["float_dtype"] = 0
     real_check = _checks.float_dtype
 
     def count_check(*a, **k):
