@@ -131,7 +131,9 @@ def test_exit_code_and_signals_pass_through(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal, sys, time
         signal.signal(signal.SIGUSR1, lambda *a: (open({str(got)!r}, "w").write(str(os.getpid())), sys.exit(3)))
-        open({str(ready)!r}, "w").write(str(os.getpid()))
+        with open({str(ready) + ".part"!r}, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace({str(ready) + ".part"!r}, {str(ready)!r})  # the test sees the whole pid or no file
         time.sleep(60)
     """)
     p = subprocess.Popen(LAUNCH + ["--", sys.executable, "-c", code], env=_env(), cwd=ROOT)
