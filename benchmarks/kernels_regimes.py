@@ -75,12 +75,12 @@ def _impls(softcap):
 
     def lowmem_dense_step(h, w, t):
         # the low-memory backward leaving no tile out, as before it could (forward and backward here)
-        old, _lowmem_triton.SKIP_REL = _lowmem_triton.SKIP_REL, 0.0
+        old, _lowmem_triton.SKIP_EPS = _lowmem_triton.SKIP_EPS, 0.0
         try:
             loss = fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem")
             return torch.autograd.grad(loss, (h, w)), loss
         finally:
-            _lowmem_triton.SKIP_REL = old
+            _lowmem_triton.SKIP_EPS = old
 
     out["liger_compat lowmem dense"] = lowmem_dense_step
     out["torch eager"] = lambda h, w, t: _eager_loss(h, w, t, softcap)

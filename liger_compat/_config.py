@@ -43,7 +43,7 @@ FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
 
 #: Values of ``LIGER_COMPAT_FLCE_MODE``: how the fused linear cross-entropy runs. ``chunked``: rows
 #: in chunks whose logits are stored (fastest; one chunk of logits in memory); ``lowmem``: no
-#: logits stored (at most 16 MiB extra); ``auto`` (default): chunked unless one chunk would not
+#: logits stored (tens of MiB extra at most); ``auto`` (default): chunked unless one chunk would not
 #: fit in the GPU's free memory.
 FLCE_MODES: tuple[str, ...] = ("auto", "chunked", "lowmem")
 #: Values of ``LIGER_COMPAT_FLCE_LOGITS``: how each chunk's logits are computed on the GPU.

@@ -9,16 +9,28 @@ logit and the row sum (label smoothing). Each program writes those five numbers 
 
 Backward (:func:`lowmem_grads`): the same tiles are computed again, turned into
 ``scale_row * d loss / d logits`` from the saved lse, and multiplied straight away by the
-weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics. A tile
-whose non-target softmax entries are all negligible (below :data:`SKIP_REL` / V of their row's
-non-target mass) skips those two matmuls. The targets' own entries ``p_t - 1`` are not part of the
-tiles: every tile adds its rows' softmax mass outside the target, and a last small kernel adds
-``-(that mass)`` times the target's weight row and hidden row (exact where ``p_t`` is near 1,
-whatever tiles were skipped).
+weight tile (``grad_hidden``) and the hidden tile (``grad_weight``), added with atomics. The
+targets' own entries ``p_t - 1`` are not part of the tiles: every tile adds its rows' softmax mass
+outside the target, and a last small kernel adds ``-(that mass)`` times the target's weight row and
+hidden row (exact where ``p_t`` is near 1, whatever tiles were left out).
+
+Sparse backward (:data:`SKIP_EPS`, :data:`SKIP_SHARE`): the backward walks the vocabulary sorted by
+each column's mean logit over the rows (``W @ mean(h)``, computed from the inputs), so that the
+columns the rows all but rule out share tiles. A tile whose non-target softmax entries are all
+below ``SKIP_EPS`` skips its two matmuls, unless one of its rows holds there more than
+``SKIP_SHARE`` of that row's share of its non-target mass (a near-uniform softmax leaves out
+nothing). What a left-out tile takes from ``grad_hidden`` is given back as its rows' left-out
+gradient mass times the tile's mean weight row (one small matmul a group of rows, from a
+``[tiles, H]`` table of those means in the weight's dtype): the part of the left-out gradient
+that all the tile's columns share, which is most of it (``benchmarks/skip_analysis.py`` measures
+both). ``grad_weight`` leaves those entries out; ``grad_bias`` keeps them.
+
 ``grad_hidden`` is summed in an fp32 scratch of one group of rows at a time (at most
 :data:`GH_SCRATCH_BYTES`), so every element is rounded to the output dtype once;
 ``grad_weight`` is added in its own dtype, in the output tensor itself; ``grad_bias`` in fp32
-(``[V]``). Extra memory: the scratch, the per-share statistics and a few ``[rows]`` vectors.
+(``[V]``). Extra memory: the scratch, the per-share statistics, a few ``[rows]`` vectors, and for
+the sparse backward the column order (``[V]``), the table of tile means and a ``[group, tiles]``
+table of left-out masses.
 
 Rows are read through an index vector, so ignored rows can be left out of all the work.
 Tile sizes come from :data:`CONFIGS`, picked by name with the ``config`` keyword (one name for
@@ -34,7 +46,7 @@ import torch
 from ._ce_triton import _tanh
 from ._dispatch import cdiv, tl, triton
 
-__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "target_logits", "GH_SCRATCH_BYTES", "SKIP_REL"]
+__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "target_logits", "GH_SCRATCH_BYTES", "SKIP_EPS"]
 
 #: name -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for CUDA; the interpreter uses
 #: small tiles (``"interpret"``) so that tests cover several tiles and ragged edges.
@@ -58,10 +70,17 @@ GH_SCRATCH_BYTES = 8 * 2**20
 #: At most this many bytes of per-share statistics in the forward (5 fp32/int32 per row and share).
 STATS_BYTES = 4 * 2**20
 
-#: The backward leaves out a tile whose non-target softmax entries are all below this / V of their
-#: row's non-target softmax mass: what it leaves out of a row's gradient is then at most this share
-#: of the row's mass, about bf16's rounding of each entry (2^-9).
-SKIP_REL = 2.0 ** -9
+#: The sparse backward leaves out the matmuls of a tile whose non-target softmax entries are all
+#: below this (0: every tile computed) and whose rows each hold at most :data:`SKIP_SHARE` of their
+#: share of their non-target mass there. See the module's docstring for what replaces them.
+SKIP_EPS = 2.0 ** -10
+#: A tile of ``BN`` columns is left out only where each row's non-target mass in it is at most this
+#: times ``BN / V`` of the row's whole non-target mass: the rows' mass is not spread over it as over
+#: the rest of the vocabulary (a near-uniform softmax keeps every tile).
+SKIP_SHARE = 0.5
+#: times ``|lse| + 1``: the least non-target mass the sparse backward takes a row to have (about
+#: fp32's resolution of ``log p_t`` beside lse: a peaked row's ``1 - p_t`` is not known better)
+ROW_MASS_FLOOR = 2.4e-7
 #: Tiles the latest :func:`lowmem_grads` call left out (int32 device tensor of one element).
 last_skipped: torch.Tensor | None = None
 
@@ -177,15 +196,20 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, pm_ptr, ps_ptr, pi_ptr, p
 
 
 @triton.jit
-def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr, zt_ptr, cnt_ptr, rest_ptr,
-                  row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing, lse_square_scale, skip_rel,
+def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr, cnt_ptr, rest_ptr,
+                  order_ptr, mass_ptr, zt_ptr, row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing,
+                  lse_square_scale, skip_eps, skip_share, mass_floor, n_tiles,
                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                   HAS_ZLOSS: tl.constexpr, NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
                   SKIP: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Rows ``row0 .. row0 + M`` of the (index) rows; ``gh_ptr`` is their fp32 scratch ``[M, K]``.
-    ``SKIP``: tiles of negligible gradient are left out (``zt_ptr``: the rows' target logits;
-    ``cnt_ptr``: a counter of the tiles left out). The targets' own entries are left to
+    ``SKIP``: the tiles walk the vocabulary in the order ``order_ptr`` gives, and a tile whose
+    non-target softmax entries are all below ``skip_eps``, and whose non-target mass in each row is
+    at most ``skip_share`` of the row's share (``BN / V`` of the row's non-target mass, from its
+    target logit ``zt_ptr``, at least ``mass_floor * (|lse| + 1)``), is left out of the matmuls:
+    its rows' gradient mass goes to ``mass_ptr`` (``[M, n_tiles]`` fp32, the caller adds it times
+    the tile's mean weight row) and ``cnt_ptr`` counts it. The targets' own entries are left to
     :func:`_target_grads_kernel`; ``rest_ptr`` sums each row's softmax mass outside its target."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
@@ -198,36 +222,124 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
     tgt = tl.load(t_ptr + rows, mask=mmask, other=-1).to(tl.int64)
     lse = tl.load(lse_ptr + offs_m, mask=mmask, other=0.0)
     sc = tl.load(scale_ptr + offs_m, mask=mmask, other=0.0)  # 0 for ignored / out-of-range rows
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nmask = offs_n < V
+    pos = pid_n * BN + tl.arange(0, BN)
+    nmask = pos < V
+    if SKIP:
+        offs_n = tl.load(order_ptr + pos, mask=nmask, other=0).to(tl.int64)
+    else:
+        offs_n = pos
     z, t = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, stride_w, softcap,
                         HAS_BIAS, HAS_SOFTCAP, IEEE, EVEN_K, BM, BN, BK)
     p = tl.exp(z - lse[:, None])
+    is_t = offs_n[None, :] == tgt[:, None]
     # every tile, left out or not, adds its softmax mass outside the targets: the targets' entries
     # (_target_grads_kernel) are exact whatever is left out
-    rest = tl.sum(tl.where(mmask[:, None] & nmask[None, :] & (offs_n[None, :] != tgt[:, None]), p, 0.0), axis=1)
+    rest = tl.sum(tl.where(mmask[:, None] & nmask[None, :] & (~is_t), p, 0.0), axis=1)
     tl.atomic_add(rest_ptr + offs_m, rest, mask=mmask, sem="relaxed")
     keep = True
     if SKIP:
-        # every non-target softmax entry of the tile below skip_rel / V of its row's non-target mass:
-        # the tile's gradient is negligible and left out (the targets' own entries come separately)
-        zt = tl.load(zt_ptr + offs_m, mask=mmask, other=0.0)
-        # 1 - p(target) as -expm1(log p), at least what fp32 resolves of it beside lse (the dense
-        # gradient of a row that peaked is no more accurate than that)
-        x = tl.minimum(zt - lse, 0.0)
-        mass = tl.maximum(tl.where(x > -1e-3, -x * (1.0 + 0.5 * x), 1.0 - tl.exp(x)), (tl.abs(lse) + 1.0) * 2.4e-7)
-        thr = skip_rel * mass / V
         live = mmask & (sc != 0.0)
-        is_t = offs_n[None, :] == tgt[:, None]
-        cells = live[:, None] & nmask[None, :]
-        n_big = tl.sum(tl.sum(tl.where(cells & (~is_t) & (p >= thr[:, None]), 1, 0), axis=1), axis=0)
+        # the row's softmax mass outside its target, 1 - p_t as -expm1(log p_t), at least what fp32
+        # resolves of it beside lse (the dense gradient of a peaked row is no more accurate)
+        x = tl.minimum(tl.load(zt_ptr + offs_m, mask=mmask, other=0.0) - lse, 0.0)
+        row_mass = tl.maximum(tl.where(x > -1e-3, -x * (1.0 + 0.5 * x), 1.0 - tl.exp(x)),
+                              (tl.abs(lse) + 1.0) * mass_floor)
+        # a row whose mass is spread over the vocabulary (near-uniform) keeps its tiles: there the
+        # left-out entries' gradient is coherent within a tile, beyond what its mean row restores
+        heavy = live & (rest > skip_share * row_mass * BN / V)
+        big = live[:, None] & nmask[None, :] & (~is_t) & (p >= skip_eps)
+        n_big = tl.sum(tl.sum(tl.where(big, 1, 0), axis=1), axis=0) + tl.sum(tl.where(heavy, 1, 0), axis=0)
         keep = n_big > 0
         if n_big == 0:
             tl.atomic_add(cnt_ptr, 1, sem="relaxed")
+            # the left-out gradient entries (no smoothing or z-loss here: SKIP excludes them)
+            d = tl.where(is_t, 0.0, p) * sc[:, None]
+            if HAS_SOFTCAP:
+                d = d * (1.0 - t * t)
+            d = tl.where(mmask[:, None] & nmask[None, :], d, 0.0)
+            if NEED_GB:
+                tl.atomic_add(gb_ptr + offs_n, tl.sum(d, axis=0), mask=nmask, sem="relaxed")
+            if NEED_GH:
+                tl.store(mass_ptr + local.to(tl.int64) * n_tiles + pid_n, tl.sum(d, axis=1), mask=mmask)
     if keep:
         _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc, offs_n, mmask, nmask, K, V,
                     stride_h, stride_w, stride_gw, label_smoothing, lse_square_scale, lse,
                     HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, NEED_GH, NEED_GW, NEED_GB, IEEE, BM, BN, BK)
+
+
+@triton.jit
+def _tile_means_kernel(w_ptr, order_ptr, mu_ptr, V, K, stride_w, BN: tl.constexpr, RB: tl.constexpr,
+                       BK: tl.constexpr):
+    """``mu[tile, k]``: the mean (fp32 sum, stored in mu's dtype) of the weight rows
+    ``order[tile * BN .. tile * BN + BN]`` (those below V) over columns ``k`` of one block of ``BK``."""
+    tile = tl.program_id(0)
+    kk = tl.program_id(1) * BK + tl.arange(0, BK)
+    kmask = kk < K
+    acc = tl.zeros((BK,), tl.float32)
+    for r in range(0, BN, RB):
+        pos = tile * BN + r + tl.arange(0, RB)
+        pmask = pos < V
+        cols = tl.load(order_ptr + pos, mask=pmask, other=0).to(tl.int64)
+        wk = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.sum(wk.to(tl.float32), axis=0)
+    count = tl.minimum(V - tile * BN, BN).to(tl.float32)
+    tl.store(mu_ptr + tile.to(tl.int64) * K + kk, (acc / count).to(mu_ptr.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def _add_left_out_kernel(gh_ptr, mass_ptr, mu_ptr, M, T, K, BR: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """``gh[r, k] += sum_t mass[r, t] * mu[t, k]`` for the ``M`` rows of a group: fp32 ``gh`` and
+    ``mass`` (``[M, K]``, ``[M, T]``), ``mu`` ``[T, K]`` in the weight's dtype, summed in fp32."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    kk = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask = offs_r < M
+    kmask = kk < K
+    acc = tl.zeros((BR, BK), tl.float32)
+    for t0 in range(0, T, BT):
+        tt = t0 + tl.arange(0, BT)
+        tmask = tt < T
+        a = tl.load(mass_ptr + offs_r[:, None].to(tl.int64) * T + tt[None, :], mask=rmask[:, None] & tmask[None, :],
+                    other=0.0)
+        b = tl.load(mu_ptr + tt[:, None].to(tl.int64) * K + kk[None, :], mask=tmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    dst = gh_ptr + offs_r[:, None].to(tl.int64) * K + kk[None, :]
+    msk = rmask[:, None] & kmask[None, :]
+    tl.store(dst, tl.load(dst, mask=msk, other=0.0) + acc, mask=msk)
+
+
+def column_order(h, w, b, idx, sc):
+    """int32 ``[V]``: the vocabulary sorted by each column's mean logit over the index rows that get
+    a gradient (``W @ mean(h) + b``; the softcap, monotone, left out), largest first. Two
+    matrix-vector products and a sort; it only decides which columns share a tile."""
+    wts = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device)
+    wts.index_copy_(0, idx, (sc != 0).to(h.dtype))
+    hsum = (wts @ h).to(w.dtype)
+    key = (w @ hsum).float()
+    if b is not None:
+        key = key + b.float() * (sc != 0).sum()
+    return torch.argsort(key, descending=True).to(torch.int32)
+
+
+def tile_means(w, order, bn):
+    """``[cdiv(V, bn), H]`` in the weight's dtype: the mean weight row of each tile of ``bn`` columns
+    in ``order`` (summed in fp32)."""
+    v, k = w.shape
+    ntiles = cdiv(v, bn)
+    mu = torch.empty((ntiles, k), dtype=w.dtype, device=w.device)
+    bk, rb = (16, 8) if w.device.type != "cuda" else (128, 32)
+    _tile_means_kernel[(ntiles, cdiv(k, bk))](w, order, mu, v, k, w.stride(0), BN=bn, RB=min(rb, bn), BK=bk,
+                                               num_warps=4)
+    return mu
+
+
+def add_left_out(gh, mass, mu):
+    """``gh += mass @ mu`` in place, summed in fp32 (``gh`` fp32 ``[M, K]``, ``mass`` fp32
+    ``[M, T]``, ``mu`` ``[T, K]``)."""
+    m, k = gh.shape
+    t = mass.shape[1]
+    br, bt, bk = (16, 16, 16) if gh.device.type != "cuda" else (64, 32, 128)
+    _add_left_out_kernel[(cdiv(m, br), cdiv(k, bk))](gh, mass, mu, m, t, k, BR=br, BT=bt, BK=bk, num_warps=4)
 
 
 @triton.jit
@@ -418,15 +530,16 @@ def lowmem_stats(h, w, b, target, idx, opt, *, config: str | None = None):
 
 
 def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | None = None,
-                 scratch_bytes: int | None = None, skip_rel: float | None = None):
+                 scratch_bytes: int | None = None, skip_eps: float | None = None):
     """``(grad_hidden, grad_weight, grad_bias)`` (``None`` where ``grads`` says not needed) of
     ``sum_i scale[i] * loss(row idx[i])``; ``lse`` and ``scale`` fp32 ``[M]`` (scale 0 for rows
     that get no gradient). Rows not in ``idx`` get zero ``grad_hidden``.
 
-    ``skip_rel`` (default :data:`SKIP_REL`; 0 turns it off): a (row block, vocabulary tile) pair
-    whose non-target softmax entries are all below ``skip_rel / V`` of their row's non-target mass
-    is left out of the gradient matmuls; the targets' own entries are always added (a separate
-    kernel). Without label smoothing and z-loss only. :data:`last_skipped` counts such tiles of the latest call (a device tensor)."""
+    ``skip_eps`` (default :data:`SKIP_EPS`; 0 turns it off): the sparse backward of the module's
+    docstring, a (row block, vocabulary tile) pair whose non-target softmax entries are all below
+    it is left out of the gradient matmuls; the targets' own entries are always added (a separate
+    kernel). Without label smoothing and z-loss only. :data:`last_skipped` counts such tiles of
+    the latest call (a device tensor)."""
     global last_skipped
     need_gh, need_gw, need_gb = grads
     n, k = h.shape
@@ -446,8 +559,14 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
     whole = m == n  # idx is then every row in order
     flags = _flags(h, w, b, opt, bk)
     ntiles = cdiv(v, bn)
-    skip_rel = SKIP_REL if skip_rel is None else float(skip_rel)
-    skip = skip_rel > 0.0 and opt.label_smoothing == 0.0 and opt.lse_square_scale == 0.0
+    skip_eps = SKIP_EPS if skip_eps is None else float(skip_eps)
+    skip = skip_eps > 0.0 and opt.label_smoothing == 0.0 and opt.lse_square_scale == 0.0
+    if skip:
+        order = column_order(h, w, b, idx, scale)
+        mu = tile_means(w, order, bn) if need_gh else None
+        mass = torch.empty((group, ntiles), dtype=torch.float32, device=dev) if need_gh else None
+    else:
+        order = mu = mass = None
     zt = target_logits(h, w, b, target, idx, opt) if (skip or opt.softcap is not None) else lse
     rest = torch.zeros(m, dtype=torch.float32, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -456,10 +575,14 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
         rows = min(group, m - row0)
         if scratch is not None:
             scratch.zero_()
+        if mass is not None:
+            mass.zero_()
         args = (h, w, b if b is not None else h, target, idx, lse, scale,
                 scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
-                zt, counter, rest, row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
-                opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale, skip_rel)
+                counter, rest, order if order is not None else idx, mass if mass is not None else lse, zt,
+                row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale, skip_eps,
+                float(SKIP_SHARE), float(ROW_MASS_FLOOR), ntiles)
         _launch(_grads_kernel, (cdiv(rows, bm) * ntiles,), args, stages,
                 HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb, SKIP=skip,
                 BM=bm, BN=bn, BK=bk, num_warps=warps, **flags)
@@ -473,6 +596,9 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
             BM=tbm, BK=tbk, num_warps=4)
         if scratch is not None:
             part = scratch[:rows]
+            if mass is not None:
+                # what the left-out tiles took from grad_hidden: their gradient mass x mean weight row
+                add_left_out(part, mass, mu)
             if whole:
                 gh[row0:row0 + rows].copy_(part)
             else:

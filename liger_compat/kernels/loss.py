@@ -17,8 +17,9 @@ z-loss (``lse_square_scale * lse**2``, PaLM) and ``num_items_in_batch`` (transfo
 accumulation fix, 4.46) are options of both.
 
 A second mode stores no logits at all (``_lowmem_triton.py``): the forward keeps per-row
-statistics only and the backward computes the logits tiles again, at most 16 MiB of extra
-memory at any vocabulary and token count, for about a third more matmul work. Which mode runs
+statistics only and the backward computes the logits tiles again, for about a third more matmul
+work: an 8 MiB scratch, per-row vectors and the sparse backward's tables (tile means and column
+order: 5-10 MiB at 128k-256k vocabularies) instead of a chunk of logits. Which mode runs
 is ``LIGER_COMPAT_FLCE_MODE`` (:func:`flce_mode_for`): ``auto`` takes the chunked mode unless one
 chunk would not fit in the GPU's free memory.
 """

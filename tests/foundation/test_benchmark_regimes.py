@@ -113,3 +113,46 @@ def test_regime_benchmark_appends_a_second_call_and_stops_at_its_budget(tmp_path
     assert data["regenerate"] == ("python -m benchmarks.kernels_regimes --heads qwen2-7b --name r; "
                                   "python -m benchmarks.kernels_regimes --heads llama3-8b --append --budget-s 1e-9 --name r")
     capsys.readouterr()
+
+
+def test_skip_analysis_counts_left_out_tiles_and_their_error_as_float64_does():
+    """benchmarks.skip_analysis against a direct float64 evaluation of one rule, on trained-like
+    inputs: the share of (row block, tile) pairs left out, and the grad_hidden error of leaving
+    them out without and with the tile-mean correction."""
+    from benchmarks import skip_analysis
+
+    bm, bn = 16, 32
+    h, w, t, _ = regimes.make_inputs("trained", 256, 32, 2048, device="cpu", seed=3)
+    n, rows = skip_analysis.analyse(h, w, t, None, [10, 60], bm, bn, ordered=True, share=0.5, floor=2.4e-7)
+    got = {(r["eps"], r["rule"]): r for r in rows}
+    keep = t != regimes.IGNORE_INDEX
+    hd, tk = h[keep][:n].double(), t[keep][:n]
+    wd = w.double()[skip_analysis.column_order(h[keep][:n], w)]
+    tk = torch.argsort(skip_analysis.column_order(h[keep][:n], w))[tk]  # targets in the sorted order
+    p = torch.softmax(hd @ wd.t(), -1)
+    d = p.clone()
+    d[torch.arange(n), tk] -= 1.0
+    gh = d @ wd
+    total = done = 0
+    err = torch.zeros_like(gh)
+    err_c = torch.zeros_like(gh)
+    for r0 in range(0, n, bm):
+        for c0 in range(0, w.shape[0], bn):
+            blk = p[r0:r0 + bm, c0:c0 + bn].clone()
+            own = tk[r0:r0 + bm, None] == torch.arange(c0, c0 + blk.shape[1])[None, :]
+            blk[own] = 0.0
+            total += 1
+            if (blk < 2.0 ** -10).all():
+                done += 1
+                part = blk @ wd[c0:c0 + bn]
+                err[r0:r0 + bm] += part
+                mean_row = wd[c0:c0 + bn].mean(0, keepdim=True)
+                err_c[r0:r0 + bm] += part - blk.sum(1, keepdim=True) * mean_row
+    row = got[("2^-10", "max")]
+    assert done > 0 and math.isclose(row["skipped_pct"], 100.0 * done / total, rel_tol=1e-6)
+    assert math.isclose(row["grad_h_err"], float(err.norm() / gh.norm()), rel_tol=1e-3)
+    assert math.isclose(row["grad_h_err_corrected"], float(err_c.norm() / gh.norm()), rel_tol=1e-3)
+    assert row["grad_h_err_corrected"] < row["grad_h_err"]
+    # the kernel's rule leaves out a subset; an eps no entry reaches leaves out nothing
+    assert got[("2^-10", "max+share")]["skipped_pct"] <= row["skipped_pct"]
+    assert got[("2^-60", "max")]["skipped_pct"] == 0.0 and got[("2^-60", "max")]["grad_h_err"] == 0.0

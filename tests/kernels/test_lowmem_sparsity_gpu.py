@@ -46,11 +46,13 @@ def test_sparse_backward_is_as_accurate_as_the_dense_one(regime, softcap, monkey
     h, w, t, _ = make_inputs(regime, 2048, 1024, 32768, softcap=softcap, device="cuda", seed=5)
     ref = _fp32_grads(h, w, t, softcap)
     sparse = _lowmem_grads(h, w, t, softcap)
-    monkeypatch.setattr(_lowmem_triton, "SKIP_REL", 0.0)
+    monkeypatch.setattr(_lowmem_triton, "SKIP_EPS", 0.0)
     dense = _lowmem_grads(h, w, t, softcap)
     assert int(_lowmem_triton.last_skipped) == 0
     for got, full, want in zip(sparse, dense, ref):
-        assert rel_err(got, want) <= 1.1 * rel_err(full, want) + 1e-4
+        # the left-out tiles' remainder (after grad_hidden's mean-row correction) is within 2e-3
+        # of the gradient (benchmarks/skip_analysis.md: 7.6e-4 at the Llama-3-8B head, trained-like)
+        assert rel_err(got, want) <= rel_err(full, want) + 2e-3
         # bf16 inputs and logits: the dense low-memory path itself measured up to 1.0e-2 against
         # the fp32 head on these inputs (H100); the claim is the line above, this a sanity bound
         assert rel_err(got, want) <= 2e-2
