@@ -135,7 +135,7 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, s
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
         if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, b, acc)  # tf32 on the GPU: ~2^-11 of a correction that is a part of the gradient
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BK
@@ -230,11 +230,11 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
         offs_n = pos
     z, t = _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, stride_w, softcap,
                         HAS_BIAS, HAS_SOFTCAP, IEEE, EVEN_K, BM, BN, BK)
-    p = tl.exp(z - lse[:, None])
-    is_t = offs_n[None, :] == tgt[:, None]
+    # the softmax outside the targets (0 there and outside the tile): the only tile kept from here
+    p = tl.where(mmask[:, None] & nmask[None, :] & (offs_n[None, :] != tgt[:, None]), tl.exp(z - lse[:, None]), 0.0)
     # every tile, left out or not, adds its softmax mass outside the targets: the targets' entries
     # (_target_grads_kernel) are exact whatever is left out
-    rest = tl.sum(tl.where(mmask[:, None] & nmask[None, :] & (~is_t), p, 0.0), axis=1)
+    rest = tl.sum(p, axis=1)
     tl.atomic_add(rest_ptr + offs_m, rest, mask=mmask, sem="relaxed")
     keep = True
     if SKIP:
@@ -246,21 +246,23 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
                               (tl.abs(lse) + 1.0) * mass_floor)
         # a row whose mass is spread over the vocabulary (near-uniform) keeps its tiles: there the
         # left-out entries' gradient is coherent within a tile, beyond what its mean row restores
-        heavy = live & (rest > skip_share * row_mass * BN / V)
-        big = live[:, None] & nmask[None, :] & (~is_t) & (p >= skip_eps)
-        n_big = tl.sum(tl.sum(tl.where(big, 1, 0), axis=1), axis=0) + tl.sum(tl.where(heavy, 1, 0), axis=0)
-        keep = n_big > 0
-        if n_big == 0:
+        heavy = tl.max(tl.where(live & (rest > skip_share * row_mass * BN / V), 1, 0), axis=0)
+        top = tl.max(tl.max(tl.where(live[:, None], p, 0.0), axis=1), axis=0)
+        keep = (top >= skip_eps) | (heavy > 0)
+        if not keep:
             tl.atomic_add(cnt_ptr, 1, sem="relaxed")
-            # the left-out gradient entries (no smoothing or z-loss here: SKIP excludes them)
-            d = tl.where(is_t, 0.0, p) * sc[:, None]
+            # the left-out gradient entries are sc * p (times the softcap's derivative): no
+            # smoothing or z-loss here (SKIP excludes them)
             if HAS_SOFTCAP:
-                d = d * (1.0 - t * t)
-            d = tl.where(mmask[:, None] & nmask[None, :], d, 0.0)
+                q = p * (1.0 - t * t)
+                row_left = tl.sum(q, axis=1) * sc
+            else:
+                q = p
+                row_left = rest * sc
             if NEED_GB:
-                tl.atomic_add(gb_ptr + offs_n, tl.sum(d, axis=0), mask=nmask, sem="relaxed")
+                tl.atomic_add(gb_ptr + offs_n, tl.sum(q * sc[:, None], axis=0), mask=nmask, sem="relaxed")
             if NEED_GH:
-                tl.store(mass_ptr + local.to(tl.int64) * n_tiles + pid_n, tl.sum(d, axis=1), mask=mmask)
+                tl.store(mass_ptr + local.to(tl.int64) * n_tiles + pid_n, row_left, mask=mmask)
     if keep:
         _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc, offs_n, mmask, nmask, K, V,
                     stride_h, stride_w, stride_gw, label_smoothing, lse_square_scale, lse,
@@ -289,7 +291,8 @@ def _tile_means_kernel(w_ptr, order_ptr, mu_ptr, V, K, stride_w, BN: tl.constexp
 @triton.jit
 def _add_left_out_kernel(gh_ptr, mass_ptr, mu_ptr, M, T, K, BR: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """``gh[r, k] += sum_t mass[r, t] * mu[t, k]`` for the ``M`` rows of a group: fp32 ``gh`` and
-    ``mass`` (``[M, K]``, ``[M, T]``), ``mu`` ``[T, K]`` in the weight's dtype, summed in fp32."""
+    ``mass`` (``[M, K]``, ``[M, T]``), ``mu`` ``[T, K]`` in the weight's dtype; products in tf32 on
+    the GPU (an fp32 dot spills there), summed in fp32."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     kk = tl.program_id(1) * BK + tl.arange(0, BK)
     rmask = offs_r < M
@@ -302,7 +305,7 @@ def _add_left_out_kernel(gh_ptr, mass_ptr, mu_ptr, M, T, K, BR: tl.constexpr, BT
                     other=0.0)
         b = tl.load(mu_ptr + tt[:, None].to(tl.int64) * K + kk[None, :], mask=tmask[:, None] & kmask[None, :],
                     other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b, acc)  # tf32 on the GPU: ~2^-11 of a correction that is a part of the gradient
     dst = gh_ptr + offs_r[:, None].to(tl.int64) * K + kk[None, :]
     msk = rmask[:, None] & kmask[None, :]
     tl.store(dst, tl.load(dst, mask=msk, other=0.0) + acc, mask=msk)
@@ -338,7 +341,7 @@ def add_left_out(gh, mass, mu):
     ``[M, T]``, ``mu`` ``[T, K]``)."""
     m, k = gh.shape
     t = mass.shape[1]
-    br, bt, bk = (16, 16, 16) if gh.device.type != "cuda" else (64, 32, 128)
+    br, bt, bk = (16, 16, 16) if gh.device.type != "cuda" else (64, 32, 64)
     _add_left_out_kernel[(cdiv(m, br), cdiv(k, bk))](gh, mass, mu, m, t, k, BR=br, BT=bt, BK=bk, num_warps=4)
 
 
@@ -348,17 +351,18 @@ def _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc
                 HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
                 NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr, IEEE: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The tile's ``d loss / d logits`` from its softmax ``p``, multiplied by the weight tile into
-    ``grad_hidden`` and by the hidden tile into ``grad_weight`` (atomics), summed into ``grad_bias``."""
+    """The tile's ``d loss / d logits`` from its softmax ``p`` (0 at the targets and outside the
+    tile), multiplied by the weight tile into ``grad_hidden`` and by the hidden tile into
+    ``grad_weight`` (atomics), summed into ``grad_bias``."""
     if HAS_ZLOSS:
         p = p * (1.0 + 2.0 * lse_square_scale * lse)[:, None]
     if HAS_SMOOTHING:
         p = p - label_smoothing / V
-    p = tl.where(offs_n[None, :] == tgt[:, None], 0.0, p)  # the target's entry: _target_grads_kernel
+        # the target's entry is _target_grads_kernel's; nothing outside the tile
+        p = tl.where(mmask[:, None] & nmask[None, :] & (offs_n[None, :] != tgt[:, None]), p, 0.0)
     d = p * sc[:, None]
     if HAS_SOFTCAP:
         d = d * (1.0 - t * t)
-    d = tl.where(mmask[:, None] & nmask[None, :], d, 0.0)
     if NEED_GB:
         tl.atomic_add(gb_ptr + offs_n, tl.sum(d, axis=0), mask=nmask, sem="relaxed")
     dd = d.to(h_ptr.dtype.element_ty)
