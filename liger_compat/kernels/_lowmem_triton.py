@@ -135,7 +135,7 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, rows, mmask, offs_n, nmask, K, stride_h, s
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
         if IEEE:
-            acc = tl.dot(a, b, acc)  # tf32 on the GPU: ~2^-11 of a correction that is a part of the gradient
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BK
