@@ -127,8 +127,9 @@ def test_skip_analysis_counts_left_out_tiles_and_their_error_as_float64_does():
     got = {(r["eps"], r["rule"]): r for r in rows}
     keep = t != regimes.IGNORE_INDEX
     hd, tk = h[keep][:n].double(), t[keep][:n]
-    wd = w.double()[skip_analysis.column_order(h[keep][:n], w)]
-    tk = torch.argsort(skip_analysis.column_order(h[keep][:n], w))[tk]  # targets in the sorted order
+    order = skip_analysis.column_order(h[keep][:n].float(), w.float())  # the order analyse() tiles by
+    wd = w.double()[order]
+    tk = torch.argsort(order)[tk]  # targets in the sorted order
     p = torch.softmax(hd @ wd.t(), -1)
     d = p.clone()
     d[torch.arange(n), tk] -= 1.0
