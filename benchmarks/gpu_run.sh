@@ -7,8 +7,8 @@
 # every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s),
 # e2e_small (the host-bound llama-small 2x1024 step; E2E_SMALL_ARGS), trl_step (TRL_ARGS), models_gpu
 # (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes),
-# module_host (host time per module call, native and patched), pytest:<args> (a pytest
-# selection).
+# module_host (host time per module call, native and patched), skip_analysis (SKIP_ARGS: the
+# sparse backward's rule in exact fp32 at GPU sizes), pytest:<args> (a pytest selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 # The device tool brings back at most 8 files from $OUT: the steps write under $RES, which is packed
 # into $OUT/results.tgz after every step and every 30 s (a run cut short keeps what was written).
@@ -47,6 +47,7 @@ for step in "$@"; do
     models_gpu) python3 -m benchmarks.models_gpu --out "$OUT" ${MODELS_ARGS:-} >"$OUT/models_gpu.log" 2>&1 ;;
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
     host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;
+    skip_analysis) python3 -m benchmarks.skip_analysis --device cuda --out "$OUT" ${SKIP_ARGS:-} >"$OUT/skip_analysis.log" 2>&1 ;;
     pytest:*) python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$OUT/pytest.log" 2>&1 ;;
     *) echo "unknown step $step" >>"$OUT/machine.log" ;;
   esac

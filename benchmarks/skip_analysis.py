@@ -12,11 +12,15 @@ regime, rule and ``eps``:
   cut-cross-entropy-style ordering that gathers the near-zero columns into whole tiles);
 * the relative error (Frobenius) that leaving them out puts into ``grad_hidden`` and ``grad_weight``;
 * the ``grad_hidden`` error when every left-out pair adds back its rows' left-out softmax mass times
-  the tile's mean weight row (``mass @ mean_tile(W)``: one small matmul a group of rows), which
-  keeps the part of the left-out gradient that all the tile's columns share.
+  the mean weight row of its run of ``MEAN_TILES`` tiles (``mass @ mean(W)``: one small matmul a
+  group of rows), which keeps the part of the left-out gradient that all those columns share.
+
+``--pt-noise S`` adds Gaussian noise of deviation ``S`` to each row's ``log p_t`` where the rule
+reads the row's non-target mass (the kernel takes it from a target logit and an lse summed apart).
 
     python -m benchmarks.skip_analysis [--heads llama3-8b] [--rows 1024] [--regimes init,spread,trained]
-        [--eps 10,11,12,14] [--block-m 128] [--block-n 256] [--device cpu] [--name skip_analysis] [--out DIR]
+        [--eps 10,11,12,14] [--block-m 128] [--block-n 256] [--pt-noise 0] [--device cpu]
+        [--name skip_analysis] [--out DIR]
 
 ``--eps`` takes exponents: ``12`` is 2^-12. Rows are the first ``--rows`` of each regime's inputs
 (the ignored ones left out, the rest cut to whole row blocks). On the CPU the Llama-3-8B head takes
@@ -51,7 +55,7 @@ def column_order(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def analyse(h, w, t, softcap, eps_list, bm, bn, ordered, share, floor):
+def analyse(h, w, t, softcap, eps_list, bm, bn, ordered, share, floor, pt_noise=0.0):
     """Rows of the table for one regime's inputs (``h`` / ``w`` / ``t`` as the regime made them), for
     each eps under two rules: ``max`` (every non-target entry below eps, cut-cross-entropy's rule)
     and ``max+share`` (also each row's non-target mass in the tile at most ``share`` times its
@@ -67,7 +71,7 @@ def analyse(h, w, t, softcap, eps_list, bm, bn, ordered, share, floor):
         perm = column_order(hf, wf)
         wf = wf[perm]
         inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(v)
+        inv[perm] = torch.arange(v, device=perm.device)
         t = inv[t]
     z = hf @ wf.t()
     dcap = None
@@ -79,9 +83,12 @@ def analyse(h, w, t, softcap, eps_list, bm, bn, ordered, share, floor):
     lse = torch.logsumexp(z, -1)
     p = torch.softmax(z, -1)
     del z
-    row_mass = torch.maximum(1.0 - p.gather(1, t[:, None]).squeeze(1), (lse.abs() + 1.0) * floor)
+    log_pt = torch.log(p.gather(1, t[:, None]).squeeze(1).clamp(min=1e-38))
+    if pt_noise:
+        log_pt = log_pt + pt_noise * torch.randn(log_pt.shape, generator=torch.Generator().manual_seed(1)).to(log_pt)
+    row_mass = torch.maximum(-torch.expm1(log_pt.clamp(max=0.0)), (lse.abs() + 1.0) * floor)
     d = p.clone()
-    d.scatter_add_(1, t[:, None], -torch.ones(n, 1))
+    d.scatter_add_(1, t[:, None], -torch.ones(n, 1, device=d.device))
     if dcap is not None:
         d *= dcap
         del dcap
@@ -97,10 +104,13 @@ def analyse(h, w, t, softcap, eps_list, bm, bn, ordered, share, floor):
     tile_max = tiles.amax(dim=3)  # [nb, bm, nt]
     heavy = tiles.sum(dim=3) > share * row_mass.view(nb, bm, 1) * (bn / v)
     del pn, tiles
-    wpad = torch.nn.functional.pad(wf, (0, 0, 0, pad)).view(nt, bn, hd)
-    counts = torch.full((nt,), float(bn))
-    counts[-1] = bn - pad
-    mu = wpad.sum(1) / counts[:, None]  # [nt, H]: each tile's mean weight row
+    # the mean weight row of each run of MEAN_TILES tiles (the kernel's table), one per tile
+    span = _lowmem_triton.MEAN_TILES * bn
+    ns = math.ceil(v / span)
+    wpad = torch.nn.functional.pad(wf, (0, 0, 0, ns * span - v)).view(ns, span, hd)
+    counts = torch.full((ns,), float(span), device=wf.device)
+    counts[-1] = v - (ns - 1) * span
+    mu = (wpad.sum(1) / counts[:, None]).repeat_interleave(_lowmem_triton.MEAN_TILES, 0)[:nt]  # [nt, H]
     del wpad
     rows = []
     for e in eps_list:
@@ -134,7 +144,9 @@ def report(data: dict) -> str:
            "share of the vocabulary times the row's non-target mass. *sorted*: the vocabulary sorted by each "
            "column's mean logit (`W @ mean(h)`) before tiling. Errors are relative (Frobenius) against the "
            "exact fp32 gradient; *corrected*: each left-out pair adds back its rows' left-out mass times the "
-           "tile's mean weight row (what the low-memory backward does).", ""]
+           f"mean weight row of its run of {data.get('mean_tiles', 1)} tiles (what the low-memory backward does). "
+           f"Row mass floor {data.get('floor', 0):g} x (|lse| + 1); noise on log p_t where the rule reads the "
+           f"row's mass: {data.get('pt_noise', 0):g}.", ""]
     for head in data["heads"]:
         out += [f"## {head['head']} H={head['H']} V={head['V']}, {head['rows']} rows, "
                 f"tiles {head['block_m']} x {head['block_n']}", ""]
@@ -159,6 +171,7 @@ def main(argv=None) -> int:
                    f"{-math.log2(_lowmem_triton.SKIP_EPS):g})")
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--block-n", type=int, default=256)
+    p.add_argument("--pt-noise", type=float, default=0.0, help="deviation of noise on each row's log p_t (0)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--name", default="skip_analysis")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -179,7 +192,8 @@ def main(argv=None) -> int:
         p.error(f"--rows must be at least --block-m ({args.block_m}), got {args.rows}")
     cmd = "python -m benchmarks.skip_analysis " + " ".join(argv if argv is not None else sys.argv[1:])
     data = {"regenerate": cmd.strip(), "meta": {"torch": torch.__version__, "device": args.device},
-            "share": _lowmem_triton.SKIP_SHARE, "heads": []}
+            "share": _lowmem_triton.SKIP_SHARE, "mean_tiles": _lowmem_triton.MEAN_TILES,
+            "floor": _lowmem_triton.ROW_MASS_FLOOR, "pt_noise": args.pt_noise, "heads": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for head in heads:
@@ -192,7 +206,7 @@ def main(argv=None) -> int:
             reg = {"regime": regime, "entropy": info["entropy"], "loss": info["loss"], "rows": []}
             for ordered in (False, True):
                 n, rows = analyse(h, w, t, softcap, eps_list, args.block_m, args.block_n, ordered,
-                                  _lowmem_triton.SKIP_SHARE, _lowmem_triton.ROW_MASS_FLOOR)
+                                  _lowmem_triton.SKIP_SHARE, _lowmem_triton.ROW_MASS_FLOOR, args.pt_noise)
                 reg["rows"] += rows
             entry["rows"] = n
             entry["regimes"].append(reg)

@@ -20,17 +20,22 @@ columns the rows all but rule out share tiles. A tile whose non-target softmax e
 below ``SKIP_EPS`` skips its two matmuls, unless one of its rows holds there more than
 ``SKIP_SHARE`` of that row's share of its non-target mass (a near-uniform softmax leaves out
 nothing). What a left-out tile takes from ``grad_hidden`` is given back as its rows' left-out
-gradient mass times the tile's mean weight row (one small matmul a group of rows, from a
-``[tiles, H]`` table of those means in the weight's dtype): the part of the left-out gradient
-that all the tile's columns share, which is most of it (``benchmarks/skip_analysis.py`` measures
-both). ``grad_weight`` leaves those entries out; ``grad_bias`` keeps them.
+gradient mass times the mean weight row of the :data:`MEAN_TILES` tiles around it in that order
+(one small matmul a group of rows, from a table of those means in the weight's dtype): the part
+of the left-out gradient that all those columns share, which is most of it
+(``benchmarks/skip_analysis.py`` measures both). ``grad_weight`` leaves those entries out;
+``grad_bias`` keeps them. The first group is one block of rows, a probe that runs the sparse
+kernel; the later groups go on with it while it has left out at least :data:`SPARSE_MIN_SHARE` of
+the tiles so far, and with the dense one otherwise (decided on the device, with no host sync: both
+kernels are launched and one returns at once), so that logits with nothing to leave out run the
+dense kernel past the probe.
 
 ``grad_hidden`` is summed in an fp32 scratch of one group of rows at a time (at most
 :data:`GH_SCRATCH_BYTES`), so every element is rounded to the output dtype once;
 ``grad_weight`` is added in its own dtype, in the output tensor itself; ``grad_bias`` in fp32
 (``[V]``). Extra memory: the scratch, the per-share statistics, a few ``[rows]`` vectors, and for
-the sparse backward the column order (``[V]``), the table of tile means and a ``[group, tiles]``
-table of left-out masses.
+the sparse backward the column order (int32 ``[V]``), the table of mean rows
+(``[tiles / MEAN_TILES, H]``) and a ``[group, tiles / MEAN_TILES]`` fp32 table of left-out masses.
 
 Rows are read through an index vector, so ignored rows can be left out of all the work.
 Tile sizes come from :data:`CONFIGS`, picked by name with the ``config`` keyword (one name for
@@ -41,12 +46,15 @@ kernel, and 128x256 backward tiles need fewer pipeline stages to fit in shared m
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._ce_triton import _tanh
 from ._dispatch import cdiv, tl, triton
 
-__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "target_logits", "GH_SCRATCH_BYTES", "SKIP_EPS"]
+__all__ = ["CONFIGS", "DEFAULT_CONFIG", "lowmem_stats", "lowmem_grads", "target_logits", "GH_SCRATCH_BYTES", "SKIP_EPS",
+           "MEAN_TILES", "SPARSE_MIN_SHARE"]
 
 #: name -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), for CUDA; the interpreter uses
 #: small tiles (``"interpret"``) so that tests cover several tiles and ragged edges.
@@ -78,11 +86,29 @@ SKIP_EPS = 2.0 ** -10
 #: times ``BN / V`` of the row's whole non-target mass: the rows' mass is not spread over it as over
 #: the rest of the vocabulary (a near-uniform softmax keeps every tile).
 SKIP_SHARE = 0.5
-#: times ``|lse| + 1``: the least non-target mass the sparse backward takes a row to have (about
-#: fp32's resolution of ``log p_t`` beside lse: a peaked row's ``1 - p_t`` is not known better)
-ROW_MASS_FLOOR = 2.4e-7
+#: times ``|lse| + 1``: the least non-target mass the sparse backward takes a row to have. The
+#: backward reads a row's mass from its target logit (a sum of its own) beside the forward's lse:
+#: their difference is good to ~1e-4 in bf16 at H = 4096, so that a row as peaked as that cannot
+#: tell its tail from the noise. With this floor such rows stop keeping every tile of their block
+#: (``benchmarks/skip_analysis.py`` at the Llama-3-8B head, trained-like, 1e-4..3e-4 of noise in
+#: ``log p_t``: 58-60 % of tiles left out against 42-47 % with a floor at fp32's resolution, the
+#: error the same); what a row left at the floor leaves out is below this share of its tile mass.
+ROW_MASS_FLOOR = 2e-5
+#: A left-out tile's gradient mass is given back times the mean weight row of this many
+#: consecutive tiles (in the column order) around it: the columns the order puts together share
+#: that row's large entries (``benchmarks/skip_analysis.py``: at the Llama-3-8B head, trained-like,
+#: 7.64e-4 error with the tile's own mean row, 7.67e-4 with 8 tiles' and 16 tiles'), and the table
+#: is that many times smaller.
+MEAN_TILES = 8
+#: The groups of rows after the first (one block of rows: the probe) run the sparse kernel while
+#: at least this share of the tiles so far was left out, else the dense one (the sparse kernel
+#: costs a few % more than the dense one where it leaves out nothing).
+SPARSE_MIN_SHARE = 0.15
 #: Tiles the latest :func:`lowmem_grads` call left out (int32 device tensor of one element).
 last_skipped: torch.Tensor | None = None
+#: Groups of rows of the latest :func:`lowmem_grads` call that ran the sparse kernel (int32
+#: device tensor of one element; ``None`` where the sparse backward was off).
+last_sparse_groups: torch.Tensor | None = None
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -197,20 +223,30 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, pm_ptr, ps_ptr, pi_ptr, p
 
 @triton.jit
 def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr, cnt_ptr, rest_ptr,
-                  order_ptr, mass_ptr, zt_ptr, row0, M, V, K, stride_h, stride_w, stride_gw, softcap, label_smoothing,
-                  lse_square_scale, skip_eps, skip_share, mass_floor, n_tiles,
+                  order_ptr, mass_ptr, zt_ptr, gate_ptr, gate_min, row0, M, V, K, stride_h, stride_w, stride_gw,
+                  softcap, label_smoothing, lse_square_scale, skip_eps, skip_share, mass_floor, n_means,
                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                   HAS_ZLOSS: tl.constexpr, NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
-                  SKIP: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  SKIP: tl.constexpr, GATED: tl.constexpr, MEAN_TILES: tl.constexpr, IEEE: tl.constexpr,
+                  EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Rows ``row0 .. row0 + M`` of the (index) rows; ``gh_ptr`` is their fp32 scratch ``[M, K]``.
     ``SKIP``: the tiles walk the vocabulary in the order ``order_ptr`` gives, and a tile whose
     non-target softmax entries are all below ``skip_eps``, and whose non-target mass in each row is
     at most ``skip_share`` of the row's share (``BN / V`` of the row's non-target mass, from its
     target logit ``zt_ptr``, at least ``mass_floor * (|lse| + 1)``), is left out of the matmuls:
-    its rows' gradient mass goes to ``mass_ptr`` (``[M, n_tiles]`` fp32, the caller adds it times
-    the tile's mean weight row) and ``cnt_ptr`` counts it. The targets' own entries are left to
+    its rows' gradient mass is added to ``mass_ptr`` (``[M, n_means]`` fp32, one column per
+    ``MEAN_TILES`` tiles: the caller adds it times their mean weight row) and ``cnt_ptr`` counts it.
+    ``GATED``: the kernel runs only if ``gate_ptr`` (a copy of the count) is at least ``gate_min``
+    (the sparse kernel), or only if it is below (the dense one). The targets' own entries are left to
     :func:`_target_grads_kernel`; ``rest_ptr`` sums each row's softmax mass outside its target."""
+    if GATED:
+        sparse = tl.load(gate_ptr) >= gate_min
+        if SKIP:
+            if not sparse:
+                return
+        else:
+            if sparse:
+                return
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     pid_m = pid % num_m
@@ -262,7 +298,8 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
             if NEED_GB:
                 tl.atomic_add(gb_ptr + offs_n, tl.sum(q * sc[:, None], axis=0), mask=nmask, sem="relaxed")
             if NEED_GH:
-                tl.store(mass_ptr + local.to(tl.int64) * n_tiles + pid_n, row_left, mask=mmask)
+                tl.atomic_add(mass_ptr + local.to(tl.int64) * n_means + pid_n // MEAN_TILES, row_left, mask=mmask,
+                              sem="relaxed")
     if keep:
         _tile_grads(h_ptr, w_ptr, gh_ptr, gw_ptr, gb_ptr, p, t, rows, local, tgt, sc, offs_n, mmask, nmask, K, V,
                     stride_h, stride_w, stride_gw, label_smoothing, lse_square_scale, lse,
@@ -270,29 +307,33 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
 
 
 @triton.jit
-def _tile_means_kernel(w_ptr, order_ptr, mu_ptr, V, K, stride_w, BN: tl.constexpr, RB: tl.constexpr,
+def _tile_means_kernel(w_ptr, order_ptr, mu_ptr, V, K, stride_w, SPAN: tl.constexpr, RB: tl.constexpr,
                        BK: tl.constexpr):
-    """``mu[tile, k]``: the mean (fp32 sum, stored in mu's dtype) of the weight rows
-    ``order[tile * BN .. tile * BN + BN]`` (those below V) over columns ``k`` of one block of ``BK``."""
+    """``mu[s, k]``: the mean (fp32 sum, stored in mu's dtype) of the weight rows
+    ``order[s * SPAN .. s * SPAN + SPAN]`` (those below V) over columns ``k`` of one block of ``BK``."""
     tile = tl.program_id(0)
     kk = tl.program_id(1) * BK + tl.arange(0, BK)
     kmask = kk < K
     acc = tl.zeros((BK,), tl.float32)
-    for r in range(0, BN, RB):
-        pos = tile * BN + r + tl.arange(0, RB)
+    for r in range(0, SPAN, RB):
+        pos = tile * SPAN + r + tl.arange(0, RB)
         pmask = pos < V
         cols = tl.load(order_ptr + pos, mask=pmask, other=0).to(tl.int64)
         wk = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.sum(wk.to(tl.float32), axis=0)
-    count = tl.minimum(V - tile * BN, BN).to(tl.float32)
+    count = tl.minimum(V - tile * SPAN, SPAN).to(tl.float32)
     tl.store(mu_ptr + tile.to(tl.int64) * K + kk, (acc / count).to(mu_ptr.dtype.element_ty), mask=kmask)
 
 
 @triton.jit
-def _add_left_out_kernel(gh_ptr, mass_ptr, mu_ptr, M, T, K, BR: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _add_left_out_kernel(gh_ptr, mass_ptr, mu_ptr, gate_ptr, gate_min, M, T, K, BR: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr):
     """``gh[r, k] += sum_t mass[r, t] * mu[t, k]`` for the ``M`` rows of a group: fp32 ``gh`` and
     ``mass`` (``[M, K]``, ``[M, T]``), ``mu`` ``[T, K]`` in the weight's dtype; products in tf32 on
-    the GPU (an fp32 dot spills there), summed in fp32."""
+    the GPU (an fp32 dot spills there), summed in fp32. Nothing where ``gate_ptr`` is below
+    ``gate_min`` (the group ran the dense kernel: no mass)."""
+    if tl.load(gate_ptr) < gate_min:
+        return
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     kk = tl.program_id(1) * BK + tl.arange(0, BK)
     rmask = offs_r < M
@@ -324,25 +365,29 @@ def column_order(h, w, b, idx, sc):
     return torch.argsort(key, descending=True).to(torch.int32)
 
 
-def tile_means(w, order, bn):
-    """``[cdiv(V, bn), H]`` in the weight's dtype: the mean weight row of each tile of ``bn`` columns
-    in ``order`` (summed in fp32)."""
+def tile_means(w, order, span):
+    """``[cdiv(V, span), H]`` in the weight's dtype: the mean weight row of each run of ``span``
+    columns in ``order`` (summed in fp32)."""
     v, k = w.shape
-    ntiles = cdiv(v, bn)
-    mu = torch.empty((ntiles, k), dtype=w.dtype, device=w.device)
+    nmeans = cdiv(v, span)
+    mu = torch.empty((nmeans, k), dtype=w.dtype, device=w.device)
     bk, rb = (16, 8) if w.device.type != "cuda" else (128, 32)
-    _tile_means_kernel[(ntiles, cdiv(k, bk))](w, order, mu, v, k, w.stride(0), BN=bn, RB=min(rb, bn), BK=bk,
-                                               num_warps=4)
+    _tile_means_kernel[(nmeans, cdiv(k, bk))](w, order, mu, v, k, w.stride(0), SPAN=span, RB=min(rb, span),
+                                               BK=bk, num_warps=4)
     return mu
 
 
-def add_left_out(gh, mass, mu):
+def add_left_out(gh, mass, mu, gate=None, gate_min=0):
     """``gh += mass @ mu`` in place, summed in fp32 (``gh`` fp32 ``[M, K]``, ``mass`` fp32
-    ``[M, T]``, ``mu`` ``[T, K]``)."""
+    ``[M, T]``, ``mu`` ``[T, K]``); nothing where the int32 device scalar ``gate`` is below
+    ``gate_min``."""
     m, k = gh.shape
     t = mass.shape[1]
+    if gate is None:
+        gate = torch.ones(1, dtype=torch.int32, device=gh.device)
     br, bt, bk = (16, 16, 16) if gh.device.type != "cuda" else (64, 32, 64)
-    _add_left_out_kernel[(cdiv(m, br), cdiv(k, bk))](gh, mass, mu, m, t, k, BR=br, BT=bt, BK=bk, num_warps=4)
+    _add_left_out_kernel[(cdiv(m, br), cdiv(k, bk))](gh, mass, mu, gate, int(gate_min), m, t, k, BR=br, BT=bt, BK=bk,
+                                                     num_warps=4)
 
 
 @triton.jit
@@ -543,8 +588,9 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
     docstring, a (row block, vocabulary tile) pair whose non-target softmax entries are all below
     it is left out of the gradient matmuls; the targets' own entries are always added (a separate
     kernel). Without label smoothing and z-loss only. :data:`last_skipped` counts such tiles of
-    the latest call (a device tensor)."""
-    global last_skipped
+    the latest call, :data:`last_sparse_groups` the groups of rows that ran the sparse kernel
+    (device tensors)."""
+    global last_skipped, last_sparse_groups
     need_gh, need_gw, need_gb = grads
     n, k = h.shape
     v = w.shape[0]
@@ -556,40 +602,59 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
     gb = torch.zeros(v, dtype=torch.float32, device=dev) if need_gb else None
     if m == 0 or not (need_gh or need_gw or need_gb):
         return gh, gw, (gb.to(b.dtype) if gb is not None else None)
-    scratch_bytes = GH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
-    group = max(bm, scratch_bytes // (4 * k) // bm * bm)
-    group = min(group, cdiv(m, bm) * bm)
-    scratch = torch.empty((group, k), dtype=torch.float32, device=dev) if need_gh else None
-    whole = m == n  # idx is then every row in order
     flags = _flags(h, w, b, opt, bk)
     ntiles = cdiv(v, bn)
     skip_eps = SKIP_EPS if skip_eps is None else float(skip_eps)
     skip = skip_eps > 0.0 and opt.label_smoothing == 0.0 and opt.lse_square_scale == 0.0
-    if skip:
-        order = column_order(h, w, b, idx, scale)
-        mu = tile_means(w, order, bn) if need_gh else None
-        mass = torch.empty((group, ntiles), dtype=torch.float32, device=dev) if need_gh else None
-    else:
-        order = mu = mass = None
+    nmeans = cdiv(ntiles, MEAN_TILES)
     zt = target_logits(h, w, b, target, idx, opt) if (skip or opt.softcap is not None) else lse
+    if skip:  # before the scratch: the sort's temporaries are gone when it is allocated
+        order = column_order(h, w, b, idx, scale)
+        mu = tile_means(w, order, MEAN_TILES * bn) if need_gh else None
+    else:
+        order = mu = None
+    scratch_bytes = GH_SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+    group = max(bm, scratch_bytes // (4 * k) // bm * bm)
+    group = min(group, cdiv(m, bm) * bm)
+    scratch = torch.empty((group, k), dtype=torch.float32, device=dev) if need_gh else None
+    mass = torch.empty((group, nmeans), dtype=torch.float32, device=dev) if skip and need_gh else None
+    whole = m == n  # idx is then every row in order
     rest = torch.zeros(m, dtype=torch.float32, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     last_skipped = counter
-    for row0 in range(0, m, group):
-        rows = min(group, m - row0)
+    # the count of left-out tiles as a group starts: after the first group (one block of rows, the
+    # probe) the sparse kernel goes on while it is at least SPARSE_MIN_SHARE of the tiles so far
+    gate = torch.zeros(1, dtype=torch.int32, device=dev) if skip else counter
+    last_sparse_groups = torch.zeros(1, dtype=torch.int32, device=dev) if skip else None
+    tiles_done = 0
+    starts = [0] + list(range(bm, m, group)) if skip else list(range(0, m, group))
+    for gi, row0 in enumerate(starts):
+        rows = (starts[gi + 1] if gi + 1 < len(starts) else m) - row0
+        gate_min = math.ceil(SPARSE_MIN_SHARE * tiles_done)
+        if skip:
+            if row0 > 0:
+                gate.copy_(counter)
+            last_sparse_groups += (gate >= gate_min).int()
         if scratch is not None:
             scratch.zero_()
         if mass is not None:
             mass.zero_()
         args = (h, w, b if b is not None else h, target, idx, lse, scale,
                 scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
-                counter, rest, order if order is not None else idx, mass if mass is not None else lse, zt,
-                row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                counter, rest, order if order is not None else idx, mass if mass is not None else lse, zt, gate,
+                gate_min, row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
                 opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale, skip_eps,
-                float(SKIP_SHARE), float(ROW_MASS_FLOOR), ntiles)
-        _launch(_grads_kernel, (cdiv(rows, bm) * ntiles,), args, stages,
-                HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb, SKIP=skip,
-                BM=bm, BN=bn, BK=bk, num_warps=warps, **flags)
+                float(SKIP_SHARE), float(ROW_MASS_FLOOR), nmeans)
+        grid = (cdiv(rows, bm) * ntiles,)
+        common = dict(HAS_ZLOSS=opt.lse_square_scale != 0.0, NEED_GH=need_gh, NEED_GW=need_gw, NEED_GB=need_gb,
+                      MEAN_TILES=MEAN_TILES, BM=bm, BN=bn, BK=bk, num_warps=warps, **flags)
+        if skip:  # both kernels; the gate lets one of them run
+            _launch(_grads_kernel, grid, args, stages, SKIP=True, GATED=True, **common)
+            if row0 > 0:
+                _launch(_grads_kernel, grid, args, stages, SKIP=False, GATED=True, **common)
+        else:
+            _launch(_grads_kernel, grid, args, stages, SKIP=False, GATED=False, **common)
+        tiles_done += cdiv(rows, bm) * ntiles
         tbm, tbk = (16, 16) if dev.type != "cuda" else (16, 128)
         _target_grads_kernel[(cdiv(rows, tbm),)](
             h, w, target, idx, lse, scale, zt, rest, scratch if scratch is not None else h,
@@ -602,7 +667,7 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
             part = scratch[:rows]
             if mass is not None:
                 # what the left-out tiles took from grad_hidden: their gradient mass x mean weight row
-                add_left_out(part, mass, mu)
+                add_left_out(part, mass[:rows], mu, gate, gate_min)
             if whole:
                 gh[row0:row0 + rows].copy_(part)
             else:

@@ -120,8 +120,10 @@ def test_skip_analysis_counts_left_out_tiles_and_their_error_as_float64_does():
     inputs: the share of (row block, tile) pairs left out, and the grad_hidden error of leaving
     them out without and with the tile-mean correction."""
     from benchmarks import skip_analysis
+    from liger_compat.kernels import _lowmem_triton
 
     bm, bn = 16, 32
+    span = _lowmem_triton.MEAN_TILES * bn
     h, w, t, _ = regimes.make_inputs("trained", 256, 32, 2048, device="cpu", seed=3)
     n, rows = skip_analysis.analyse(h, w, t, None, [10, 60], bm, bn, ordered=True, share=0.5, floor=2.4e-7)
     got = {(r["eps"], r["rule"]): r for r in rows}
@@ -147,7 +149,8 @@ def test_skip_analysis_counts_left_out_tiles_and_their_error_as_float64_does():
                 done += 1
                 part = blk @ wd[c0:c0 + bn]
                 err[r0:r0 + bm] += part
-                mean_row = wd[c0:c0 + bn].mean(0, keepdim=True)
+                s0 = c0 // span * span  # the run of MEAN_TILES tiles the kernel's mean row covers
+                mean_row = wd[s0:s0 + span].mean(0, keepdim=True)
                 err_c[r0:r0 + bm] += part - blk.sum(1, keepdim=True) * mean_row
     row = got[("2^-10", "max")]
     assert done > 0 and math.isclose(row["skipped_pct"], 100.0 * done / total, rel_tol=1e-6)

@@ -43,8 +43,8 @@ def _simulated(hid, w, b, t, eps, order, corrected=True, share=None):
     ``(grad_hidden, grad_weight, grad_bias, tiles left out)``. A (row block, tile) pair whose
     non-target softmax entries are all below ``eps``, and whose non-target mass in each row is at
     most ``share`` (default: the kernel's SKIP_SHARE) times BN / V of the row's, leaves its entries
-    out of grad_weight, and out of grad_hidden except for its rows' left-out mass times the tile's
-    mean weight row (not even that with ``corrected=False``)."""
+    out of grad_weight, and out of grad_hidden except for its rows' left-out mass times the mean
+    weight row of its run of MEAN_TILES tiles (not even that with ``corrected=False``)."""
     v = w.shape[0]
     hd, wd, bd = hid.double(), w.double(), b.double()
     p = torch.softmax(hd @ wd.t() + bd, -1)
@@ -63,6 +63,7 @@ def _simulated(hid, w, b, t, eps, order, corrected=True, share=None):
     row_mass = torch.maximum(1.0 - p[torch.arange(t.shape[0]), t.clamp(min=0)],
                              (lse.abs() + 1.0) * _lowmem_triton.ROW_MASS_FLOOR)
     count = 0
+    span = _lowmem_triton.MEAN_TILES * BN
     for r0 in range(0, t.shape[0], BM):  # blocks of every row (ignored ones get no gradient): no compaction
         rr = rows[(rows >= r0) & (rows < r0 + BM)]
         for c0 in range(0, v, BN):
@@ -75,7 +76,8 @@ def _simulated(hid, w, b, t, eps, order, corrected=True, share=None):
                 left[t[rr][:, None] == cols[None, :]] = 0.0
                 gh[rr] -= left @ wd[cols]
                 if corrected:
-                    gh[rr] += left.sum(1, keepdim=True) * wd[cols].mean(0, keepdim=True)
+                    around = order[c0 // span * span:c0 // span * span + span].long()
+                    gh[rr] += left.sum(1, keepdim=True) * wd[around].mean(0, keepdim=True)
                 gw[cols] -= left.t() @ hd[rr]
     return gh, gw, gb, count
 
@@ -108,15 +110,16 @@ def test_column_order_sorts_by_mean_logit():
     assert bool((ranked[:-1] >= ranked[1:] - 1e-5 * key.abs().max()).all())
 
 
-def test_tile_means_match_float64():
+@pytest.mark.parametrize("span", [BN, 3 * BN])
+def test_tile_means_match_float64(span):
     from liger_compat.kernels import _lowmem_triton
 
     g = torch.Generator().manual_seed(6)
-    w = torch.randn(300, 45, generator=g)  # 300 = 9 tiles of 32 and one of 12; 45 = a ragged K block
+    w = torch.randn(300, 45, generator=g)  # 300 = 9 runs of 32 and one of 12 (3 of 96 and one of 12)
     order = torch.randperm(300, generator=g).to(torch.int32)
-    mu = _lowmem_triton.tile_means(w, order, BN)
-    want = torch.stack([w.double()[order[c:c + BN].long()].mean(0) for c in range(0, 300, BN)])
-    assert mu.shape == (10, 45) and rel_err(mu, want) <= tolerance(torch.float32, n=BN)
+    mu = _lowmem_triton.tile_means(w, order, span)
+    want = torch.stack([w.double()[order[c:c + span].long()].mean(0) for c in range(0, 300, span)])
+    assert mu.shape == (-(-300 // span), 45) and rel_err(mu, want) <= tolerance(torch.float32, n=span)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -232,3 +235,71 @@ def test_target_logits_match_float64():
         valid = t != -100
         want = torch.where(valid, z[idx, t.clamp(min=0)], torch.zeros((), dtype=torch.float64))
         assert rel_err(got, want) <= tolerance(torch.float32, n=45)
+
+
+def _uniform_inputs(seed, n=64, v=2048):
+    g = torch.Generator().manual_seed(seed)
+    hid = 0.5 * torch.randn(n, 32, generator=g)
+    w = 0.02 * torch.randn(v, 32, generator=g)
+    return hid, w, torch.zeros(v), torch.randint(0, v, (n,), generator=g)
+
+
+def test_near_uniform_logits_run_the_dense_kernel_past_the_probe(monkeypatch):
+    """Near-uniform logits over four groups of rows: the first (one block of rows, the probe) runs
+    the sparse kernel and leaves nothing out, so the other three run the dense one (the gates are
+    read on the device). Gradients those of a float64 head."""
+    from liger_compat.kernels import _lowmem_triton
+
+    hid, w, b, t = _uniform_inputs(8)
+    monkeypatch.setattr(_lowmem_triton, "GH_SCRATCH_BYTES", 16 * 4 * 32)  # 16 rows a group
+    got = _grads(hid, w, b, t)
+    assert int(_lowmem_triton.last_skipped) == 0
+    assert int(_lowmem_triton.last_sparse_groups) == 1
+    for g_, r in zip(got, _grads64(hid, w, b, t)):
+        assert rel_err(g_, r) <= tolerance(torch.float32, n=32)
+
+
+def test_groups_go_on_sparse_while_tiles_are_left_out(monkeypatch):
+    """Peaked rows over three groups: every group runs the sparse kernel, the tiles left out and the
+    gradients are those of the one-group run and of the float64 simulation."""
+    from liger_compat.kernels import _lowmem_triton
+
+    hid, w, b, t = _peaked_inputs(0, n=48)
+    order = _lowmem_triton.column_order(hid, w, b, torch.arange(hid.shape[0]), (t != -100).float())
+    *want, expected = _simulated(hid, w, b, t, _lowmem_triton.SKIP_EPS, order)
+    monkeypatch.setattr(_lowmem_triton, "GH_SCRATCH_BYTES", 16 * 4 * 32)  # 16 rows a group
+    got = _grads(hid, w, b, t)
+    assert int(_lowmem_triton.last_sparse_groups) == 3
+    assert int(_lowmem_triton.last_skipped) == expected and expected >= 3 * 5
+    for g_, r in zip(got, want):
+        assert rel_err(g_, r) <= tolerance(torch.float32, n=hid.shape[1])
+
+
+def test_a_group_turns_dense_when_too_few_tiles_were_left_out(monkeypatch):
+    """A first group of peaked rows (whose hidden feature 0 carries the -25 bias of the tokens the
+    model rules out), then near-uniform rows (feature 0 off, small logits): the sparse kernel goes
+    on while the share of tiles left out so far is at least SPARSE_MIN_SHARE, then the dense one."""
+    from liger_compat.kernels import _lowmem_triton
+
+    hid, w, b, t = _peaked_inputs(1, n=16, v=2048)
+    w = w.clone()
+    w[:, 0] = b  # the bias through a hidden feature that only the peaked rows have
+    hid[:, 0] = 1.0
+    b = torch.zeros_like(b)
+    g = torch.Generator().manual_seed(9)
+    flat = 0.05 * torch.randn(48, 32, generator=g)
+    flat[:, 0] = 0.0
+    hid = torch.cat([hid, flat])
+    t = torch.cat([t, torch.randint(0, 2048, (48,), generator=g)])
+    monkeypatch.setattr(_lowmem_triton, "GH_SCRATCH_BYTES", 16 * 4 * 32)  # 16 rows a group
+    ntiles = 2048 // BN
+    _grads(hid[:16], w, b, t[:16])  # the first group alone: the share it leaves out
+    first = int(_lowmem_triton.last_skipped) / ntiles
+    assert first > 0.5
+    # the second group leaves nothing out: it runs sparse (first >= the share), the third does not
+    monkeypatch.setattr(_lowmem_triton, "SPARSE_MIN_SHARE", 0.75 * first)
+    got = _grads(hid, w, b, t)
+    assert int(_lowmem_triton.last_sparse_groups) == 2
+    assert int(_lowmem_triton.last_skipped) == round(first * ntiles)
+    for g_, r in zip(got, _grads64(hid, w, b, t)):
+        assert rel_err(g_, r) <= 1e-3

@@ -58,6 +58,26 @@ def test_sparse_backward_is_as_accurate_as_the_dense_one(regime, softcap, monkey
         assert rel_err(got, want) <= 2e-2
 
 
+def test_near_uniform_logits_run_the_dense_kernel_past_the_probe(monkeypatch):
+    """Initialisation-like logits over several groups of rows: the first group (one block of rows,
+    the probe) leaves nothing out, so the later groups run the dense kernel. The gradients are the
+    dense path's to within its own error."""
+    from benchmarks.regimes import make_inputs
+    from liger_compat.kernels import _lowmem_triton
+
+    h, w, t, _ = make_inputs("init", 4096, 1024, 32768, device="cuda", seed=6)
+    monkeypatch.setattr(_lowmem_triton, "GH_SCRATCH_BYTES", 2**22)  # 1024 rows a group: 5 groups
+    ref = _fp32_grads(h, w, t)
+    got = _lowmem_grads(h, w, t)
+    assert int(_lowmem_triton.last_skipped) == 0
+    assert int(_lowmem_triton.last_sparse_groups) == 1
+    monkeypatch.setattr(_lowmem_triton, "SKIP_EPS", 0.0)
+    dense = _lowmem_grads(h, w, t)
+    assert _lowmem_triton.last_sparse_groups is None
+    for g, full, want in zip(got, dense, ref):
+        assert rel_err(g, want) <= rel_err(full, want) + 1e-4
+
+
 def test_ruled_out_tokens_are_skipped_with_the_gradient_kept():
     """A vocabulary whose upper half the model rules out (a large negative bias): every tile there
     is left out, and the gradients stay those of an fp32 head."""
