@@ -29,7 +29,7 @@ import torch
 import liger_compat
 
 from . import _results
-from .models_gpu import batch, make_model
+from .models_gpu import batch, make_model, timed
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
             "aten::nonzero", "aten::equal", "aten::masked_select")
@@ -53,15 +53,7 @@ def _step(model, kw, labels):
 def _gpu_ms(model, kw, labels, steps: int) -> float:
     if not labels.is_cuda:
         return _host_ms(model, kw, labels, steps)
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        _step(model, kw, labels)
-        b.record()
-        _sync()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return timed(model, kw, labels, steps, warmup=0)
 
 
 def _host_ms(model, kw, labels, steps: int) -> float:
