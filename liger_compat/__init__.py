@@ -30,7 +30,7 @@ from .shims import load_all as _load_all
 
 def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
               return_logits: bool | None = None, decode_native: bool | None = None,
-              cpu_native: bool | None = None) -> None:
+              cpu_native: bool | None = None, flce_sparse: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -46,8 +46,14 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     tensors without ``TRITON_INTERPRET=1``; ``LIGER_COMPAT_CPU_NATIVE``: by default transformers'
     own RMSNorm, RoPE and MLP code and, up to 2**24 logits, the loss as the model's head computes
     it: ``lm_head``'s call, then ``cross_entropy``; the fused loss function as plain torch ops).
+    ``flce_sparse=False`` makes the low-memory fused loss compute every vocabulary tile in its
+    backward (``LIGER_COMPAT_FLCE_SPARSE``: by default it leaves out the tiles whose softmax
+    entries are all below 2^-10, which adds ~2e-3 to grad_hidden's error on trained-like logits).
     """
     s = _config.settings
+    if flce_sparse is not None:
+        s.flce_sparse = _config.parse_bool(flce_sparse, "flce_sparse")
+        s.source["flce_sparse"] = "configure()"
     if cpu_native is not None:
         s.cpu_native = _config.parse_bool(cpu_native, "cpu_native")
         s.source["cpu_native"] = "configure()"

@@ -580,7 +580,9 @@ def _lowmem_backward(h, w, b, target, opt, idx, lse, ok, row_scale, needs, confi
     else:
         sc = row_scale.float().reshape(()).expand(idx.numel())
     sc = torch.where(ok, sc, torch.zeros((), dtype=torch.float32, device=sc.device)).contiguous()
-    return lowmem_grads(h, w, b, target, idx, lse, sc, opt, needs, config=config)
+    # LIGER_COMPAT_FLCE_SPARSE: read when the backward runs
+    return lowmem_grads(h, w, b, target, idx, lse, sc, opt, needs, config=config,
+                        skip_eps=None if _config.settings.flce_sparse else 0.0)
 
 
 class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):

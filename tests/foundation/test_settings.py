@@ -157,3 +157,20 @@ def test_return_logits_read_from_the_environment_at_import():
     assert r.stdout.split() == ["True", "LIGER_COMPAT_RETURN_LOGITS"]
     r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=600)
     assert r.stdout.split() == ["False", "None"]
+
+
+def test_flce_sparse_from_the_environment_and_configure(monkeypatch):
+    """``LIGER_COMPAT_FLCE_SPARSE``: on by default, off with 0; ``configure(flce_sparse=...)`` sets
+    it and the report names configure() as its source; a bad value names the keyword."""
+    import liger_compat
+
+    assert _config._from_env({}).flce_sparse is True
+    off = _config._from_env({"LIGER_COMPAT_FLCE_SPARSE": "0"})
+    assert off.flce_sparse is False and off.source["flce_sparse"] == "LIGER_COMPAT_FLCE_SPARSE"
+    monkeypatch.setattr(_config.settings, "flce_sparse", True)
+    monkeypatch.setattr(_config.settings, "source", dict(_config.settings.source))
+    liger_compat.configure(flce_sparse=False)
+    row = next(x for x in _config.describe() if x["variable"] == "LIGER_COMPAT_FLCE_SPARSE")
+    assert _config.settings.flce_sparse is False and row["value"] == "0" and row["source"] == "configure()"
+    with pytest.raises(ValueError, match="flce_sparse must be on or off"):
+        liger_compat.configure(flce_sparse="sometimes")

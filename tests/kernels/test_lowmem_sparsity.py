@@ -303,3 +303,23 @@ def test_a_group_turns_dense_when_too_few_tiles_were_left_out(monkeypatch):
     assert int(_lowmem_triton.last_skipped) == round(first * ntiles)
     for g_, r in zip(got, _grads64(hid, w, b, t)):
         assert rel_err(g_, r) <= 1e-3
+
+
+def test_flce_sparse_off_computes_every_tile(monkeypatch):
+    """``configure(flce_sparse=False)`` (``LIGER_COMPAT_FLCE_SPARSE=0``): the peaked inputs, whose
+    ruled-out tiles the sparse backward leaves out, get every tile computed; the gradients are
+    the float64 head's to float32 tolerance."""
+    import liger_compat
+    from liger_compat import _config
+    from liger_compat.kernels import _lowmem_triton
+
+    hid, w, b, t = _peaked_inputs(0)
+    _grads(hid, w, b, t)
+    assert int(_lowmem_triton.last_skipped) > 0  # on by default
+    monkeypatch.setattr(_config.settings, "flce_sparse", True)
+    monkeypatch.setitem(_config.settings.source, "flce_sparse", "test")
+    liger_compat.configure(flce_sparse=False)
+    got = _grads(hid, w, b, t)
+    assert int(_lowmem_triton.last_skipped) == 0 and _lowmem_triton.last_sparse_groups is None
+    for g_, r in zip(got, _grads64(hid, w, b, t)):
+        assert rel_err(g_, r) <= tolerance(torch.float32, n=hid.shape[1])
