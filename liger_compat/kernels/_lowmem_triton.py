@@ -377,14 +377,12 @@ def tile_means(w, order, span):
     return mu
 
 
-def add_left_out(gh, mass, mu, gate=None, gate_min=0):
+def add_left_out(gh, mass, mu, gate, gate_min):
     """``gh += mass @ mu`` in place, summed in fp32 (``gh`` fp32 ``[M, K]``, ``mass`` fp32
     ``[M, T]``, ``mu`` ``[T, K]``); nothing where the int32 device scalar ``gate`` is below
     ``gate_min``."""
     m, k = gh.shape
     t = mass.shape[1]
-    if gate is None:
-        gate = torch.ones(1, dtype=torch.int32, device=gh.device)
     br, bt, bk = (16, 16, 16) if gh.device.type != "cuda" else (64, 32, 64)
     _add_left_out_kernel[(cdiv(m, br), cdiv(k, bk))](gh, mass, mu, gate, int(gate_min), m, t, k, BR=br, BT=bt, BK=bk,
                                                      num_warps=4)

@@ -38,6 +38,14 @@ def _peaked_inputs(seed, n=40, h=32, v=300, dtype=torch.float32):
     return hid.to(dtype), w.to(dtype), b.to(dtype), t
 
 
+def _uniform_inputs(seed, n=64, v=2048):
+    """Initialisation-like rows: a near-uniform softmax over ``v`` tokens, no bias."""
+    g = torch.Generator().manual_seed(seed)
+    hid = 0.5 * torch.randn(n, 32, generator=g)
+    w = 0.02 * torch.randn(v, 32, generator=g)
+    return hid, w, torch.zeros(v), torch.randint(0, v, (n,), generator=g)
+
+
 def _simulated(hid, w, b, t, eps, order, corrected=True, share=None):
     """float64 simulation of the sparse backward (mean reduction) with the kernel's column order:
     ``(grad_hidden, grad_weight, grad_bias, tiles left out)``. A (row block, tile) pair whose
@@ -193,11 +201,7 @@ def test_a_near_uniform_softmax_leaves_out_nothing(monkeypatch):
     Without the mass rule every tile would be."""
     from liger_compat.kernels import _lowmem_triton
 
-    g = torch.Generator().manual_seed(7)
-    hid = 0.5 * torch.randn(64, 32, generator=g)
-    w = 0.02 * torch.randn(2048, 32, generator=g)
-    b = torch.zeros(2048)
-    t = torch.randint(0, 2048, (64,), generator=g)
+    hid, w, b, t = _uniform_inputs(7)
     order = _lowmem_triton.column_order(hid, w, b, torch.arange(64), torch.ones(64))
     assert _simulated(hid, w, b, t, _lowmem_triton.SKIP_EPS, order, share=float("inf"))[3] == 4 * 64
     ref = _grads64(hid, w, b, t)
@@ -235,13 +239,6 @@ def test_target_logits_match_float64():
         valid = t != -100
         want = torch.where(valid, z[idx, t.clamp(min=0)], torch.zeros((), dtype=torch.float64))
         assert rel_err(got, want) <= tolerance(torch.float32, n=45)
-
-
-def _uniform_inputs(seed, n=64, v=2048):
-    g = torch.Generator().manual_seed(seed)
-    hid = 0.5 * torch.randn(n, 32, generator=g)
-    w = 0.02 * torch.randn(v, 32, generator=g)
-    return hid, w, torch.zeros(v), torch.randint(0, v, (n,), generator=g)
 
 
 def test_near_uniform_logits_run_the_dense_kernel_past_the_probe(monkeypatch):
