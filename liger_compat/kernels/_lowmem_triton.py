@@ -223,8 +223,8 @@ def _stats_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, pm_ptr, ps_ptr, pi_ptr, p
 
 @triton.jit
 def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_ptr, gw_ptr, gb_ptr, cnt_ptr, rest_ptr,
-                  order_ptr, mass_ptr, zt_ptr, gate_ptr, gate_min, row0, M, V, K, stride_h, stride_w, stride_gw,
-                  softcap, label_smoothing, lse_square_scale, skip_eps, skip_share, mass_floor, n_means,
+                  order_ptr, mass_ptr, zt_ptr, gate_ptr, gate_min, groups_ptr, row0, M, V, K, stride_h, stride_w,
+                  stride_gw, softcap, label_smoothing, lse_square_scale, skip_eps, skip_share, mass_floor, n_means,
                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                   HAS_ZLOSS: tl.constexpr, NEED_GH: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
                   SKIP: tl.constexpr, GATED: tl.constexpr, MEAN_TILES: tl.constexpr, IEEE: tl.constexpr,
@@ -237,13 +237,16 @@ def _grads_kernel(h_ptr, w_ptr, b_ptr, t_ptr, idx_ptr, lse_ptr, scale_ptr, gh_pt
     its rows' gradient mass is added to ``mass_ptr`` (``[M, n_means]`` fp32, one column per
     ``MEAN_TILES`` tiles: the caller adds it times their mean weight row) and ``cnt_ptr`` counts it.
     ``GATED``: the kernel runs only if ``gate_ptr`` (a copy of the count) is at least ``gate_min``
-    (the sparse kernel), or only if it is below (the dense one). The targets' own entries are left to
+    (the sparse kernel, which then counts the group in ``groups_ptr``), or only if it is below (the
+    dense one). The targets' own entries are left to
     :func:`_target_grads_kernel`; ``rest_ptr`` sums each row's softmax mass outside its target."""
     if GATED:
         sparse = tl.load(gate_ptr) >= gate_min
         if SKIP:
             if not sparse:
                 return
+            if tl.program_id(0) == 0:
+                tl.atomic_add(groups_ptr, 1, sem="relaxed")
         else:
             if sparse:
                 return
@@ -632,7 +635,6 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
         if skip:
             if row0 > 0:
                 gate.copy_(counter)
-            last_sparse_groups += (gate >= gate_min).int()
         if scratch is not None:
             scratch.zero_()
         if mass is not None:
@@ -640,7 +642,7 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
         args = (h, w, b if b is not None else h, target, idx, lse, scale,
                 scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
                 counter, rest, order if order is not None else idx, mass if mass is not None else lse, zt, gate,
-                gate_min, row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                gate_min, last_sparse_groups if skip else counter, row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
                 opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale, skip_eps,
                 float(SKIP_SHARE), float(ROW_MASS_FLOOR), nmeans)
         grid = (cdiv(rows, bm) * ntiles,)
