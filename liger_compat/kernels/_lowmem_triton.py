@@ -20,9 +20,9 @@ columns the rows all but rule out share tiles. A tile whose non-target softmax e
 below ``SKIP_EPS`` skips its two matmuls, unless one of its rows holds there more than
 ``SKIP_SHARE`` of that row's share of its non-target mass (a near-uniform softmax leaves out
 nothing). What a left-out tile takes from ``grad_hidden`` is given back as its rows' left-out
-gradient mass times the mean weight row of the :data:`MEAN_TILES` tiles around it in that order
-(one small matmul a group of rows, from a table of those means in the weight's dtype): the part
-of the left-out gradient that all those columns share, which is most of it
+gradient mass times the mean weight row of the run of :data:`MEAN_TILES` tiles (in that order) it
+is in (one small matmul a group of rows, from a table of those means in the weight's dtype): the
+part of the left-out gradient that all those columns share, which is most of it
 (``benchmarks/skip_analysis.py`` measures both). ``grad_weight`` leaves those entries out;
 ``grad_bias`` keeps them. The first group is one block of rows, a probe that runs the sparse
 kernel; the later groups go on with it while it has left out at least :data:`SPARSE_MIN_SHARE` of
@@ -94,8 +94,8 @@ SKIP_SHARE = 0.5
 #: ``log p_t``: 58-60 % of tiles left out against 42-47 % with a floor at fp32's resolution, the
 #: error the same); what a row left at the floor leaves out is below this share of its tile mass.
 ROW_MASS_FLOOR = 2e-5
-#: A left-out tile's gradient mass is given back times the mean weight row of this many
-#: consecutive tiles (in the column order) around it: the columns the order puts together share
+#: A left-out tile's gradient mass is given back times the mean weight row of the run of this
+#: many consecutive tiles (in the column order) it is in: the columns the order puts together share
 #: that row's large entries (``benchmarks/skip_analysis.py``: at the Llama-3-8B head, trained-like,
 #: 7.64e-4 error with the tile's own mean row, 7.67e-4 with 8 tiles' and 16 tiles'), and the table
 #: is that many times smaller.
