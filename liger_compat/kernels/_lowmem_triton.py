@@ -642,7 +642,8 @@ def lowmem_grads(h, w, b, target, idx, lse, scale, opt, grads, *, config: str | 
         args = (h, w, b if b is not None else h, target, idx, lse, scale,
                 scratch if scratch is not None else h, gw if gw is not None else h, gb if gb is not None else lse,
                 counter, rest, order if order is not None else idx, mass if mass is not None else lse, zt, gate,
-                gate_min, last_sparse_groups if skip else counter, row0, rows, v, k, h.stride(0), w.stride(0), gw.stride(0) if gw is not None else 0,
+                gate_min, last_sparse_groups if skip else counter, row0, rows, v, k, h.stride(0), w.stride(0),
+                gw.stride(0) if gw is not None else 0,
                 opt.softcap if opt.softcap is not None else 1.0, opt.label_smoothing, opt.lse_square_scale, skip_eps,
                 float(SKIP_SHARE), float(ROW_MASS_FLOOR), nmeans)
         grid = (cdiv(rows, bm) * ntiles,)
