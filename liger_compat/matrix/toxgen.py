@@ -51,6 +51,11 @@ HEADER = """\
 """
 
 
+#: ``torch==X triton==Y`` of a run that passed the kernel interpreter tests
+#: (``tests/kernels/test_interpret.py``): a cell on the same two skips them (the kernels import no library)
+KERNELS_VERIFIED_ENV = "LIGER_COMPAT_KERNELS_VERIFIED_ON"
+
+
 def render(grid: Grid) -> str:
     ci = [c.name for c in grid.labelled("ci")]
     lines = [HEADER.format(example=[c for c in grid.pinned if not c.own_torch][-1].name, ci=", ".join(ci) or "(none)", n=len(grid.cells),
@@ -70,6 +75,8 @@ def render(grid: Grid) -> str:
         "system_site_packages = true",
         "package = editable",
         "extras = test",
+        # set by .ci/run once the main run has passed the kernel interpreter tests on this torch and triton
+        f"pass_env = {KERNELS_VERIFIED_ENV}",
         "set_env =",
         f"    PIP_CONSTRAINT = {{tox_root}}/{CONSTRAINTS}",
         "    HF_HUB_OFFLINE = 1",

@@ -14,6 +14,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def stack_id() -> str:
+    """What the kernels' results depend on besides their own code: ``torch==X triton==Y``."""
+    import torch
+    import triton
+
+    return f"torch=={torch.__version__} triton=={triton.__version__}"
+
+
 def expected_backend() -> str:
     return "triton" if interpreting() else "torch"
 
