@@ -8,7 +8,8 @@ Public functional API:
 - :func:`swiglu`, :func:`geglu`, :func:`gated_project` (``down(act(gate) * up)``, activation rebuilt in the backward)
 - :func:`apply_rotary_pos_emb`
 - :func:`raise_target_errors`: wait for the GPU's report of targets outside the vocabulary
-  (otherwise raised without a sync, see ``_target_errors.py``), :class:`TargetOutOfRangeError`
+  (otherwise raised without a sync, see ``_device_errors.py``), :class:`TargetOutOfRangeError`;
+  :class:`GradientContractError` (an upstream gradient that breaks ``grad_mode="sum"``)
 
 Every function dispatches through :mod:`liger_compat.kernels._dispatch`: CUDA tensors run the
 Triton kernels, CPU tensors the torch reference, and with ``TRITON_INTERPRET=1`` the Triton
@@ -23,7 +24,7 @@ from .logprob import LogProbOutput, fused_linear_logprobs
 from .gated_mlp import gated_project, geglu, swiglu
 from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
-from ._target_errors import TargetOutOfRangeError, raise_target_errors
+from ._device_errors import GradientContractError, TargetOutOfRangeError, raise_target_errors
 from . import _ops  # noqa: F401,E402  (registers the custom ops the functions above call under torch.compile)
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "raise_target_errors",
     "TargetOutOfRangeError",
+    "GradientContractError",
     "use_backend",
     "last_backend",
     "HAS_TRITON",

@@ -20,7 +20,7 @@ GEMM (``_logits_triton.py``), which saves the first launch's read of the logits.
 Targets outside ``[0, V)`` that are not ``ignore_index`` never address memory: the row's loss
 is NaN, its gradient zero, and the statistics pass (row kernel, or the split variant's combine)
 records it in the ``bad`` int64[3] tensor with atomics: count, largest target >= V, smallest
-negative target (``_target_errors.py`` turns that into a Python error without a host sync).
+negative target (``_device_errors.py`` turns that into a Python error without a host sync).
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
 
 def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
-    tensor of :func:`liger_compat.kernels._target_errors.new_flag` that the statistics pass
+    tensor of :func:`liger_compat.kernels._device_errors.new_flag` that the statistics pass
     adds out-of-range targets to; a scratch one when not given).
 
     ``partials`` = ``(max, sum-exp, argmax, row-sum)`` per (row, block of V), as written by

@@ -3,7 +3,7 @@
 The design rule is "a Python error, never a CUDA illegal memory access". Checks that need a
 host sync (target values in range) run up front on CPU tensors taking the torch reference, and
 everywhere when ``liger_compat._config.settings.debug`` is on. Otherwise the kernels mask bad
-targets so nothing reads out of bounds, and report them themselves (``_target_errors.py``).
+targets so nothing reads out of bounds, and report them themselves (``_device_errors.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._config import settings
-from ._target_errors import TargetOutOfRangeError
+from ._device_errors import TargetOutOfRangeError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

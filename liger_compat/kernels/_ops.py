@@ -20,7 +20,7 @@ the ops through ``torch.ops.liger_compat`` (:data:`._dispatch.OPS`) while
 Outputs are always fresh tensors (custom ops may not return views of their inputs); a gradient
 that is not needed comes back as an empty ``[0]`` tensor and is not passed on. Token-accuracy
 hits are float32 (0 / 1) rows rather than bool. The fused loss's out-of-range-target flag stays
-inside its op: the real implementation allocates it, queues it and polls (``_target_errors``),
+inside its op: the real implementation allocates it, queues it and polls (``_device_errors``),
 so a bad target raises ``TargetOutOfRangeError`` from the compiled step as from an eager one
 (CPU: that call; GPU: once the GPU has got there, the next fused-loss call at the latest).
 """
@@ -228,21 +228,21 @@ def _flce(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scal
     """The eager path's pass, with its target checks, at run time (the tracer sees none of it):
     the up-front check where the eager entry point runs it (CPU torch reference, or
     ``LIGER_COMPAT_DEBUG``), and the kernels' out-of-range flag, queued without a sync and polled
-    as the eager forward and backward do (``_target_errors``)."""
-    from . import _target_errors
+    as the eager forward and backward do (``_device_errors``)."""
+    from . import _device_errors
     from . import loss as _loss
 
-    _target_errors.poll()
+    _device_errors.poll()
     be = _backend("fused_linear_cross_entropy", backend, h.device)
     _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=be == "triton")
     opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
-    bad = _target_errors.new_flag(h.device) if want_stats else None
+    bad = _device_errors.new_flag(h.device) if want_stats else None
     knobs = _loss.FlceKnobs(logits_impl, compact_ignored, ce_variant)  # checked by the entry point
     out = _loss._flce_pass(h, w, b, target, opt, be, scale=scale, grads=grads, want_stats=want_stats, bad=bad,
                            knobs=knobs)
     if bad is not None:
-        _target_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], ignore_index)
-        _target_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
+        _device_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], ignore_index)
+        _device_errors.poll()  # CPU: this call's own bad targets; GPU: whatever has finished
     return out
 
 
@@ -378,16 +378,16 @@ def flce_lowmem_rows(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, 
                      label_smoothing: float, lse_square_scale: float, softcap: Optional[float],
                      config: Optional[str], compact_ignored: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per row: loss, z-loss, argmax hit (fp32 0/1) and lse (0 for rows left out)."""
-    from . import _target_errors
+    from . import _device_errors
     from . import loss as _loss
 
-    _target_errors.poll()
+    _device_errors.poll()
     _lowmem_backend(h)
     _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=True)
     opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
     loss_rows, zl_rows, correct, idx, lse, _ok = _loss._lowmem_forward(h, w, b, target, opt, config, compact_ignored)
     lse_rows = torch.zeros_like(loss_rows).index_copy_(0, idx, lse)
-    _target_errors.poll()
+    _device_errors.poll()
     return loss_rows, zl_rows, correct.to(torch.float32), lse_rows
 
 

@@ -14,10 +14,17 @@ recomputes each chunk's logits, turns them in place into ``d / d logits`` and ma
 ``grad_hidden`` rows and share of ``grad_weight`` (4 matmuls for forward and backward).
 ``grad_mode="uniform"`` is for losses that weight every row's log-prob alike (a mean or sum of
 the log-probs, SFT): the forward then also forms the gradients of ``sum(log_probs)`` (3 matmuls
-in all), and the backward scales them when the upstream gradient is the same for every
-non-ignored row and no entropy gradient arrives; otherwise it recomputes as above, so the result
-is the same either way. An upstream broadcast from one value (the gradient of ``sum``) is seen to
-be uniform without a host sync; any other upstream is compared on the device and read once.
+in all). Its backward scales ``grad_hidden`` row by row by the upstream gradient, which is exact
+for any upstream (a frozen head, LoRA, needs nothing more), and ``grad_weight`` / ``grad_bias`` by
+the upstream's common value when it is the same for every non-ignored row and no entropy gradient
+arrives; otherwise it recomputes as above, so the result is the same either way. An upstream
+broadcast from one value (the gradient of ``sum``) is seen to be uniform without a host sync; any
+other upstream is compared on the device and read once. ``grad_mode="sum"`` is the same with that
+comparison left to the device: the caller guarantees a uniform upstream (trl's SFT loss, which the
+trl shim knows), the backward reads nothing on the host, and an upstream that breaks the guarantee
+raises :class:`~liger_compat.kernels._device_errors.GradientContractError` at the next poll (from
+the backward itself on CPU tensors), the ``grad_weight`` of that backward having been scaled by the
+first non-ignored row's value.
 A target outside ``[0, V)`` (not ``ignore_index``) raises :class:`TargetOutOfRangeError` naming
 it: on CPU tensors from the call, on the GPU without a host sync, as the fused loss does
 (``raise_target_errors``); its row is scored as ignored meanwhile. ``is_top1``, ``log_sum_sq_probs`` and ``mean_logits`` carry no gradient.
@@ -32,14 +39,14 @@ from typing import Callable, ContextManager, NamedTuple, Sequence
 
 import torch
 
-from . import _checks, _dispatch, _target_errors
+from . import _checks, _dispatch, _device_errors
 from .loss import FLCE_CHUNK_BYTES_CPU, _chunk_rows
 
 __all__ = ["fused_linear_logprobs", "LogProbOutput", "FIELDS", "lp_rows_torch"]
 
 #: per-token fields, in the order of :class:`LogProbOutput`
 FIELDS = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
-GRAD_MODES = ("recompute", "uniform")
+GRAD_MODES = ("recompute", "uniform", "sum")
 
 
 class LogProbOutput(NamedTuple):
@@ -145,16 +152,16 @@ def _lp_rows(backend, *args, **kwargs):
 
 def _watch_targets(t1: torch.Tensor, v: int, ignore_index: int) -> None:
     """Targets outside ``[0, V)`` (not ``ignore_index``) recorded in a flag that
-    ``_target_errors`` reads back without a host sync (the row kernels score such rows as
+    ``_device_errors`` reads back without a host sync (the row kernels score such rows as
     ignored); on CPU tensors (the interpreter) it is read at once."""
     t64 = t1.long()
     oob = ((t64 < 0) | (t64 >= v)) & (t64 != ignore_index)
     zero = t64.new_zeros(())
     flag = torch.stack((oob.sum(), torch.where(oob & (t64 >= v), t64, zero).max(),
                         torch.where(oob & (t64 < 0), t64, zero).min()))
-    _target_errors.watch(flag, "fused_linear_logprobs", v, ignore_index)
+    _device_errors.watch(flag, "fused_linear_logprobs", v, ignore_index)
     if flag.device.type != "cuda":
-        _target_errors.poll()
+        _device_errors.poll()
 
 
 def _rows_per_chunk(n, v, h, elem, backend, device):
@@ -251,6 +258,11 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
     return out, gh, gw, gb
 
 
+def _first_valid(g: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``g`` at the first row of ``valid`` (row 0 when none is), a 0-d tensor, read on the device."""
+    return g.gather(0, valid.to(torch.uint8).argmax().reshape(1)).reshape(())
+
+
 def _is_uniform(g: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
     """The common value of ``g`` over the non-ignored rows as a 0-d tensor, or ``None`` when
     they differ. An upstream broadcast from one value (the gradient of a sum: stride 0) is
@@ -260,8 +272,48 @@ def _is_uniform(g: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tor
     if g.numel() == 1 or g.stride(0) == 0:
         return g.reshape(-1)[0]
     valid = target != ignore_index
-    first = g.gather(0, valid.to(torch.uint8).argmax().reshape(1)).reshape(())  # the first valid row's
+    first = _first_valid(g, valid)
     return first if bool(torch.where(valid, g == first, True).all()) else None
+
+
+def _contract_message(values: list[int]) -> str:
+    return (f"fused_linear_logprobs(grad_mode='sum'): the upstream gradient of log_probs differed between "
+            f"non-ignored rows ({values[0]} row(s) other than the first one's value), a per-token weighting "
+            "that grad_mode='sum' is not for; grad_weight and grad_bias of that backward were scaled by the "
+            "first row's value (grad_hidden row by row, exact). Use grad_mode='uniform' (compares at backward "
+            "time, one host read) or 'recompute' for such a loss")
+
+
+def _sum_factor(g: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``grad_mode="sum"``: the upstream's value at the first non-ignored row, with no host read; the
+    rows that differ from it are counted on the device and reported by ``_device_errors.poll``."""
+    if g.numel() == 0:
+        return g.new_zeros(())
+    if g.numel() == 1 or g.stride(0) == 0:
+        return g.reshape(-1)[0]
+    valid = target != ignore_index
+    first = _first_valid(g, valid)
+    off = (valid & (g != first)).sum()
+    _device_errors.watch_contract(torch.stack((off, off.new_zeros(()), off.new_zeros(()))),
+                                  "fused_linear_logprobs", _contract_message)
+    return first
+
+
+def _scale_unit(unit, g: torch.Tensor, target: torch.Tensor, ignore_index: int, common: torch.Tensor | None):
+    """The forward's gradients of ``sum(log_probs)`` (``(gh, gw, gb)``, in place: the forward's own
+    buffers) for the upstream ``g``: ``grad_hidden`` row by row (exact for any ``g``; ignored rows,
+    zero already, stay zero), ``grad_weight`` and ``grad_bias`` by ``common``."""
+    gh, gw, gb = unit
+    if gh is not None:
+        if g.numel() == 1 or g.stride(0) == 0:
+            gh.mul_(g.reshape(-1)[0].to(gh.dtype))
+        else:
+            rows = torch.where(target != ignore_index, g, g.new_zeros(()))
+            gh.mul_(rows.to(gh.dtype)[:, None])
+    for x in (gw, gb):
+        if x is not None:
+            x.mul_(common.to(x.dtype))
+    return gh, gw, gb
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
@@ -274,7 +326,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.cdt, ctx.needs, ctx.idx = opt, backend, cdt, needs, idx
         ctx.unit = None
-        if grad_mode == "uniform" and any(needs):
+        ctx.grad_mode = grad_mode
+        if grad_mode in ("uniform", "sum") and any(needs):
             out, gh, gw, gb = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=needs,
                                     g_lp=torch.ones((), dtype=torch.float32, device=h.device))
             ctx.unit = (gh, gw, gb)
@@ -289,19 +342,25 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, *_):
-        _target_errors.poll()
+        _device_errors.poll()
         if not any(ctx.needs) or (g_lp is None and g_ent is None):
             ctx.unit = None
             return (None,) * 9
         idx = ctx.idx
         if ctx.unit is not None and g_ent is None:
-            c = _is_uniform(g_lp, ctx.saved_tensors[3], ctx.opt.ignore_index)
+            target, ii = ctx.saved_tensors[3], ctx.opt.ignore_index
+            _, need_gw, need_gb = ctx.needs
+            if ctx.grad_mode == "sum":
+                c = _sum_factor(g_lp, target, ii)
+            elif need_gw or need_gb:
+                c = _is_uniform(g_lp, target, ii)
+            else:
+                c = g_lp  # grad_hidden alone: scaled row by row, exact for any upstream
             if c is not None:
-                gh, gw, gb = ctx.unit
-                ctx.unit = None
-                for g in (gh, gw, gb):  # in place: these buffers are the forward's own
-                    if g is not None:
-                        g.mul_(c.to(g.dtype))
+                unit, ctx.unit = ctx.unit, None
+                gh, gw, gb = _scale_unit(unit, g_lp, target, ii, c)
+                if ctx.grad_mode == "sum" and g_lp.device.type != "cuda":
+                    _device_errors.poll()  # CPU: this backward's own contract flag, readable now
                 return gh, gw, gb, None, None, None, None, None, None
         ctx.unit = None
         h, w, b, target, lse, ent = ctx.saved_tensors
@@ -335,8 +394,9 @@ def fused_linear_logprobs(
     class ids; rows whose target is ``ignore_index`` get all fields 0 and no gradient. The
     distribution is over ``softcap * tanh(logits * logit_scale / softcap) / temperature``.
     ``log_probs`` and ``entropy`` are differentiable in hidden, weight and bias with any upstream
-    gradient; ``grad_mode="uniform"`` forms the gradient of ``sum(log_probs)`` in the forward
-    (see the module docstring). ``compute_dtype`` (default: hidden's dtype) is the dtype of the
+    gradient; ``grad_mode="uniform"`` forms the gradient of ``sum(log_probs)`` in the forward,
+    ``grad_mode="sum"`` too for a caller that guarantees a uniform upstream (see the module
+    docstring). ``compute_dtype`` (default: hidden's dtype) is the dtype of the
     matmuls and of each chunk's logits (e.g. the autocast dtype); gradients come back in each
     input's own dtype. ``backward_context``: called for a context manager the backward's
     recomputation runs in (e.g. one that gathers a sharded head weight again).
@@ -387,7 +447,7 @@ def fused_linear_logprobs(
     _checks.float_dtype("compute_dtype", torch.empty((), dtype=cdt))
     t1 = target.reshape(-1)
     backend = _dispatch.choose("fused_linear_logprobs", device)
-    _target_errors.poll()
+    _device_errors.poll()
     _checks.target_range("target", t1, v, ignore_index, kernel_reports=backend == "triton")
     if t1.numel() and (backend == "triton" or device.type == "cuda"):
         _watch_targets(t1, v, int(ignore_index))

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _config
-from . import _checks, _dispatch, _target_errors
+from . import _checks, _dispatch, _device_errors
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
@@ -98,7 +98,7 @@ def ce_rows_torch(
 
     Without ``lse``: returns ``(loss, z_loss, lse, correct)`` per row (fp32; ``loss`` includes the
     z-loss; ignored rows give 0, rows whose target is outside ``[0, V)`` and not ignored NaN) and
-    adds those targets to ``bad`` (``_target_errors.new_flag``) when given. With ``grad``: writes
+    adds those targets to ``bad`` (``_device_errors.new_flag``) when given. With ``grad``: writes
     ``scale * d loss_row / d logits`` into ``grad`` (which may be ``logits`` itself; zero for
     ignored and out-of-range rows); ``scale`` is a 0-d or ``[C]`` fp32 tensor.
     """
@@ -439,7 +439,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.reduction, ctx.knobs = opt, backend, reduction, knobs
         ctx.mode = None
-        bad = _target_errors.new_flag(h.device)
+        bad = _device_errors.new_flag(h.device)
         if reduction != "none" and any(needs):
             # scalar loss: all gradients now, scaled by grad_output in backward
             stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad,
@@ -453,12 +453,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 ctx.mode = "recompute"
                 ctx.needs = needs
                 ctx.save_for_backward(h, w, b, target)
-        _target_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
+        _device_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
         return _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc)
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
-        _target_errors.poll()
+        _device_errors.poll()
         if ctx.mode is None:
             return (None,) * 11
         if ctx.mode == "saved":
@@ -556,14 +556,14 @@ def _lowmem_forward(h, w, b, target, opt, config, compact_ignored=False):
     loss_c = torch.where(vc & ~in_range, torch.full_like(loss_c, math.nan), loss_c)
     zl_c = torch.where(vc, zl_c, zero)
     hit_c = (arg == tc) & vc & in_range
-    bad = _target_errors.new_flag(dev)
+    bad = _device_errors.new_flag(dev)
     if idx.numel():
         oob = vc & ~in_range
         t64 = tc.long()
         bad[0] += oob.sum()
         bad[1] = torch.maximum(bad[1], torch.where(oob & (t64 >= v), t64, 0).max())
         bad[2] = torch.minimum(bad[2], torch.where(oob & (t64 < 0), t64, 0).min())
-    _target_errors.watch(bad, "fused_linear_cross_entropy", v, opt.ignore_index)
+    _device_errors.watch(bad, "fused_linear_cross_entropy", v, opt.ignore_index)
     loss_rows = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, idx, loss_c)
     zl_rows = torch.zeros(n, dtype=torch.float32, device=dev).index_copy_(0, idx, zl_c)
     correct = torch.zeros(n, dtype=torch.bool, device=dev).index_copy_(0, idx, hit_c)
@@ -601,7 +601,7 @@ class _LowMemFusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
-        _target_errors.poll()
+        _device_errors.poll()
         if not any(ctx.needs):
             return (None,) * 11
         h, w, b, target, idx, lse, ok, scale = ctx.saved_tensors
@@ -734,7 +734,7 @@ def fused_linear_cross_entropy(
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout.
     """
     if not _dispatch.compiling():  # while tracing, the ops' real implementations poll
-        _target_errors.poll()
+        _device_errors.poll()
     _checks.tensor("hidden", hidden)
     _checks.tensor("weight", weight)
     _checks.float_dtype("hidden", hidden)
@@ -798,7 +798,7 @@ def fused_linear_cross_entropy(
             h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc, knobs
         )
     if not compiling and device.type != "cuda":
-        _target_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
+        _device_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
     if reduction == "none":
         shape = tuple(hidden.shape[:-1])
         loss = loss.view(shape)
@@ -829,20 +829,20 @@ class _CrossEntropy(torch.autograd.Function):
         zl = torch.empty_like(loss)
         lse = torch.empty_like(loss)
         correct = torch.empty(n, dtype=torch.bool, device=logits.device)
-        bad = _target_errors.new_flag(logits.device)
+        bad = _device_errors.new_flag(logits.device)
         rows = _ce_row_chunks(n, v, backend, logits.device)
         extra = {"variant": variant} if backend == "triton" else {}
         for s in range(0, n, rows):
             e = min(n, s + rows)
             loss[s:e], zl[s:e], lse[s:e], correct[s:e] = _ce_rows(backend, logits[s:e], target[s:e], opt, bad=bad, **extra)
-        _target_errors.watch(bad, "cross_entropy", v, opt.ignore_index)
+        _device_errors.watch(bad, "cross_entropy", v, opt.ignore_index)
         ctx.save_for_backward(logits, target, lse, scale)
         ctx.opt, ctx.backend, ctx.reduction, ctx.extra = opt, backend, reduction, extra
         return _forward_tail(ctx, (loss, zl, correct), n_valid, scale, reduction, want_z, want_acc)
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
-        _target_errors.poll()
+        _device_errors.poll()
         logits, target, lse, scale = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return (None,) * 9
@@ -878,7 +878,7 @@ def cross_entropy(
 ):
     """Cross-entropy on ``logits[..., V]`` with the options of :func:`fused_linear_cross_entropy`
     (and its handling of targets outside ``[0, V)``); ``ce_variant`` as there."""
-    _target_errors.poll()
+    _device_errors.poll()
     _checks.tensor("logits", logits)
     _checks.float_dtype("logits", logits)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
@@ -900,7 +900,7 @@ def cross_entropy(
     loss, z, acc = _CrossEntropy.apply(l2, target.reshape(-1), opt, reduction, num_items_in_batch, backend, want_z, want_acc,
                                        knobs.ce_variant)
     if device.type != "cuda":
-        _target_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
+        _device_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
     if reduction == "none":
         shape = tuple(logits.shape[:-1])
         loss = loss.view(shape)

@@ -12,7 +12,7 @@ import torch
 from liger_compat import _config
 from liger_compat.kernels import (
     TargetOutOfRangeError,
-    _target_errors,
+    _device_errors,
     apply_rotary_pos_emb,
     cross_entropy,
     fused_linear_cross_entropy,
@@ -119,7 +119,7 @@ def test_bad_labels_on_gpu_raise_without_sync_and_context_survives(kind, reducti
     the pending reports are waited for; the CUDA context is fine afterwards, and a good call's
     forward+backward makes no host sync (the fused loss's opt-in ignored-row compaction aside);
     the bad call itself also runs with the compaction."""
-    _target_errors._pending.clear()
+    _device_errors._pending.clear()
     v = 32000
     hid, w, t = _flce_inputs(700, 256, v, torch.float32, 11)
     t[17] = bad
@@ -127,7 +127,7 @@ def test_bad_labels_on_gpu_raise_without_sync_and_context_survives(kind, reducti
         out, _ = _bad_label_call(kind, hid, w, t, reduction, compact_ignored=True)
         out.backward(torch.ones_like(out))
         raise_target_errors()
-    assert not _target_errors._pending
+    assert not _device_errors._pending
     torch.cuda.synchronize()  # no sticky error: the context is usable
 
     hid, w, t = _flce_inputs(700, 256, v, torch.float32, 12)

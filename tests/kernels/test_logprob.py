@@ -150,6 +150,74 @@ def test_uniform_upstream_and_non_uniform_give_the_reference(mode, monkeypatch):
         assert len(passes) == (1 if (mode, upstream) == ("uniform", "mean") else 2), passes
 
 
+def _count_passes(monkeypatch):
+    import liger_compat.kernels.logprob as lpmod
+
+    passes = []
+    real = lpmod._pass
+    monkeypatch.setattr(lpmod, "_pass", lambda *a, **k: passes.append(k["grads"]) or real(*a, **k))
+    return passes
+
+
+def _no_host_read(monkeypatch):
+    """Fail on the host read the uniform mode's comparison makes (``bool`` of a device tensor)."""
+    import liger_compat.kernels.logprob as lpmod
+
+    def no_compare(*a, **k):
+        raise AssertionError("the backward compared the upstream on the host")
+
+    monkeypatch.setattr(lpmod, "_is_uniform", no_compare)
+
+
+def test_sum_mode_takes_a_masked_mean_without_a_host_read(monkeypatch):
+    """trl's SFT NLL on its compacted rows: the upstream comes through a masked scatter (uniform in
+    value, not a stride-0 broadcast). ``grad_mode="sum"`` reuses the forward's gradient (one pass),
+    compares nothing on the host, and gives the float64 gradients."""
+    passes = _count_passes(monkeypatch)
+    _no_host_read(monkeypatch)
+    hid, w, b, t, _, _ = _inputs(13, 31, 24, 157, torch.float32, 0.3, True)
+    mask = torch.rand(40, generator=torch.Generator().manual_seed(2)) < 0.8
+    mask[:31] = True
+    mask[31:] = False
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(3))
+    mask = mask[perm]  # 31 scored rows scattered over 40 positions
+    hh, ww, bb = (x.clone().requires_grad_(True) for x in (hid, w, b))
+    out = fused_linear_logprobs(hh, ww, t, bias=bb, want=("log_probs", "entropy"), grad_mode="sum")
+    scattered = out.log_probs.new_zeros(40).masked_scatter(mask, out.log_probs)
+    (-scattered.sum() / 29).backward()
+    h64, w64, b64 = (x.double().requires_grad_(True) for x in (hid, w, b))
+    (-logprobs64(h64, w64, b64, t)[0].sum() / 29).backward()
+    tol = tolerance(torch.float32, n=24 + 157, ulps=32.0)
+    for ours, ref in ((hh.grad, h64.grad), (ww.grad, w64.grad), (bb.grad, b64.grad)):
+        assert rel_err(ours, ref) < tol
+    assert len(passes) == 1, passes
+
+
+def test_sum_mode_raises_naming_the_mode_on_a_per_row_weighting():
+    from liger_compat.kernels import GradientContractError
+
+    hid, w, _, t, glp, _ = _inputs(14, 23, 16, 90, torch.float32, 0.2, False)
+    hh, ww = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = fused_linear_logprobs(hh, ww, t, grad_mode="sum")
+    with pytest.raises(GradientContractError, match=r"grad_mode='sum'.*differed between non-ignored rows.*'uniform'"):
+        (out.log_probs * glp).sum().backward()
+
+
+def test_uniform_mode_with_a_frozen_head_scales_rows_without_recompute_or_host_read(monkeypatch):
+    """A frozen head (LoRA): only grad_hidden is needed, and the forward's rows scaled by any per-row
+    upstream are exact: one pass, no comparison, the float64 gradient."""
+    passes = _count_passes(monkeypatch)
+    _no_host_read(monkeypatch)
+    hid, w, _, t, glp, _ = _inputs(15, 27, 20, 111, torch.float32, 0.25, False)
+    hh = hid.clone().requires_grad_(True)
+    out = fused_linear_logprobs(hh, w, t, want=("log_probs", "entropy"), grad_mode="uniform")
+    (out.log_probs * glp).sum().backward()
+    h64 = hid.double().requires_grad_(True)
+    (logprobs64(h64, w.double(), None, t)[0] * glp.double()).sum().backward()
+    assert rel_err(hh.grad, h64.grad) < tolerance(torch.float32, n=20 + 111, ulps=32.0)
+    assert len(passes) == 1, passes
+
+
 def test_all_rows_ignored_gives_zeros_and_zero_gradient():
     hid, w, _, t, _, _ = _inputs(3, 9, 16, 50, torch.float32, 0.0, False)
     t[:] = -100

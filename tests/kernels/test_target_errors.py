@@ -2,7 +2,7 @@
 
 Runs twice (see ``test_interpret.py``): here on the torch reference, and under
 ``TRITON_INTERPRET=1`` on the Triton kernels, which report bad targets through the flag tensor
-they write (``_target_errors.py``), the way they do on the GPU. The GPU reads that flag back
+they write (``_device_errors.py``), the way they do on the GPU. The GPU reads that flag back
 without a sync, so the error may come after the call returned; ``_not_ready_yet`` stands in
 for a GPU that has not got there yet, so the later reporting points (backward, the next call,
 ``raise_target_errors``) are exercised on CPU too.
@@ -15,7 +15,7 @@ import torch
 
 from liger_compat.kernels import (
     TargetOutOfRangeError,
-    _target_errors,
+    _device_errors,
     cross_entropy,
     fused_linear_cross_entropy,
     last_backend,
@@ -30,9 +30,9 @@ IGNORE = -100
 
 @pytest.fixture(autouse=True)
 def _empty_queue():
-    _target_errors._pending.clear()
+    _device_errors._pending.clear()
     yield
-    _target_errors._pending.clear()
+    _device_errors._pending.clear()
 
 
 def _inputs(seed, n=11, h=16, v=V, dtype=torch.float32):
@@ -89,7 +89,7 @@ def test_bad_target_raises_naming_it_then_good_calls_work(kind, reduction, bad):
         _call(kind, hid, w, t, reduction=reduction)
     assert isinstance(err.value, ValueError) and f"ignore_index={IGNORE}" in str(err.value)
     assert last_backend["fused_linear_cross_entropy" if kind == "flce" else "cross_entropy"] == expected_backend()
-    assert not _target_errors._pending
+    assert not _device_errors._pending
     _check_good_call(kind, reduction, seed=bad % 1000)
     raise_target_errors()  # nothing left to report
 
@@ -125,14 +125,14 @@ def _not_ready_yet(monkeypatch):
     from liger_compat.kernels import _checks
 
     events = []
-    real_watch = _target_errors.watch
+    real_watch = _device_errors.watch
 
     def watch(flag, *args):
         real_watch(flag, *args)
         events.append(_FakeEvent())
-        _target_errors._pending[-1] = _target_errors._pending[-1]._replace(event=events[-1])
+        _device_errors._pending[-1] = _device_errors._pending[-1]._replace(event=events[-1])
 
-    monkeypatch.setattr(_target_errors, "watch", watch)
+    monkeypatch.setattr(_device_errors, "watch", watch)
     monkeypatch.setattr(_checks, "target_range", lambda *a, **k: None)
     return events
 
@@ -164,7 +164,7 @@ def test_deferred_report_bad_rows_nan_and_no_gradient(monkeypatch, _not_ready_ye
     bad_rows = torch.tensor([2, 6, 9])
     t[bad_rows] = torch.tensor([40, -1, 1234])
     out, leaves = _call(kind, hid, w, t, reduction=reduction, **knobs)
-    assert len(_not_ready_yet) == 1 and len(_target_errors._pending) == 1
+    assert len(_not_ready_yet) == 1 and len(_device_errors._pending) == 1
     assert bool(gemm_calls) == (variant == "gemm")
 
     good = t.clone()
@@ -191,7 +191,7 @@ def test_deferred_report_bad_rows_nan_and_no_gradient(monkeypatch, _not_ready_ye
     hid2, w2, t2 = _inputs(6)
     with pytest.raises(TargetOutOfRangeError, match=r"holds 1234, outside the vocabulary \[0, 40\)"):
         _call(kind, hid2, w2, t2)
-    assert not _target_errors._pending
+    assert not _device_errors._pending
     _check_good_call(kind, reduction, seed=8)
 
 
@@ -204,7 +204,7 @@ def test_deferred_report_raised_in_backward(_not_ready_yet, kind, reduction):
     _not_ready_yet[0].done = True
     with pytest.raises(TargetOutOfRangeError, match=rf"holds {V + 5}, outside the vocabulary \[0, {V}\)"):
         out.sum().backward()
-    assert not _target_errors._pending
+    assert not _device_errors._pending
     _check_good_call(kind, reduction, seed=9)
 
 
@@ -216,7 +216,7 @@ def test_raise_target_errors_waits_for_the_report(_not_ready_yet):
     assert not _not_ready_yet[0].waited
     with pytest.raises(TargetOutOfRangeError, match=rf"holds -3, outside the vocabulary \[0, {V}\)"):
         raise_target_errors()
-    assert _not_ready_yet[0].waited and not _target_errors._pending
+    assert _not_ready_yet[0].waited and not _device_errors._pending
     raise_target_errors()
 
 
@@ -224,25 +224,25 @@ def test_good_calls_in_flight_report_nothing(_not_ready_yet):
     hid, w, t = _inputs(9)
     fused_linear_cross_entropy(hid, w, t)
     cross_entropy(hid @ w.T, t)
-    assert len(_target_errors._pending) == 2
+    assert len(_device_errors._pending) == 2
     for e in _not_ready_yet:
         e.done = True
     _check_good_call("flce", "mean", seed=10)  # polls the finished good reports: no error
-    assert len(_target_errors._pending) == 1  # only this call's own, still "in flight"
+    assert len(_device_errors._pending) == 1  # only this call's own, still "in flight"
 
 
 def test_several_bad_calls_reported_once():
     """Two finished bad reports: one error names the first and counts the other; both cleared."""
     flags = []
     for value in (V + 1, -9):
-        flag = _target_errors.new_flag(torch.device("cpu"))
+        flag = _device_errors.new_flag(torch.device("cpu"))
         flag[0] = 1
         flag[1 if value > 0 else 2] = value
         flags.append(flag)
     for f in flags:
-        _target_errors._pending.append(_target_errors._Pending(f, _FakeEvent(), "cross_entropy", V, IGNORE))
-    _target_errors.poll()  # neither has finished: no error, nothing dropped
-    assert len(_target_errors._pending) == 2
+        _device_errors._pending.append(_device_errors._Pending(f, _FakeEvent(), "cross_entropy", V, IGNORE))
+    _device_errors.poll()  # neither has finished: no error, nothing dropped
+    assert len(_device_errors._pending) == 2
     with pytest.raises(TargetOutOfRangeError, match=rf"holds {V + 1}, .*1 more call"):
         raise_target_errors()
-    assert not _target_errors._pending
+    assert not _device_errors._pending

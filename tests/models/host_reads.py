@@ -10,7 +10,7 @@ What is counted, and what is not:
   ``nonzero``, boolean-mask indexing, ``torch.equal`` ...) outside a Triton launch;
 * not counted: what happens inside a Triton launch. The interpreter emulates the GPU on CPU and
   reads its arguments to do so; on the GPU a launch is queued and reads nothing back;
-* the target-error flags (``_target_errors.poll``) are read on the host by design: on the GPU
+* the target-error flags (``_device_errors.poll``) are read on the host by design: on the GPU
   from a pinned copy whose CUDA event has completed (no wait), on CPU directly. Those reads do
   not dispatch an aten op (``tolist``), so there is nothing to exclude; the count would show it.
 """
@@ -115,10 +115,15 @@ def _logprob_step(grad_mode):
             (-(lp.sum()) / 15 - (lp * weights).sum()).backward()
         return step
 
+    mask = torch.zeros(24, dtype=torch.bool)
+    mask[torch.randperm(24, generator=g)[:20]] = True
+
     def step():
         out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy", "is_top1"), grad_mode=grad_mode)
         if grad_mode == "uniform":  # SFT: a sum of the log-probs over a count
             (-out.log_probs.sum() / 15).backward()
+        elif grad_mode == "sum":  # trl's SFT NLL: the scored rows scattered back over a mask, summed
+            (-out.log_probs.new_zeros(24).masked_scatter(mask, out.log_probs).sum() / 15).backward()
         else:  # a per-token weighting (DPO, GRPO)
             (-(out.log_probs * weights).sum()).backward()
     return step
@@ -140,7 +145,8 @@ def main() -> int:
     result["llama_patched"] = count(step)
     for name, fn in (("flce_native", _flce_step(None)), ("flce_chunked", _flce_step("chunked")),
                      ("flce_lowmem", _flce_step("lowmem")), ("logprob_native", _logprob_step(None)),
-                     ("logprob_uniform", _logprob_step("uniform")), ("logprob_recompute", _logprob_step("recompute"))):
+                     ("logprob_uniform", _logprob_step("uniform")), ("logprob_sum", _logprob_step("sum")),
+                     ("logprob_recompute", _logprob_step("recompute"))):
         fn()
         result[name] = count(fn)
     from liger_compat.kernels import last_backend

@@ -2,7 +2,8 @@
 
 * CPU, Triton's interpreter: the aten ops that read a value on the host (each a sync on the GPU)
   during a patched tiny-Llama step (forward with labels, backward), the fused loss in both modes
-  and the log-prob head, counted against the native step (``host_reads.py`` says what is counted).
+  and the log-prob head (trl's SFT NLL over masked rows in ``grad_mode="sum"`` among them), counted
+  against the native step (``host_reads.py`` says what is counted).
 * GPU (skipped here): the same steps under ``torch.cuda.set_sync_debug_mode("error")``.
 * CPU wall time of a tiny model's step, patched against native, in one process.
 """
@@ -41,6 +42,7 @@ def interpreted_counts():
     ("flce_chunked", "flce_native"),
     ("flce_lowmem", "flce_native"),
     ("logprob_uniform", "logprob_native"),
+    ("logprob_sum", "logprob_native"),
     ("logprob_recompute", "logprob_native"),
 ])
 def test_no_more_host_reads_than_native(interpreted_counts, patched, reference):

@@ -1,19 +1,26 @@
-"""Targets outside the vocabulary: reported as a Python error without a host sync.
+"""Errors the kernels find on the device, raised as Python errors without a host sync.
 
-A target outside ``[0, V)`` that is not ``ignore_index`` cannot be a class. The cross-entropy
-row kernels (Triton, and the torch reference) never address memory with it: the row's loss is
-NaN, its gradient zero, and the kernel records it in a three-element int64 tensor from
-:func:`new_flag` (``[number of bad rows, largest bad target >= V or 0, smallest negative bad
-target or 0]``), folded into the launch that already reads the target.
+Two kinds, each recorded by the kernels' launches in a small int64 tensor instead of being read
+at once:
 
-Reading that tensor on the host as soon as the loss returns would wait for the GPU. Instead
+* targets outside the vocabulary. A target outside ``[0, V)`` that is not ``ignore_index`` cannot
+  be a class. The cross-entropy row kernels (Triton, and the torch reference) never address
+  memory with it: the row's loss is NaN, its gradient zero, and the kernel records it in a
+  three-element tensor from :func:`new_flag` (``[number of bad rows, largest bad target >= V or 0,
+  smallest negative bad target or 0]``), folded into the launch that already reads the target;
+  raised as :class:`TargetOutOfRangeError`;
+* a gradient contract broken by the caller (:func:`watch_contract`): the log-prob head's
+  ``grad_mode="sum"`` is told that every non-ignored row gets the same upstream gradient, and
+  counts on the device the rows that do not; raised as :class:`GradientContractError`.
+
+Reading such a tensor on the host as soon as the call returns would wait for the GPU. Instead
 :func:`watch` copies it without blocking into pinned host memory and records a CUDA event (both
 reused: a small pool, one buffer and event per call still in flight, usually one or two);
 :func:`poll` reads the copies whose event has completed (``event.query()``, which never waits)
-and raises :class:`TargetOutOfRangeError`. The loss functions poll when they are entered and at
-the start of their backward. So a bad target on the GPU raises in that call's backward when the
-GPU has caught up by then, and at the latest in a later call of a loss. On CPU tensors the flag
-is read at once (no sync to save): the call itself raises. :func:`raise_target_errors` waits for the pending copies (their events
+and raises. The loss functions poll when they are entered and at the start of their backward. So
+a bad target on the GPU raises in that call's backward when the GPU has caught up by then, and at
+the latest in a later call of a loss. On CPU tensors the flag is read at once (no sync to save):
+the call itself raises. :func:`raise_target_errors` waits for the pending copies (their events
 only) and raises; ``settings.debug`` still checks the targets up front, synchronously.
 
 Inside CUDA graph capture nothing is watched (a replay could not report it): bad rows there
@@ -23,15 +30,21 @@ give NaN rows and zero gradients only.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["TargetOutOfRangeError", "new_flag", "watch", "poll", "raise_target_errors"]
+__all__ = ["TargetOutOfRangeError", "GradientContractError", "new_flag", "watch", "watch_contract", "poll",
+           "raise_target_errors"]
 
 
 class TargetOutOfRangeError(ValueError):
     """A target that is neither a class id in ``[0, V)`` nor ``ignore_index``."""
+
+
+class GradientContractError(ValueError):
+    """An upstream gradient that breaks what the caller told a kernel about it (``grad_mode="sum"``
+    of :func:`~liger_compat.kernels.fused_linear_logprobs`)."""
 
 
 class _Pending(NamedTuple):
@@ -41,6 +54,7 @@ class _Pending(NamedTuple):
     num_classes: int
     ignore_index: int
     pooled: bool = False  # flag and event belong to _spare: handed back once read
+    contract: Callable[[list[int]], str] | None = None  # a broken contract's message, from the flag
 
 
 _pending: list[_Pending] = []
@@ -60,8 +74,19 @@ def _capturing() -> bool:
 
 def watch(flag: torch.Tensor, op: str, num_classes: int, ignore_index: int) -> None:
     """Queue ``flag`` (written by the kernels of one call of ``op``) for :func:`poll`."""
+    _queue(flag, op, num_classes, ignore_index, None)
+
+
+def watch_contract(flag: torch.Tensor, op: str, message: Callable[[list[int]], str]) -> None:
+    """Queue ``flag`` (an int64 tensor of :func:`new_flag`'s shape, its first element the number of
+    rows that broke a contract of ``op``) for :func:`poll`, which raises
+    :class:`GradientContractError` with ``message(flag values)`` when it is not 0."""
+    _queue(flag, op, 0, 0, message)
+
+
+def _queue(flag, op, num_classes, ignore_index, contract) -> None:
     if flag.device.type == "cpu":
-        entry = _Pending(flag, None, op, num_classes, ignore_index)
+        entry = _Pending(flag, None, op, num_classes, ignore_index, contract=contract)
     elif flag.device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return
@@ -72,7 +97,7 @@ def watch(flag: torch.Tensor, op: str, num_classes: int, ignore_index: int) -> N
             event = torch.cuda.Event()
         host.copy_(flag, non_blocking=True)
         event.record(torch.cuda.current_stream(flag.device))  # where the copy was queued
-        entry = _Pending(host, event, op, num_classes, ignore_index, True)
+        entry = _Pending(host, event, op, num_classes, ignore_index, True, contract)
     else:  # other accelerators run the torch reference; settings.debug checks up front there
         return
     with _lock:
@@ -100,7 +125,8 @@ def _message(bad: list[tuple[_Pending, list[int]]]) -> str:
 
 
 def poll() -> None:
-    """Raise :class:`TargetOutOfRangeError` for finished calls that met a bad target; never waits.
+    """Raise :class:`GradientContractError` for finished calls whose contract was broken, else
+    :class:`TargetOutOfRangeError` for those that met a bad target; never waits.
 
     Every finished entry is taken off the queue, so one error reports (and clears) them all."""
     if not _pending:
@@ -119,6 +145,12 @@ def poll() -> None:
                 bad.append((p, values))
             if p.pooled:
                 _spare.append((p.flag, p.event))
+    broken = [(p, values) for p, values in bad if p.contract is not None]
+    if broken:
+        p, values = broken[0]
+        more = len(bad) - 1
+        raise GradientContractError(p.contract(values) + (f" ({more} more finished call(s) reported errors too)"
+                                                           if more else ""))
     if bad:
         raise TargetOutOfRangeError(_message(bad))
 
@@ -126,7 +158,8 @@ def poll() -> None:
 def raise_target_errors() -> None:
     """Wait for the target checks of earlier loss calls still in flight and raise
     :class:`TargetOutOfRangeError` if any met a target outside ``[0, V)`` that is not
-    ``ignore_index``. This waits for the GPU (up to those calls' events), so call it where a
+    ``ignore_index`` (:class:`GradientContractError` first, for a broken gradient contract).
+    This waits for the GPU (up to those calls' events), so call it where a
     sync is acceptable, e.g. before logging or at the end of an epoch."""
     with _lock:
         events = [p.event for p in _pending if p.event is not None]
