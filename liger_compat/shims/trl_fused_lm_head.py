@@ -16,8 +16,13 @@ the MoE aux loss, FSDP2 DTensor gathering, ZeRO-3 gathering, PEFT, ``cast_lm_hea
 :func:`liger_compat.kernels.logprob.fused_linear_logprobs` behind the same call contract, so
 trl's ``ChunkedLogProbFunction`` is never called. Models given a head by ``SFTTrainer`` score with
 ``grad_mode="uniform"`` (the SFT loss is a plain sum of the log-probs over a token count; the
-kernel checks that at backward time and recomputes otherwise); the other trainers weight tokens
-(DPO, GRPO, KTO) and recompute in the backward. trl 1.6 .. 1.14 define an older
+kernel checks that at backward time, one host read, and recomputes otherwise), and with
+``grad_mode="sum"`` (no host read) inside ``SFTTrainer``'s own ``compute_loss`` (not overridden by a
+subclass) with ``loss_type="nll"`` where trl scores the labelled rows only (``_use_triton`` true,
+or trl 1.15.0, which always does): that loss is ``-sum(log_probs) / count`` over exactly those rows
+(trl 1.15.0 .. 1.16.0's ``compute_loss``), so the guarantee holds; the kernel still counts on the
+device any row that breaks it and raises. The other trainers weight tokens (DPO, GRPO, KTO) and
+recompute in the backward. trl 1.6 .. 1.14 define an older
 ``_ChunkedLogProbFunction`` (returns log-probs and entropy; used by SFT's ``chunked_nll`` loss in
 ``trl.trainer.utils`` and by the DPO / GRPO / KTO modules that import it): where its signature is
 trl 1.14's, it is replaced the same way in every module holding it, and calls with a target outside the
@@ -30,7 +35,7 @@ import contextvars
 import functools
 from typing import Any
 
-from ._patching import PatchSet, signature
+from ._patching import ShimPatches, signature
 from ._registry import REGISTRY, register
 from ..compat import trl_trainer_locations as locations
 
@@ -47,6 +52,8 @@ calls = {"ours": 0}
 _GRAD_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("liger_compat_trl_head_grad_mode", default="recompute")
 #: trainer modules whose loss is a plain sum of the log-probs over a count
 _UNIFORM_TRAINERS = ("sft_trainer",)
+#: set (True) while SFTTrainer's own compute_loss computes trl's NLL from the head's log-probs
+_SUM_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar("liger_compat_trl_sft_sum_loss", default=False)
 
 
 def _trl_version() -> str:
@@ -75,13 +82,26 @@ class ChunkedLogProbs:
         dev = hidden.device.type
         cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
         want = ("log_probs",) + tuple(f for f in outputs if f != "log_probs")
+        grad_mode = _GRAD_MODE.get()
+        if grad_mode == "sum" and not _scores_labelled_rows_only(hidden.device):
+            grad_mode = "uniform"  # masked rows are scored too (as class 0) and get a zero upstream
         out = fused_linear_logprobs(
             hidden, weight, targets, bias=bias, temperature=temperature, softcap=final_logit_softcapping,
-            logit_scale=1.0 if logit_scale is None else logit_scale, want=want, grad_mode=_GRAD_MODE.get(),
+            logit_scale=1.0 if logit_scale is None else logit_scale, want=want, grad_mode=grad_mode,
             compute_dtype=cdt, backward_context=_gather_context(weight, bias),
         )
         calls["ours"] += 1
         return out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, out.is_top1
+
+
+def _scores_labelled_rows_only(device: Any) -> bool:
+    """Whether trl's ``_fused_forward`` passes the scoring function the labelled rows only on
+    ``device``: trl 1.16 decides with ``_use_triton(device)`` (Triton devices: compact rows; others:
+    every row, masked ones as class 0); trl 1.15.0 has no such switch and always compacts."""
+    import sys
+
+    decide = getattr(sys.modules.get("trl.trainer.utils"), "_use_triton", None)
+    return True if decide is None else bool(decide(device))
 
 
 #: the forward parameters of trl 1.6 .. 1.14's _ChunkedLogProbFunction (read from trl 1.14) that the
@@ -169,18 +189,19 @@ def _route(model: Any, trainer_module: str) -> None:
     if trainer_module in _UNIFORM_TRAINERS:
         fwd = vars(model).get("forward")
         if fwd is not None and not getattr(fwd, "_liger_compat_head", False):
-            model.forward = _with_grad_mode(fwd, "uniform")
+            model.forward = _with_grad_mode(fwd)
 
 
-def _with_grad_mode(fwd: Any, mode: str) -> Any:
+def _with_grad_mode(fwd: Any) -> Any:
     """``fwd`` (trl's head forward of one model) running its ``fused_lm_head=True`` calls with the
-    kernel's ``grad_mode`` set to ``mode``; keeps the signature ``generate`` validates against."""
+    kernel's ``grad_mode`` set to ``"sum"`` inside trl's own SFT NLL (:data:`_SUM_LOSS`), else
+    ``"uniform"``; keeps the signature ``generate`` validates against."""
 
     @functools.wraps(fwd)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not kwargs.get("fused_lm_head"):
             return fwd(*args, **kwargs)
-        token = _GRAD_MODE.set(mode)
+        token = _GRAD_MODE.set("sum" if _SUM_LOSS.get() else "uniform")
         try:
             return fwd(*args, **kwargs)
         finally:
@@ -189,6 +210,25 @@ def _with_grad_mode(fwd: Any, mode: str) -> Any:
     forward._liger_compat_head = True  # type: ignore[attr-defined]
     forward._liger_compat_wraps = fwd  # type: ignore[attr-defined]
     return forward
+
+
+def _sft_sum_loss(trainer: type) -> Any:
+    """Middleware on ``trainer.compute_loss`` (trl's ``SFTTrainer``): sets :data:`_SUM_LOSS` while
+    trl's own method, not a subclass's, computes the NLL (``loss_type="nll"``, no
+    ``compute_loss_func``)."""
+
+    def middleware(call_next: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        own = next((klass for klass in type(instance).__mro__ if "compute_loss" in vars(klass)), None)
+        if (own is not trainer or getattr(getattr(instance, "args", None), "loss_type", None) != "nll"
+                or getattr(instance, "compute_loss_func", None) is not None):
+            return call_next(args, kwargs)
+        token = _SUM_LOSS.set(True)
+        try:
+            return call_next(args, kwargs)
+        finally:
+            _SUM_LOSS.reset(token)
+
+    return middleware
 
 
 def _chunked_nll_wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -224,7 +264,7 @@ def _in_use() -> str:
     return "; ".join(parts)
 
 
-def _patch(module: Any, patches: PatchSet) -> list[str]:
+def _patch(module: Any, patches: ShimPatches) -> list[str]:
     done = []
     short = _short(module)
     # the chunked scoring function, looked up in the module's globals on every call: trl 1.15+ in
@@ -251,6 +291,10 @@ def _patch(module: Any, patches: PatchSet) -> list[str]:
     if callable(getattr(module, "add_fused_lm_head", None)):
         patches.wrap(module, "add_fused_lm_head", _head_wrapper(short))
         done.append(f"{short}.add_fused_lm_head")
+        trainer = getattr(module, "SFTTrainer", None)
+        if short in _UNIFORM_TRAINERS and isinstance(trainer, type) and "compute_loss" in vars(trainer):
+            patches.middleware(trainer, "compute_loss", _sft_sum_loss(trainer))
+            done.append(f"{short}.SFTTrainer.compute_loss")
     return done
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, NamedTuple
 
-from ._patching import PatchSet, unwrap
+from ._patching import ShimPatches, unwrap
 from ._registry import register
 
 
@@ -242,14 +242,20 @@ def _make_wrapper(style: SFTMetricStyle):
     return compute_loss
 
 
-def _patch_sft_module(module: Any, patches: PatchSet) -> list[str]:
+def _patch_sft_module(module: Any, patches: ShimPatches) -> list[str]:
     trainer = getattr(module, "SFTTrainer", None)
     if trainer is None or "compute_loss" not in trainer.__dict__:
         return []
     style = read_style(trainer.__dict__["compute_loss"])
     if isinstance(style, str):
         return [f"not needed: {style}"]
-    patches.wrap(trainer, "compute_loss", _make_wrapper(style))
+    wrapper = _make_wrapper(style)
+
+    def middleware(call_next: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return wrapper(lambda *a, **k: call_next(a, k), instance, args, kwargs)
+
+    # a middleware: the trl head shim has one on the same method, each revertible in any order
+    patches.middleware(trainer, "compute_loss", middleware)
     extra = ["accuracy"] + (["entropy"] if style.entropy else [])
     return [f"SFTTrainer.compute_loss (switch {style.switch}; logs {', '.join(extra)})"]
 

@@ -85,7 +85,8 @@ def _install_logits_reader(trainer_cls) -> None:
     if os.environ.get("LIGER_COMPAT_DISABLE") == "1":  # the native run: no shim to apply afresh
         trainer_cls.compute_loss = compute_loss_reading_logits
         return
-    with REGISTRY.suspended("trl.sft_token_accuracy"):
+    # both shims around SFTTrainer.compute_loss step aside while it is replaced
+    with REGISTRY.suspended("trl.fused_lm_head"), REGISTRY.suspended("trl.sft_token_accuracy"):
         trainer_cls.compute_loss = compute_loss_reading_logits
 
 

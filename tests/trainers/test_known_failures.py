@@ -91,13 +91,23 @@ def _sft_reading_logits():
     if not matches(_trl_version(), ">=1.15"):
         pytest.skip(f"trl {_trl_version()}: {style}; token accuracy from outputs.logits came with trl 0.15, the "
                     "premise of F1 does not exist here")
-    with REGISTRY.suspended(SFT_ACCURACY):  # the shim reads compute_loss when it is applied again
+    # both shims around SFTTrainer.compute_loss step aside while it is replaced (the accuracy shim
+    # reads the new one when it is applied again)
+    with _suspended_around_compute_loss():
         trainer_cls.compute_loss = compute_loss_reading_logits
     try:
         yield "trl 1.3 .. 1.14's compute_loss on the installed SFTTrainer (trl 1.15+ reads no logits)"
     finally:
-        with REGISTRY.suspended(SFT_ACCURACY):
+        with _suspended_around_compute_loss():
             trainer_cls.compute_loss = own
+
+
+@contextlib.contextmanager
+def _suspended_around_compute_loss():
+    from liger_compat.shims.trl_fused_lm_head import SHIM_ID as HEAD
+
+    with REGISTRY.suspended(HEAD), REGISTRY.suspended(SFT_ACCURACY):
+        yield
 
 
 def _sft_builder(tokenizer, tmp_path, **cfg):

@@ -241,9 +241,11 @@ def test_head_all_labels_masked_gives_a_differentiable_zero():
     _assert_same(ours, theirs)
 
 
-def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch):
+@pytest.mark.parametrize("mode", ["uniform", "sum"])
+def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(mode, monkeypatch):
     """SFT's loss (sum of log-probs over a count) on compacted rows: the head formed the gradient in its
-    forward and the backward reuses it (one kernel pass), with trl's gradients."""
+    forward and the backward reuses it (one kernel pass), with trl's gradients; ``"sum"`` without
+    comparing the upstream on the host."""
     import torch
     import trl.trainer.utils as tu
 
@@ -264,7 +266,7 @@ def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch)
 
     def grads(scoring):
         model.zero_grad(set_to_none=True)
-        token = head._GRAD_MODE.set("uniform")
+        token = head._GRAD_MODE.set(mode)
         try:
             with mock.patch.object(tu, "_ChunkedLogProbFunction", scoring):
                 out = model(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=torch.tensor(17))
@@ -273,6 +275,8 @@ def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch)
         out.loss.backward()
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    if mode == "sum":
+        monkeypatch.setattr(lpmod, "_is_uniform", lambda *a: pytest.fail("compared the upstream on the host"))
     loss, ours = grads(head.ChunkedLogProbs)
     assert len(passes) == 1 and any(passes[0]), passes
     loss_trl, theirs = grads(fn)
@@ -280,6 +284,46 @@ def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(monkeypatch)
     for name in theirs:
         scale = theirs[name].abs().max().clamp(min=1e-6)
         assert ((ours[name] - theirs[name]).abs().max() / scale) < 2e-4, name
+
+
+@pytest.mark.parametrize("case", ["nll", "rows_not_compacted", "dft", "subclass"])
+def test_sft_trainer_picks_the_sum_mode_for_its_own_nll_only(case, tokenizer, tmp_path, monkeypatch):
+    """The real SFTTrainer: its own NLL over the compacted rows scores with ``grad_mode="sum"`` (no
+    host read in our code during the step); every other case keeps the checking ``"uniform"``: trl
+    scoring every row (masked ones as class 0, zero upstream), DFT's per-token weights, a subclass's
+    own compute_loss."""
+    import torch
+    import trl.trainer.utils as tu
+
+    import liger_compat.kernels.logprob as lpmod
+
+    _trl_chunked_function()
+    trainer_cls, config_cls = trainer_or_skip("sft")
+    if hasattr(tu, "_use_triton"):  # trl 1.16+; trl 1.15.0 always scores the labelled rows only
+        monkeypatch.setattr(tu, "_use_triton", lambda device: case != "rows_not_compacted")
+    elif case == "rows_not_compacted":
+        pytest.skip("trl 1.15.0 always scores the labelled rows only")
+    modes, reads = [], []
+    real = lpmod.fused_linear_logprobs
+    monkeypatch.setattr(lpmod, "fused_linear_logprobs", lambda *a, **k: modes.append(k["grad_mode"]) or real(*a, **k))
+    real_uniform = lpmod._is_uniform
+    monkeypatch.setattr(lpmod, "_is_uniform", lambda *a: reads.append("compare") or real_uniform(*a))
+    cls = trainer_cls
+    if case == "subclass":
+        class MySFT(trainer_cls):
+            def compute_loss(self, *args, **kwargs):
+                return super().compute_loss(*args, **kwargs)
+        cls = MySFT
+    args = make_config(config_cls, tmp_path, max_length=32, dataset_text_field="text", packing=False, max_steps=2,
+                       loss_type="dft" if case == "dft" else "nll")
+    trainer = cls(model=fresh_model("llama", tokenizer), args=args, train_dataset=tiny.dataset(tiny.sft_rows(8)),
+                  **tokenizer_kwarg(trainer_cls, tokenizer))
+    trainer.train()
+    losses = [log["loss"] for log in train_logs(trainer) if "loss" in log]
+    assert losses and all(torch.isfinite(torch.tensor(losses))), losses
+    want = "sum" if case == "nll" else "uniform"
+    assert modes and set(modes) == {want}, modes
+    assert (reads == []) == (case == "nll"), reads
 
 
 def test_check_heads_rule_for_older_trl_sources(monkeypatch):
