@@ -15,11 +15,16 @@ regime, rule and ``eps``:
   the mean weight row of its run of ``MEAN_TILES`` tiles (``mass @ mean(W)``: one small matmul a
   group of rows), which keeps the part of the left-out gradient that all those columns share.
 
+``--prefix-rows 2048,512,128`` adds, per regime, what a filter that cuts the sorted vocabulary at one
+column per group of that many rows would leave out: every column past the group's last one with a
+non-target entry at or above ``eps`` (rule ``max``), the two gradient matmuls then dense on a prefix
+(what the chunked mode's cuBLAS matmuls could do with the cut known on the host).
+
 ``--pt-noise S`` adds Gaussian noise of deviation ``S`` to each row's ``log p_t`` where the rule
 reads the row's non-target mass (the kernel takes it from a target logit and an lse summed apart).
 
     python -m benchmarks.skip_analysis [--heads llama3-8b] [--rows 1024] [--regimes init,spread,trained]
-        [--eps 10,11,12,14] [--block-m 128] [--block-n 256] [--pt-noise 0] [--device cpu]
+        [--eps 10,11,12,14] [--block-m 128] [--block-n 256] [--prefix-rows 2048,512,128] [--pt-noise 0] [--device cpu]
         [--name skip_analysis] [--out DIR]
 
 ``--eps`` takes exponents: ``12`` is 2^-12. Rows are the first ``--rows`` of each regime's inputs
@@ -134,6 +139,39 @@ def analyse(h, w, t, softcap, eps_list, bm, bn, ordered, share, floor, pt_noise=
     return n, rows
 
 
+@torch.no_grad()
+def prefix_cut(h, w, t, softcap, eps_list, groups) -> list[dict]:
+    """Per eps and group size: the share of the sorted vocabulary's columns past each group's cut
+    (one column past its last non-target entry at or above eps), averaged over the groups, and the
+    share of rows whose own cut would be in the first half."""
+    keep = t != IGNORE_INDEX
+    hf, t = h[keep].float(), t[keep]
+    wf = w.float()
+    perm = column_order(hf, wf)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(wf.shape[0], device=perm.device)
+    wf, t = wf[perm], inv[t]
+    v = wf.shape[0]
+    n = hf.shape[0]
+    last = {e: torch.empty(n, dtype=torch.long, device=hf.device) for e in eps_list}
+    cols = torch.arange(v, device=hf.device)
+    for s0 in range(0, n, 256):  # [256, V] softmax blocks
+        z = hf[s0:s0 + 256] @ wf.t()
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        p = torch.softmax(z, -1).scatter_(1, t[s0:s0 + 256, None], 0.0)
+        del z
+        for e in eps_list:
+            last[e][s0:s0 + 256] = torch.where(p >= 2.0 ** -e, cols, -1).amax(dim=1)
+    rows = []
+    for e in eps_list:
+        for g in groups:
+            cuts = [int(last[e][a:a + g].max()) + 1 for a in range(0, n, g)]
+            rows.append({"eps": f"2^-{e}", "rows_per_group": g, "left_out_pct": 100.0 * (1 - sum(cuts) / (len(cuts) * v)),
+                         "rows_cut_in_first_half_pct": 100.0 * float(((last[e] + 1) <= v // 2).float().mean())})
+    return rows
+
+
 def report(data: dict) -> str:
     out = [f"regenerate: `{data['regenerate']}`", "",
            "# How much of the fused loss's backward a gradient filter could leave out", "",
@@ -159,6 +197,14 @@ def report(data: dict) -> str:
                            f"{r['skipped_pct']:.1f} % | "
                            f"{r['grad_h_err']:.1e} | {r['grad_h_err_corrected']:.1e} | {r['grad_w_err']:.1e} |")
             out.append("")
+            if reg.get("prefix"):
+                out += ["A prefix of the sorted vocabulary per group of rows (rule *max*): the columns past each "
+                        "group's cut, averaged over the groups, and the rows whose own cut is in the first half.", "",
+                        "| rows per group | eps | columns left out | rows cut in the first half |", "|---|---|---|---|"]
+                for r in reg["prefix"]:
+                    out.append(f"| {r['rows_per_group']} | {r['eps']} | {r['left_out_pct']:.1f} % | "
+                               f"{r['rows_cut_in_first_half_pct']:.1f} % |")
+                out.append("")
     return "\n".join(out)
 
 
@@ -171,6 +217,7 @@ def main(argv=None) -> int:
                    f"{-math.log2(_lowmem_triton.SKIP_EPS):g})")
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--block-n", type=int, default=256)
+    p.add_argument("--prefix-rows", default="", help="comma-separated group sizes for the prefix-cut table (none)")
     p.add_argument("--pt-noise", type=float, default=0.0, help="deviation of noise on each row's log p_t (0)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--name", default="skip_analysis")
@@ -188,6 +235,12 @@ def main(argv=None) -> int:
         eps_list = [int(x) for x in args.eps.split(",") if x]
     except ValueError:
         p.error(f"--eps: comma-separated integer exponents, got {args.eps!r}")
+    try:
+        groups = [int(x) for x in args.prefix_rows.split(",") if x]
+    except ValueError:
+        p.error(f"--prefix-rows: comma-separated row counts, got {args.prefix_rows!r}")
+    if any(g < 1 for g in groups):
+        p.error(f"--prefix-rows: row counts must be positive, got {args.prefix_rows!r}")
     if args.rows < args.block_m:
         p.error(f"--rows must be at least --block-m ({args.block_m}), got {args.rows}")
     cmd = "python -m benchmarks.skip_analysis " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -208,6 +261,8 @@ def main(argv=None) -> int:
                 n, rows = analyse(h, w, t, softcap, eps_list, args.block_m, args.block_n, ordered,
                                   _lowmem_triton.SKIP_SHARE, _lowmem_triton.ROW_MASS_FLOOR, args.pt_noise)
                 reg["rows"] += rows
+            if groups:
+                reg["prefix"] = prefix_cut(h, w, t, softcap, eps_list, groups)
             entry["rows"] = n
             entry["regimes"].append(reg)
             log(f"{head} {regime}: {time.time() - t0:.0f} s")

@@ -160,3 +160,29 @@ def test_skip_analysis_counts_left_out_tiles_and_their_error_as_float64_does():
     # the kernel's rule leaves out a subset; an eps no entry reaches leaves out nothing
     assert got[("2^-10", "max+share")]["skipped_pct"] <= row["skipped_pct"]
     assert got[("2^-60", "max")]["skipped_pct"] == 0.0 and got[("2^-60", "max")]["grad_h_err"] == 0.0
+
+
+def test_skip_analysis_prefix_cut_as_float64_does():
+    """The prefix-cut table against a direct float64 evaluation: per group of rows, the cut is one
+    column past the last sorted column where a non-target softmax entry reaches eps."""
+    from benchmarks import skip_analysis
+
+    h, w, t, _ = regimes.make_inputs("trained", 96, 24, 700, device="cpu", seed=5)
+    rows = skip_analysis.prefix_cut(h, w, t, None, [9, 60], [32, 7])
+    got = {(r["eps"], r["rows_per_group"]): r for r in rows}
+    keep = t != regimes.IGNORE_INDEX
+    hk, tk = h[keep], t[keep]
+    order = skip_analysis.column_order(hk.float(), w.float())
+    p = torch.softmax(hk.double() @ w.double()[order].t(), -1)
+    p[torch.arange(p.shape[0]), torch.argsort(order)[tk]] = 0.0
+    v = w.shape[0]
+    for g in (32, 7):
+        cuts = []
+        for a in range(0, p.shape[0], g):
+            cols = (p[a:a + g] >= 2.0 ** -9).any(0).nonzero()
+            cuts.append(int(cols.max()) + 1 if cols.numel() else 0)
+        want = 100.0 * (1 - sum(cuts) / (len(cuts) * v))
+        assert 0.0 < want < 100.0
+        assert math.isclose(got[("2^-9", g)]["left_out_pct"], want, rel_tol=1e-9, abs_tol=1e-9)
+        assert got[("2^-60", g)]["left_out_pct"] == 0.0  # every column's entry reaches 2^-60
+    assert got[("2^-9", 7)]["left_out_pct"] >= got[("2^-9", 32)]["left_out_pct"]  # smaller groups cut earlier
