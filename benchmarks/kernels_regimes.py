@@ -97,13 +97,24 @@ def _impls(softcap):
         from cut_cross_entropy import linear_cross_entropy
 
         out["cce"] = lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl="cce")
-        out["cce_kahan_full_c"] = lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl="cce_kahan_full_c")
-        out["cce_exact"] = lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl="cce_exact")
+        for name in ("cce_kahan_full_c", "cce_exact"):
+            if cce_implements(name):
+                out[name] = (lambda impl: lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl=impl))(name)
         out["cce filter_eps=None"] = (
             lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, impl="cce", filter_eps=None))
     except Exception as exc:
         log("cut-cross-entropy unavailable:", exc)
     return out
+
+
+def cce_implements(impl: str) -> bool:
+    """Whether the installed cut-cross-entropy knows ``impl``: its ``LinearCrossEntropyImpl`` names
+    the implementations (25.1.1, the newest release on PyPI, only ``cce`` and ``torch_compile``; the
+    Kahan-summed and exact variants are on its GitHub main)."""
+    from cut_cross_entropy import linear_cross_entropy as lce
+
+    names = getattr(getattr(sys.modules.get(lce.__module__), "LinearCrossEntropyImpl", None), "__members__", None)
+    return names is None or impl.upper() in names
 
 
 def _step(fn, h, w, t):
@@ -160,7 +171,15 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
         for impl in impls:
             row = dict(base, impl=impl)
             if impl not in all_impls:
-                _append(path, dict(row, status="unavailable"))
+                why = "unavailable"
+                if impl.startswith("cce_"):
+                    from importlib.metadata import PackageNotFoundError, version
+
+                    try:
+                        why = f"not in cut-cross-entropy {version('cut-cross-entropy')} (no such impl)"
+                    except PackageNotFoundError:
+                        pass
+                _append(path, dict(row, status=why))
                 continue
             if time.time() > deadline:
                 _append(path, dict(row, status="not run (budget)"))

@@ -186,3 +186,36 @@ def test_skip_analysis_prefix_cut_as_float64_does():
         assert math.isclose(got[("2^-9", g)]["left_out_pct"], want, rel_tol=1e-9, abs_tol=1e-9)
         assert got[("2^-60", g)]["left_out_pct"] == 0.0  # every column's entry reaches 2^-60
     assert got[("2^-9", 7)]["left_out_pct"] >= got[("2^-9", 32)]["left_out_pct"]  # smaller groups cut earlier
+
+
+def test_regimes_runs_only_the_cut_cross_entropy_variants_the_installed_release_has(monkeypatch):
+    """cut-cross-entropy 25.1.1 (the newest release) knows ``cce`` and ``torch_compile`` only: the
+    Kahan and exact variants are then left out of the table as absent, not timed as errors."""
+    import enum
+    import types
+
+    from benchmarks import kernels_regimes as kr
+
+    impls = types.ModuleType("cut_cross_entropy.linear_cross_entropy")
+
+    class LinearCrossEntropyImpl(enum.IntEnum):
+        CCE = enum.auto()
+        TORCH_COMPILE = enum.auto()
+
+    def linear_cross_entropy(*a, **k):
+        raise AssertionError("not called while building the table")
+
+    linear_cross_entropy.__module__ = impls.__name__
+    impls.LinearCrossEntropyImpl = LinearCrossEntropyImpl
+    impls.linear_cross_entropy = linear_cross_entropy
+    package = types.ModuleType("cut_cross_entropy")
+    package.linear_cross_entropy = linear_cross_entropy
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", package)
+    monkeypatch.setitem(sys.modules, impls.__name__, impls)
+    assert kr.cce_implements("cce") and not kr.cce_implements("cce_exact")
+    got = kr._impls(None)
+    assert "cce" in got and "cce filter_eps=None" in got
+    assert "cce_exact" not in got and "cce_kahan_full_c" not in got
+    LinearCrossEntropyImpl2 = enum.IntEnum("LinearCrossEntropyImpl", ["CCE", "CCE_EXACT", "CCE_KAHAN_FULL_C"])
+    monkeypatch.setattr(impls, "LinearCrossEntropyImpl", LinearCrossEntropyImpl2)
+    assert {"cce_exact", "cce_kahan_full_c"} <= set(kr._impls(None))
