@@ -117,6 +117,7 @@ def test_patched_step_makes_no_more_host_syncs_than_native_on_gpu(dtype):
     t = torch.randint(0, 32000, (300,), device="cuda")
     t[::7] = -100
     weights = torch.rand(300, device="cuda")
+    per_row = torch.full((300,), 1 / 257, device="cuda")
     count = torch.tensor(200, device="cuda")
 
     def model_steps():
@@ -131,6 +132,9 @@ def test_patched_step_makes_no_more_host_syncs_than_native_on_gpu(dtype):
         (-out.log_probs.sum() / 300).backward()
         out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy"), grad_mode="recompute")
         (-(out.log_probs * weights).sum() + out.entropy.mean()).backward()
+        # trl's SFT NLL: one factor over the rows, not a stride-0 broadcast (no comparison on the host)
+        out = fused_linear_logprobs(h, w, t, want=("log_probs", "entropy", "is_top1"), grad_mode="sum")
+        (-(out.log_probs * per_row).sum()).backward()
 
     for _ in range(2):  # warm-up: Triton compiles, the structural probes run, auto picks its mode
         model_steps()
