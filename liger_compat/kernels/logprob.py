@@ -258,24 +258,6 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
     return out, gh, gw, gb
 
 
-def _first_valid(g: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``g`` at the first row of ``valid`` (row 0 when none is), a 0-d tensor, read on the device."""
-    return g.gather(0, valid.to(torch.uint8).argmax().reshape(1)).reshape(())
-
-
-def _is_uniform(g: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """The common value of ``g`` over the non-ignored rows as a 0-d tensor, or ``None`` when
-    they differ. An upstream broadcast from one value (the gradient of a sum: stride 0) is
-    uniform by its layout, read without a host sync; any other takes one sync to compare."""
-    if g.numel() == 0:
-        return g.new_zeros(())
-    if g.numel() == 1 or g.stride(0) == 0:
-        return g.reshape(-1)[0]
-    valid = target != ignore_index
-    first = _first_valid(g, valid)
-    return first if bool(torch.where(valid, g == first, True).all()) else None
-
-
 def _contract_message(values: list[int]) -> str:
     return (f"fused_linear_logprobs(grad_mode='sum'): the upstream gradient of log_probs differed between "
             f"non-ignored rows ({values[0]} row(s) other than the first one's value), a per-token weighting "
@@ -284,16 +266,24 @@ def _contract_message(values: list[int]) -> str:
             "time, one host read) or 'recompute' for such a loss")
 
 
-def _sum_factor(g: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``grad_mode="sum"``: the upstream's value at the first non-ignored row, with no host read; the
-    rows that differ from it are counted on the device and reported by ``_device_errors.poll``."""
+def _common_value(g: torch.Tensor, target: torch.Tensor, ignore_index: int, *,
+                  compare_on_host: bool) -> torch.Tensor | None:
+    """The upstream's value at the first non-ignored row, as a 0-d tensor, where every non-ignored
+    row has it. An upstream broadcast from one value (the gradient of a sum: stride 0) has it by its
+    layout, read without a host sync. Any other: with ``compare_on_host`` (``grad_mode="uniform"``)
+    compared on the device and read once, ``None`` when the rows differ; without it
+    (``grad_mode="sum"``, no host read) the rows that differ are counted on the device and reported
+    by ``_device_errors.poll``."""
     if g.numel() == 0:
         return g.new_zeros(())
     if g.numel() == 1 or g.stride(0) == 0:
         return g.reshape(-1)[0]
     valid = target != ignore_index
-    first = _first_valid(g, valid)
-    off = (valid & (g != first)).sum()
+    first = g.gather(0, valid.to(torch.uint8).argmax().reshape(1)).reshape(())  # row 0 when none is valid
+    differ = valid & (g != first)
+    if compare_on_host:
+        return None if bool(differ.any()) else first
+    off = differ.sum()
     _device_errors.watch_contract(torch.stack((off, off.new_zeros(()), off.new_zeros(()))),
                                   "fused_linear_logprobs", _contract_message)
     return first
@@ -350,10 +340,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         if ctx.unit is not None and g_ent is None:
             target, ii = ctx.saved_tensors[3], ctx.opt.ignore_index
             _, need_gw, need_gb = ctx.needs
-            if ctx.grad_mode == "sum":
-                c = _sum_factor(g_lp, target, ii)
-            elif need_gw or need_gb:
-                c = _is_uniform(g_lp, target, ii)
+            if need_gw or need_gb:
+                c = _common_value(g_lp, target, ii, compare_on_host=ctx.grad_mode == "uniform")
             else:
                 c = g_lp  # grad_hidden alone: scaled row by row, exact for any upstream
             if c is not None:

@@ -163,10 +163,13 @@ def _no_host_read(monkeypatch):
     """Fail on the host read the uniform mode's comparison makes (``bool`` of a device tensor)."""
     import liger_compat.kernels.logprob as lpmod
 
-    def no_compare(*a, **k):
-        raise AssertionError("the backward compared the upstream on the host")
+    real = lpmod._common_value
 
-    monkeypatch.setattr(lpmod, "_is_uniform", no_compare)
+    def no_compare(*a, compare_on_host, **k):
+        assert not compare_on_host, "the backward compared the upstream on the host"
+        return real(*a, compare_on_host=compare_on_host, **k)
+
+    monkeypatch.setattr(lpmod, "_common_value", no_compare)
 
 
 def test_sum_mode_takes_a_masked_mean_without_a_host_read(monkeypatch):

@@ -276,7 +276,13 @@ def test_sft_uniform_mode_uses_the_forward_gradient_on_compact_rows(mode, monkey
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     if mode == "sum":
-        monkeypatch.setattr(lpmod, "_is_uniform", lambda *a: pytest.fail("compared the upstream on the host"))
+        real_common = lpmod._common_value
+
+        def no_compare(*a, compare_on_host, **k):
+            assert not compare_on_host, "compared the upstream on the host"
+            return real_common(*a, compare_on_host=compare_on_host, **k)
+
+        monkeypatch.setattr(lpmod, "_common_value", no_compare)
     loss, ours = grads(head.ChunkedLogProbs)
     assert len(passes) == 1 and any(passes[0]), passes
     loss_trl, theirs = grads(fn)
@@ -306,8 +312,14 @@ def test_sft_trainer_picks_the_sum_mode_for_its_own_nll_only(case, tokenizer, tm
     modes, reads = [], []
     real = lpmod.fused_linear_logprobs
     monkeypatch.setattr(lpmod, "fused_linear_logprobs", lambda *a, **k: modes.append(k["grad_mode"]) or real(*a, **k))
-    real_uniform = lpmod._is_uniform
-    monkeypatch.setattr(lpmod, "_is_uniform", lambda *a: reads.append("compare") or real_uniform(*a))
+    real_common = lpmod._common_value
+
+    def common(*a, compare_on_host, **k):
+        if compare_on_host:
+            reads.append("compare")
+        return real_common(*a, compare_on_host=compare_on_host, **k)
+
+    monkeypatch.setattr(lpmod, "_common_value", common)
     cls = trainer_cls
     if case == "subclass":
         class MySFT(trainer_cls):
