@@ -8,7 +8,9 @@ steps (forward with labels + backward) alternating in batches, CUDA-event timing
 side, the host's own time per step (``time.perf_counter`` around the step with no synchronisation
 inside it, the GPU drained before and after: what the Python and launch code cost, whatever the
 GPU does), a ``cProfile`` of the patched steps (top functions by own time), and a
-``torch.profiler`` table of each side (top operators by self CPU time; host syncs per step).
+``torch.profiler`` table of each side (top operators by self CPU time and, on the GPU, by their
+kernels' own GPU time, with its total per step: where a GPU-bound step's time goes; host syncs per
+step).
 Writes ``host_profile_<family>.txt`` and ``host_profile.json`` under ``--out``.
 """
 
@@ -79,7 +81,12 @@ def _torch_profile(model, kw, labels, steps: int) -> tuple[str, dict]:
     avg = prof.key_averages()
     syncs = {e.key: e.count / steps for e in avg if e.key in SYNC_OPS and e.count}
     table = avg.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=60)
-    return table, syncs
+    gpu_ms = None
+    if labels.is_cuda:  # where a GPU-bound step's time goes: its kernels by their own GPU time
+        attr = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") else "self_cuda_time_total"
+        gpu_ms = sum(getattr(e, attr, 0) for e in avg if e.device_type.name == "CPU") / steps / 1e3
+        table += "\n\nby GPU time:\n" + avg.table(sort_by=attr, row_limit=40, max_name_column_width=60)
+    return table, syncs, gpu_ms
 
 
 def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
@@ -130,9 +137,11 @@ def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
         text += [f"## cProfile of {ns.steps} patched steps, by {key}", buf.getvalue()]
     for side, switch in sides.items():
         switch()
-        table, syncs = _torch_profile(model, kw, labels, 5)
+        table, syncs, gpu_ms = _torch_profile(model, kw, labels, 5)
         row[f"syncs_{side}"] = syncs
-        text += [f"## torch.profiler, {side}, 5 steps; host syncs per step: {syncs}", table, ""]
+        row[f"gpu_ms_{side}"] = gpu_ms
+        kernels = "" if gpu_ms is None else f"; GPU time of its kernels per step {gpu_ms:.2f} ms"
+        text += [f"## torch.profiler, {side}, 5 steps; host syncs per step: {syncs}{kernels}", table, ""]
     liger_compat.apply()
     del model
     if torch.cuda.is_available():
@@ -190,14 +199,16 @@ def _markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['vocab']}, bf16. Host ms: the step's own host time with the GPU drained before it. Profiles: "
              "host_profile_<family>.txt.", "",
              "| family | batch x seq | step ms native | step ms patched | patched / native | host ms native | host ms patched "
-             "| host syncs native / patched |", "|---|---|---|---|---|---|---|---|"]
+             "| GPU kernel ms native / patched | host syncs native / patched |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | {r['error']} | | | | | | |")
+            lines.append(f"| {r['family']} | {r['error']} | | | | | | | |")
             continue
         syncs = f"{sum(r['syncs_native'].values()):.1f} / {sum(r['syncs_patched'].values()):.1f}"
+        gpu = ("-" if r.get("gpu_ms_native") is None else
+               f"{r['gpu_ms_native']:.2f} / {r['gpu_ms_patched']:.2f}")
         lines.append(f"| {r['family']} | {r['shape']} | {r['step_ms_native']:.2f} | {r['step_ms_patched']:.2f} | "
-                     f"{r['ratio']:.3f} | {r['host_ms_native']:.2f} | {r['host_ms_patched']:.2f} | {syncs} |")
+                     f"{r['ratio']:.3f} | {r['host_ms_native']:.2f} | {r['host_ms_patched']:.2f} | {gpu} | {syncs} |")
     return "\n".join(lines) + "\n"
 
 
