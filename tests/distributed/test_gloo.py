@@ -26,15 +26,19 @@ CONFIGS = ["ddp", "fsdp2_head", "fsdp2_tied", "single"]
 PATCHED = ["ddp@patched", "fsdp2_tied@patched"]
 
 
-def test_two_rank_training_matches_one_process(tmp_path):
+def _skip_before_loss_kwargs() -> None:
+    """The reference process runs native transformers, whose CausalLM forward takes no
+    ``num_items_in_batch`` before the loss-kwargs change of 4.46."""
     import transformers
 
     from liger_compat.compat.versions import matches
 
     if matches(transformers.__version__, "<4.46"):
-        # the reference process runs native transformers, whose CausalLM forward takes no
-        # num_items_in_batch before the loss-kwargs change of 4.46
         pytest.skip(f"transformers {transformers.__version__}: native forward takes no num_items_in_batch (< 4.46)")
+
+
+def test_two_rank_training_matches_one_process(tmp_path):
+    _skip_before_loss_kwargs()
     seed = h.make_spec(tmp_path / "spec.pt", world=2)
     patched = PATCHED if h.has_fused_forward_shim() else []
     # fsdp2_head@patched last: it may raise (see below), which must not disturb the others
@@ -79,6 +83,7 @@ def test_two_rank_zero3_matches_one_process(tmp_path):
     forward (decoder, then head: trl's fused-loss pattern), where reading lm_head.weight directly
     gets the empty partition (negative control). Skipped where deepspeed is not installed."""
     pytest.importorskip("deepspeed")
+    _skip_before_loss_kwargs()
     seed = h.make_spec(tmp_path / "spec.pt", world=2)
     configs = ["zero3", "zero3_tied", "zero3_outside"] + (["zero3@patched"] if h.has_fused_forward_shim() else [])
     dist, ref = h.run(tmp_path, device="cpu", configs=",".join(configs + ["zero3_outside_bypass"]), timeout=500,
