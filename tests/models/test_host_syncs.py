@@ -171,7 +171,7 @@ def test_patched_step_under_sync_debug_error_on_gpu():
 
 
 # --------------------------------------------------------------------------------------------
-# CPU wall time
+# CPU step time
 # --------------------------------------------------------------------------------------------
 
 
@@ -190,18 +190,19 @@ CPU_STEP_EXTRA_CALLS_BOUND = 260
 @pytest.mark.slow
 @pytest.mark.cpu_native
 def test_tiny_model_cpu_step_close_to_native():
-    """Alternating batches in one process, median step time (``benchmarks.cpu_step``), the best of
-    two measurements (a test run shares the machine with other tests)."""
+    """Native and patched alternating in short batches in one process (``benchmarks.cpu_step``),
+    the ratio of the median steps in the thread's own CPU time, which the other tests running
+    beside this one move least; the best of up to three measurements."""
     from benchmarks.cpu_step import step_times
 
     runs = []
-    for _ in range(2):
-        res = step_times(steps=60, rounds=5)
+    for _ in range(3):
+        res = step_times(steps=10, rounds=30)
         print(json.dumps(res))
-        runs.append(res["ratio_median"])
-        if res["ratio_median"] <= CPU_STEP_RATIO_GOAL:
+        runs.append(res)
+        if res["ratio_cpu_median"] <= CPU_STEP_RATIO_GOAL:
             break
-    assert min(runs) <= CPU_STEP_RATIO_BOUND, runs
+    assert min(r["ratio_cpu_median"] for r in runs) <= CPU_STEP_RATIO_BOUND, runs
 
 
 @pytest.mark.cpu_native
