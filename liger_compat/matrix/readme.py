@@ -57,8 +57,8 @@ def table(grid: Grid, verified: dict[str, Any], current: dict[str, str | None] |
         "of the package and the tests); a run recorded at another state of the code is *stale*. "
         "The `newest` cell pins nothing: it installs the newest release of every dependency when it runs "
         "(shown: the releases of its recorded run). *also installed*: libraries pinned beside the pair to test "
-        "coexistence with them. CI (`.ci/run`) runs the cells labelled `ci` (column CI), chosen by boundary, after "
-        "the main suite: " + ", ".join(f"`{c.name}`" for c in grid.labelled("ci")) + ".",
+        "coexistence with them. CI (`.ci/run`) runs its main suite on what the `newest` cell installs (the newest "
+        "release of every dependency, torch held), then the cells labelled `ci` (column CI), chosen by boundary: " + ", ".join(f"`{c.name}`" for c in grid.labelled("ci")) + ".",
         "",
         "| transformers | trl | torch | accelerate | datasets | also installed | state | passed | failed | skipped "
         "| run on @ commit | CI | tox env |",

@@ -22,6 +22,15 @@ def stack_id() -> str:
     return f"torch=={torch.__version__} triton=={triton.__version__}"
 
 
+def verified_earlier() -> bool:
+    """Whether this CI run has already passed the interpreter tests on this torch and Triton: its main
+    run sets ``LIGER_COMPAT_KERNELS_VERIFIED_ON`` to :func:`stack_id` for the grid cells after it (the
+    kernels import no library but these two, so a cell on the same pair would repeat the same runs)."""
+    import os
+
+    return os.environ.get("LIGER_COMPAT_KERNELS_VERIFIED_ON") == stack_id()
+
+
 def expected_backend() -> str:
     return "triton" if interpreting() else "torch"
 
