@@ -8,6 +8,8 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +88,10 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def _native_abort(log: str, worker: Path = WORKER) -> bool:
     """A rank killed by a C++ abort before any Python error of the worker: on this 2-core CI machine,
     with the other pytest worker busy, gloo's ranks occasionally die with only 'terminate called
-    without an active exception' (about one full suite in three; never reproduced alone)."""
+    without an active exception' (about one full suite in three, twice in a row once; never
+    reproduced alone, nor with two gloo tests side by side). ``faulthandler``'s stacks, which the
+    log may carry after it (:func:`_fault_stacks`), are not a Python error of the worker."""
+    log = log.split("\n[faulthandler, ")[0]
     return "terminate called" in log and f'File "{worker}"' not in log
 
 
@@ -98,24 +103,72 @@ def torchrun_many(runs: list[tuple[Path, list[str], dict[str, str] | None]], *, 
                   timeout: float = 300) -> list[str]:
     """Start ``torchrun --nproc_per_node nproc SCRIPT ARGS`` for every ``(script, args, env)`` side by
     side; return their logs. A run whose ranks died by a native abort before any Python error is
-    started once more (:func:`_native_abort`); any other failure fails the test."""
+    started again (:func:`_native_abort`, at most :data:`ATTEMPTS` runs in all); any other failure
+    fails the test."""
 
-    def cmd(script: Path, args: list[str]) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+    def start(script: Path, args: list[str], env: dict[str, str] | None) -> tuple[subprocess.Popen, Path]:
+        faults = Path(tempfile.mkdtemp(prefix="dist-faults-"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+        return _start(cmd, dict(env or {}, **{FAULT_DIR_ENV: str(faults)})), faults
 
-    procs = [_start(cmd(script, args), env) for script, args, env in runs]
+    started = [start(script, args, env) for script, args, env in runs]
     logs = []
-    for (script, args, env), p in zip(runs, procs):
-        log = _wait(p, timeout)
-        if p.returncode != 0 and _native_abort(log, script):
-            p = _start(cmd(script, args), env)
-            log = "[first attempt]\n" + log[-3000:] + "\n[second attempt]\n" + _wait(p, timeout)
+    for (script, args, env), first in zip(runs, started):
+        p, log = _with_retries(first, lambda: start(script, args, env), timeout, script)
         if p.returncode != 0:
             raise AssertionError(f"{script.name} {' '.join(args)} (env {env}) failed (exit {p.returncode}):\n"
                                  f"{log[-8000:]}")
         logs.append(log)
     return logs
+
+
+#: runs of one distributed command in all when its ranks die by a native abort (:func:`_native_abort`)
+ATTEMPTS = 3
+#: where the workers write ``faulthandler``'s stacks of every thread when a rank aborts (one file a rank)
+FAULT_DIR_ENV = "LIGER_COMPAT_TEST_FAULT_DIR"
+
+
+def _with_retries(first: tuple[subprocess.Popen, Path], restart, timeout: float,
+                  script: Path = WORKER) -> tuple[subprocess.Popen, str]:
+    """Wait for a started run; while its ranks died by a native abort, start it again (at most
+    :data:`ATTEMPTS` runs). The log returned keeps every earlier attempt's tail and the Python stacks
+    the aborting ranks wrote (``faulthandler``), so a failure says where the abort happened."""
+    p, faults = first
+    log = _wait(p, timeout) + _fault_stacks(faults)
+    earlier = []
+    while p.returncode != 0 and _native_abort(log, script) and len(earlier) + 1 < ATTEMPTS:
+        earlier.append(log)
+        time.sleep(2)
+        p, faults = restart()
+        log = _wait(p, timeout) + _fault_stacks(faults)
+    if earlier:
+        log = "".join(f"[attempt {i + 1}]\n{e[-3000:]}\n" for i, e in enumerate(earlier)) + \
+            f"[attempt {len(earlier) + 1}]\n{log}"
+    return p, log
+
+
+def _fault_stacks(faults: Path) -> str:
+    """The non-empty ``faulthandler`` files of a run's ranks, as one block of text ('' if none)."""
+    out = []
+    for f in sorted(faults.glob("*.txt")):
+        text = f.read_text(errors="replace").strip()
+        if text:
+            out.append(f"\n[faulthandler, {f.stem}]\n{text}\n")
+    return "".join(out)
+
+
+def enable_fault_stacks() -> None:
+    """In a worker: where the harness asks for it (:data:`FAULT_DIR_ENV`), dump every thread's Python
+    stack to a file of this rank's own on a fatal signal (the C++ abort of :func:`_native_abort`)."""
+    import faulthandler
+
+    where = os.environ.get(FAULT_DIR_ENV)
+    if where:
+        name = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "process"
+        # kept open for the process's lifetime: faulthandler writes to its file descriptor
+        enable_fault_stacks._file = open(Path(where) / f"{name}.txt", "w")  # type: ignore[attr-defined]
+        faulthandler.enable(enable_fault_stacks._file, all_threads=True)  # type: ignore[attr-defined]
 
 
 def _wait(p: subprocess.Popen, timeout: float) -> str:
@@ -129,25 +182,24 @@ def _wait(p: subprocess.Popen, timeout: float) -> str:
 def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper", nproc: int = 2,
         timeout: float = 300, allow_errors: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start the ranks (torchrun) and the reference process side by side; return both results.
-    A distributed run whose ranks died by a native abort before any Python error is started once
-    more (:func:`_native_abort`); any other failure, or a second abort, fails the test."""
+    A distributed run whose ranks died by a native abort before any Python error is started again
+    (:func:`_native_abort`, at most :data:`ATTEMPTS` runs); any other failure fails the test."""
     import torch
 
     spec, out_dist, out_ref = tmp / "spec.pt", tmp / "dist.pt", tmp / "ref.pt"
 
-    def dist_cmd() -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                str(WORKER), "dist", "--spec", str(spec), "--out", str(out_dist), "--device", device,
-                "--configs", configs, "--forward", forward] + (["--allow-errors"] if allow_errors else [])
+    def start_dist() -> tuple[subprocess.Popen, Path]:
+        faults = Path(tempfile.mkdtemp(prefix="faults-", dir=tmp))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               str(WORKER), "dist", "--spec", str(spec), "--out", str(out_dist), "--device", device,
+               "--configs", configs, "--forward", forward] + (["--allow-errors"] if allow_errors else [])
+        return _start(cmd, {FAULT_DIR_ENV: str(faults)}), faults
 
     ref_cmd = [sys.executable, str(WORKER), "reference", "--spec", str(spec), "--out", str(out_ref), "--device", device]
-    dist_p, ref_p = _start(dist_cmd()), _start(ref_cmd)
-    dist_log, ref_log = _wait(dist_p, timeout), _wait(ref_p, timeout)
-    if dist_p.returncode != 0 and _native_abort(dist_log):
-        first = dist_log
-        dist_p = _start(dist_cmd())
-        dist_log = "[first attempt]\n" + first[-3000:] + "\n[second attempt]\n" + _wait(dist_p, timeout)
+    first, ref_p = start_dist(), _start(ref_cmd)
+    dist_p, dist_log = _with_retries(first, start_dist, timeout)
+    ref_log = _wait(ref_p, timeout)
     for p, log, what in ((dist_p, dist_log, "distributed run"), (ref_p, ref_log, "reference run")):
         if p.returncode != 0:
             # every rank's output: the rank that raised first is not always rank 0

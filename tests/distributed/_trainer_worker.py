@@ -117,6 +117,9 @@ def main() -> None:
     ap.add_argument("--logits-reader", action="store_true",
                     help="sft: an SFTTrainer.compute_loss that reads outputs.logits, where the installed one does not")
     a = ap.parse_args()
+    from _harness import enable_fault_stacks  # this script's folder is first on sys.path
+
+    enable_fault_stacks()
     _quiet()
     import tempfile
 

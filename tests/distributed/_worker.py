@@ -360,6 +360,9 @@ def main() -> None:
                     help="default forward; a config may name its own as config@forward")
     ap.add_argument("--allow-errors", action="store_true", help="record a config's exception instead of failing")
     args = ap.parse_args()
+    from _harness import enable_fault_stacks  # this script's folder is first on sys.path
+
+    enable_fault_stacks()
     if args.mode == "reference":
         os.environ["LIGER_COMPAT_DISABLE"] = "1"
         run_reference(args)

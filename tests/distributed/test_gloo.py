@@ -11,6 +11,9 @@ comparison can fail. FSDP1 needs an accelerator, so it runs only in test_multi_g
 
 from __future__ import annotations
 
+import sys
+import textwrap
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -108,3 +111,44 @@ def test_only_a_native_abort_before_any_worker_error_is_started_again():
     assert h._native_abort(abort)
     assert not h._native_abort(worker_error)
     assert not h._native_abort("ValueError: boom")
+    # the stacks faulthandler wrote for the aborting rank name the worker's frames: still an abort
+    stacks = f'\n[faulthandler, rank1]\nFatal Python error: Aborted\n  File "{h.WORKER}", line 10 in train\n'
+    assert h._native_abort(abort + stacks)
+
+
+def test_an_aborting_run_is_started_again_and_its_stacks_are_kept(tmp_path, monkeypatch):
+    """A stand-in for torchrun whose 'ranks' abort natively on the first two runs and pass on the
+    third: the harness starts it three times, and the log keeps each attempt and the stacks that
+    faulthandler wrote (a real worker writes them through ``enable_fault_stacks``)."""
+    script = tmp_path / "flaky.py"
+    count = tmp_path / "count"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, pathlib
+        sys.path.insert(0, {str(h.WORKER.parent)!r})
+        from _harness import enable_fault_stacks
+        enable_fault_stacks()
+        c = pathlib.Path({str(count)!r})
+        n = int(c.read_text()) + 1 if c.exists() else 1
+        c.write_text(str(n))
+        if n < 3:
+            print("terminate called without an active exception", flush=True)
+            os.abort()
+        print("done", n)
+    """))
+    monkeypatch.setattr(h.time, "sleep", lambda s: None)
+
+    def start():
+        faults = tmp_path / f"faults{len(list(tmp_path.glob('faults*')))}"
+        faults.mkdir()
+        return h._start([sys.executable, str(script)], {h.FAULT_DIR_ENV: str(faults)}), faults
+
+    p, log = h._with_retries(start(), start, timeout=60, script=script)
+    assert p.returncode == 0 and count.read_text() == "3", log
+    assert log.count("terminate called") == 2 and "[attempt 3]" in log and "done 3" in log, log
+    assert log.count("Fatal Python error: Aborted") == 2 and f'File "{script}"' in log, log
+
+    # a Python error is not started again
+    count.unlink()
+    script.write_text("print('terminate called without an active exception')\nraise ValueError('boom')\n")
+    p, log = h._with_retries(start(), start, timeout=60, script=script)
+    assert p.returncode != 0 and "[attempt" not in log and "ValueError: boom" in log, log
