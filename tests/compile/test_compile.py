@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from harness import stack_id, verified_earlier  # noqa: E402
+from harness import skip_if_verified_earlier  # noqa: E402
 from reference64 import ce64, geglu64, rel_err, rms_norm64, rope64, swiglu64  # noqa: E402
 
 from patch_helpers import CORE_FAMILIES  # noqa: E402
@@ -366,8 +366,7 @@ def test_compiled_kernels_under_interpreter():
     this CI run has passed it on the same torch and Triton (``LIGER_COMPAT_KERNELS_VERIFIED_ON``, as in
     ``tests/kernels/test_interpret.py``)."""
     pytest.importorskip("triton")
-    if verified_earlier():
-        pytest.skip(f"passed on {stack_id()} earlier in this CI run (LIGER_COMPAT_KERNELS_VERIFIED_ON)")
+    skip_if_verified_earlier()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", str(Path(__file__)),

@@ -105,22 +105,29 @@ def torchrun_many(runs: list[tuple[Path, list[str], dict[str, str] | None]], *, 
     side; return their logs. A run whose ranks died by a native abort before any Python error is
     started again (:func:`_native_abort`, at most :data:`ATTEMPTS` runs in all); any other failure
     fails the test."""
+    with tempfile.TemporaryDirectory(prefix="dist-faults-") as faults:
+        def start(script: Path, args: list[str], env: dict[str, str] | None) -> tuple[subprocess.Popen, Path]:
+            return _start_torchrun(script, args, nproc=nproc, faults_parent=Path(faults), env=env)
 
-    def start(script: Path, args: list[str], env: dict[str, str] | None) -> tuple[subprocess.Popen, Path]:
-        faults = Path(tempfile.mkdtemp(prefix="dist-faults-"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
-        return _start(cmd, dict(env or {}, **{FAULT_DIR_ENV: str(faults)})), faults
-
-    started = [start(script, args, env) for script, args, env in runs]
-    logs = []
-    for (script, args, env), first in zip(runs, started):
-        p, log = _with_retries(first, lambda: start(script, args, env), timeout, script)
-        if p.returncode != 0:
-            raise AssertionError(f"{script.name} {' '.join(args)} (env {env}) failed (exit {p.returncode}):\n"
-                                 f"{log[-8000:]}")
-        logs.append(log)
+        started = [start(script, args, env) for script, args, env in runs]
+        logs = []
+        for (script, args, env), first in zip(runs, started):
+            p, log = _with_retries(first, lambda: start(script, args, env), timeout, script)
+            if p.returncode != 0:
+                raise AssertionError(f"{script.name} {' '.join(args)} (env {env}) failed (exit {p.returncode}):\n"
+                                     f"{log[-8000:]}")
+            logs.append(log)
     return logs
+
+
+def _start_torchrun(script: Path, args: list[str], *, nproc: int, faults_parent: Path,
+                    env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    """``torchrun --nproc_per_node nproc SCRIPT ARGS`` on a free port, its ranks writing their
+    ``faulthandler`` stacks into a fresh folder under ``faults_parent``; the process and that folder."""
+    faults = Path(tempfile.mkdtemp(prefix="faults-", dir=faults_parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args]
+    return _start(cmd, dict(env or {}, **{FAULT_DIR_ENV: str(faults)})), faults
 
 
 #: runs of one distributed command in all when its ranks die by a native abort (:func:`_native_abort`)
@@ -166,9 +173,13 @@ def enable_fault_stacks() -> None:
     where = os.environ.get(FAULT_DIR_ENV)
     if where:
         name = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "process"
+        global _fault_file
         # kept open for the process's lifetime: faulthandler writes to its file descriptor
-        enable_fault_stacks._file = open(Path(where) / f"{name}.txt", "w")  # type: ignore[attr-defined]
-        faulthandler.enable(enable_fault_stacks._file, all_threads=True)  # type: ignore[attr-defined]
+        _fault_file = open(Path(where) / f"{name}.txt", "w")
+        faulthandler.enable(_fault_file, all_threads=True)
+
+
+_fault_file: Any = None
 
 
 def _wait(p: subprocess.Popen, timeout: float) -> str:
@@ -187,14 +198,11 @@ def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper"
     import torch
 
     spec, out_dist, out_ref = tmp / "spec.pt", tmp / "dist.pt", tmp / "ref.pt"
+    dist_args = ["dist", "--spec", str(spec), "--out", str(out_dist), "--device", device, "--configs", configs,
+                 "--forward", forward] + (["--allow-errors"] if allow_errors else [])
 
     def start_dist() -> tuple[subprocess.Popen, Path]:
-        faults = Path(tempfile.mkdtemp(prefix="faults-", dir=tmp))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(WORKER), "dist", "--spec", str(spec), "--out", str(out_dist), "--device", device,
-               "--configs", configs, "--forward", forward] + (["--allow-errors"] if allow_errors else [])
-        return _start(cmd, {FAULT_DIR_ENV: str(faults)}), faults
+        return _start_torchrun(WORKER, dist_args, nproc=nproc, faults_parent=tmp)
 
     ref_cmd = [sys.executable, str(WORKER), "reference", "--spec", str(spec), "--out", str(out_ref), "--device", device]
     first, ref_p = start_dist(), _start(ref_cmd)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import stack_id, verified_earlier
+from harness import skip_if_verified_earlier
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -31,8 +31,7 @@ ROOT = HERE.parent.parent
                                     "test_logprob.py"])
 def test_triton_kernels_under_interpreter(module):
     pytest.importorskip("triton")
-    if verified_earlier():
-        pytest.skip(f"passed on {stack_id()} earlier in this CI run (LIGER_COMPAT_KERNELS_VERIFIED_ON)")
+    skip_if_verified_earlier()
     env = dict(os.environ, TRITON_INTERPRET="1", LIGER_COMPAT_TEST_EXAMPLES="4", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", str(HERE / module)],
