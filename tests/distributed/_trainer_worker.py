@@ -128,6 +128,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(a.seed, tmp) if a.kind == "trainer" else _sft(a.seed, tmp, a.logits_reader)
         rec = OutputRecorder(trainer.model)
+        init = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         trainer.train()
     ddp = trainer.model_wrapped
     rank = int(os.environ.get("RANK", "0"))
@@ -143,6 +144,7 @@ def main() -> None:
             "outputs": rec.kinds,
             "logs": [h for h in trainer.state.log_history if "loss" in h],
             "state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "init": init,
             "patched": not lc._config.settings.disabled,
             "compute_loss": unwrap(type(trainer).compute_loss).__name__,
         }, a.out)

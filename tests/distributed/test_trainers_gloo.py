@@ -49,11 +49,26 @@ def _assert_same_training(pat: dict, nat: dict, seed: int) -> None:
     assert len(pat["logs"]) == len(nat["logs"]) == 3, msg
     for a, b in zip(nat["logs"], pat["logs"]):
         assert math.isclose(a["loss"], b["loss"], rel_tol=2e-4, abs_tol=2e-5), msg
-    assert pat["state"].keys() == nat["state"].keys()
-    diff = max(float((pat["state"][k] - nat["state"][k]).abs().max()) for k in nat["state"])
-    # AdamW (the default) moves a weight by up to lr per step whatever its gradient's size, so rounding
-    # differences in near-zero gradients show up to a few 1e-4 (3 steps at lr 5e-2 move weights by 0.15)
-    assert diff < 3e-3, (diff, msg)
+    keys = nat["state"].keys()
+    assert pat["state"].keys() == keys == nat["init"].keys() == pat["init"].keys()
+    for k in keys:  # both runs started from the same weights
+        assert torch.equal(pat["init"][k], nat["init"][k]), k
+    # AdamW (the default) moves a weight by about lr a step whatever its gradient's size: where a gradient
+    # is near zero (|g| ~ its eps, 1e-8), a rounding difference turns into a step of a different size, so a
+    # few single weights may differ by up to 2 lr a step (seen: 1 to 3 of ~27k weights by 2e-3 to 2.2e-2 in
+    # 3 of 21 seeds, 3 steps at lr 5e-2). A wrong gradient moves whole tensors instead: the difference,
+    # measured against how far training moved the weights, stays small, and so does the count of outliers.
+    diff = {k: pat["state"][k] - nat["state"][k] for k in keys}
+    moved = {k: nat["state"][k] - nat["init"][k] for k in keys}
+    rel = math.sqrt(sum(float(d.square().sum()) for d in diff.values())) / math.sqrt(
+        sum(float(m.square().sum()) for m in moved.values()))
+    assert rel < 1e-2, (rel, msg)  # seen: 7e-7 to 1.5e-3
+    total = sum(d.numel() for d in diff.values())
+    outliers = {k: int((d.abs() > 1e-3).sum()) for k, d in diff.items() if bool((d.abs() > 1e-3).any())}
+    assert sum(outliers.values()) <= total // 1000, (outliers, msg)
+    biggest = max(float(d.abs().max()) for d in diff.values())
+    lr = nat["logs"][0]["learning_rate"]  # constant
+    assert biggest <= 2 * lr * len(nat["logs"]), (biggest, msg)  # AdamW's own reach: 2 lr a step
 
 
 def _skip_without_a_native_sft_run() -> None:
