@@ -3,11 +3,18 @@
 Property tests draw their examples deterministically (``derandomize``), so a CI run and a rerun
 see the same inputs and a failure always reproduces; ``HYPOTHESIS_PROFILE=explore`` draws fresh
 random examples instead (for hunting new failures locally).
+
+Each test starts with torch's global generator seeded from its own id (and ``LIGER_COMPAT_TEST_SEED``,
+0 unless set), so what a test draws without a generator of its own (a module's default init, an
+unseeded ``torch.randn``) does not depend on which tests ran before it in the same pytest-xdist worker:
+a failure reproduces alone, and a CI run sees the inputs a local run saw. Tests that want a fresh seed
+every run draw one with ``random.randrange`` and put it in their failure message.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -100,4 +107,17 @@ def _kernel_references_on_cpu(request, monkeypatch):
     from liger_compat import _config
 
     monkeypatch.setattr(_config.settings, "cpu_native", False)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _torch_seed_of_this_test(request):
+    """torch's global generator seeded from the test's id (see the module's docstring)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    base = int(os.environ.get("LIGER_COMPAT_TEST_SEED", "0"))
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()) ^ base)
     yield
