@@ -148,6 +148,10 @@ def main() -> None:
             "patched": not lc._config.settings.disabled,
             "compute_loss": unwrap(type(trainer).compute_loss).__name__,
         }, a.out)
+    # the process group ends before the interpreter does: a gloo group left to interpreter finalization
+    # can abort a rank that has finished its work ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
