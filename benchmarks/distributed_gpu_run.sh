@@ -21,12 +21,12 @@ LIGER_COMPAT_DIST_RESULTS="$OUT" timeout 110 python3 -m pytest -q -p no:cachepro
   tests/distributed/test_multi_gpu.py -k ddp_fsdp2 >>"$LOG" 2>&1
 
 step "scaling, 1 GPU"
-timeout 80 python3 -m torch.distributed.run --nproc_per_node 1 benchmarks/distributed_scaling.py \
+timeout 80 python3 -m torch.distributed.run --nproc_per_node 1 -m benchmarks.distributed_scaling \
   --out "$OUT/distributed_scaling_1gpu.json" --warmup 2 --steps 6 >>"$LOG" 2>&1
 step "scaling, 2 GPUs"
-timeout 100 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/distributed_scaling.py \
+timeout 100 python3 -m torch.distributed.run --nproc_per_node 2 -m benchmarks.distributed_scaling \
   --out "$OUT/distributed_scaling_2gpu.json" --warmup 2 --steps 6 >>"$LOG" 2>&1
-python3 benchmarks/distributed_scaling.py --table "$OUT"/distributed_scaling_1gpu.json \
+python3 -m benchmarks.distributed_scaling --table "$OUT"/distributed_scaling_1gpu.json \
   "$OUT"/distributed_scaling_2gpu.json >"$OUT/distributed_scaling.md" 2>>"$LOG"
 
 if [ "${WITH_ZERO3:-0}" = 1 ] && ls .whl_ds/deepspeed-*.whl >/dev/null 2>&1; then

@@ -1,8 +1,11 @@
 """Scaling of one training step of a small Llama on 1 and 2 GPUs, native vs liger_compat.
 
-    torchrun --nproc_per_node 1 benchmarks/distributed_scaling.py --out results/one.json
-    torchrun --nproc_per_node 2 benchmarks/distributed_scaling.py --out results/two.json
-    python benchmarks/distributed_scaling.py --table one.json two.json > distributed_scaling.md
+    torchrun --nproc_per_node 1 -m benchmarks.distributed_scaling --out results/one.json
+    torchrun --nproc_per_node 2 -m benchmarks.distributed_scaling --out results/two.json
+    python -m benchmarks.distributed_scaling --table one.json two.json > distributed_scaling.md
+
+(as a module, from the repository root: run as a file, ``benchmarks/`` would be first on ``sys.path``
+and ``benchmarks/kernels.py`` would shadow the PyPI ``kernels`` package that transformers probes.)
 
 (``benchmarks/distributed_gpu_run.sh`` runs these three; its command heads every result file.)
 
@@ -25,8 +28,7 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ importable
-from benchmarks import _results  # noqa: E402
+from benchmarks import _results
 
 SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)

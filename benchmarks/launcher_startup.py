@@ -2,7 +2,7 @@
 launcher's environment, and with ``import liger_compat``; plus ``-X importtime``'s figure for the
 start-up ``sitecustomize`` (liger_compat's import included) and for the ``sitecustomize`` file alone.
 
-    python benchmarks/launcher_startup.py [--runs 30]
+    python -m benchmarks.launcher_startup [--runs 30]
 
 Wall times are the minimum over the runs, the three cases interleaved (the machine's noise only adds); modules load from cached
 bytecode, as in an installed package (a first run writes it). CPU only.

@@ -337,3 +337,18 @@ def test_host_profile_writes_its_table_and_profiles_on_cpu(tmp_path):
     assert "cProfile of 2 patched steps" in text and "torch.profiler, native" in text
     md = (tmp_path / "host_profile.md").read_text()
     assert "| llama | 2x8 |" in md
+
+
+def test_no_script_or_doc_runs_a_benchmark_as_a_file():
+    """Run as a file, a benchmark puts ``benchmarks/`` first on ``sys.path``, where ``kernels.py``
+    shadows the PyPI ``kernels`` package that transformers probes (an ImportError on every rank of
+    a torchrun): every command in the repository runs them as modules (``-m benchmarks.NAME``)."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    as_file = re.compile(r"\b(python3?|torchrun|torch\.distributed\.run)\b[^\n`]*?\sbenchmarks/\w+\.py")
+    found = []
+    for path in [*root.glob("*.md"), *root.glob("docs/*.md"), *root.glob("benchmarks/*"), *root.glob(".ci/*")]:
+        if path.is_file() and path.suffix in {".md", ".sh", ".py", ""}:
+            found += [f"{path.relative_to(root)}: {m.group(0)}" for m in as_file.finditer(path.read_text())]
+    assert not found, found
