@@ -1,4 +1,4 @@
-"""The command line (``liger-compat`` or ``python -m liger_compat``): ``check [--json] [--deep]``;
+"""The command line (``liger-compat`` or ``python -m liger_compat``): ``check [--json] [--deep] [--verbose]``;
 ``run [OPTIONS] -- COMMAND``, ``enable`` and ``disable`` (:mod:`liger_compat.launcher`).
 
 Exit codes of ``check``: 0 all is well, 1 an unmitigated known issue applies or a scenario failed,
@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--deep", action="store_true",
                    help="also run the scenario smoke tests on a tiny random model")
     c.add_argument("--device", default=None, help="device for --deep (default: cuda if available, else cpu)")
+    c.add_argument("-v", "--verbose", action="store_true",
+                   help="print every shim, model family, setting and scenario as a row (default: one screen, "
+                        "counted by state, with a row for each that needs attention)")
     c.add_argument("--no-import", action="store_true",
                    help="do not import transformers/trl first (shims then show as waiting)")
     from . import launcher
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     importlib.import_module(name)
                 except Exception as exc:  # report, do not crash: check must always answer
                     print(f"liger-compat: importing {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    report = liger_compat.check(deep=args.deep, device=args.device, quiet=args.json,
+    report = liger_compat.check(deep=args.deep, device=args.device, quiet=args.json, verbose=args.verbose,
                                 progress=None if args.json else _progress)  # prints the table itself
     if args.json:
         print(report.to_json())

@@ -186,6 +186,12 @@ def _from_env(environ: Any = None) -> Settings:
 settings: Settings = _from_env()
 
 
+def off_reason() -> str:
+    """While ``settings.disabled``: what turned liger_compat off, in words, for the report."""
+    by = "configure(enabled=False)" if settings.source.get("disabled") == "configure()" else "LIGER_COMPAT_DISABLE=1"
+    return f"liger_compat is off ({by}): nothing is patched, every library runs natively"
+
+
 def kernel_enabled(name: str) -> bool:
     """True when liger_compat is active and kernel ``name`` is selected."""
     return (not settings.disabled) and name in settings.kernels

@@ -13,9 +13,11 @@ from .versions import installed, matches  # noqa: F401
 
 
 def check(deep: bool = False, *, quiet: bool = False, device: str | None = None, progress: Any = None,
-          file: Any = None):
+          file: Any = None, verbose: bool = False):
     """Build the diagnostic report, print it (to ``file``, default stdout) and return it.
 
+    The printed report fits a screen: shims, model families, known issues and scenarios counted by
+    state, with a row for each that needs attention; ``verbose=True`` prints every row.
     ``quiet=True`` only returns it (programmatic callers, the CLI's ``--json``). ``deep=True`` also
     runs the registered scenario smoke tests on a tiny random model on ``device`` (default:
     ``cuda`` when available, else ``cpu``). The returned
@@ -33,5 +35,5 @@ def check(deep: bool = False, *, quiet: bool = False, device: str | None = None,
         ctx = scenarios.Context(device=device)
     r = report.build(deep=deep, ctx=ctx, progress=progress)
     if not quiet:
-        r.print(file)
+        r.print(file, verbose=verbose)
     return r

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,11 @@ class Report:
     # -- verdict ----------------------------------------------------------------------------
     @property
     def unmitigated(self) -> list[IssueStatus]:
+        """The known issues that apply and are not mitigated, while liger_compat is on: turned off
+        (LIGER_COMPAT_DISABLE=1, ``configure(enabled=False)``) it patches nothing, by choice, and
+        the report says so instead of failing."""
+        if self.settings.get("disabled"):
+            return []
         return [i for i in self.issues if i.unmitigated]
 
     @property
@@ -106,70 +112,207 @@ class Report:
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
         p.text(repr(self))
 
-    def print(self, file: Any = None) -> None:
-        print(str(self), file=file or sys.stdout)
+    def print(self, file: Any = None, verbose: bool = False) -> None:
+        """The text report (:func:`format_text`: one screen; ``verbose``: every row)."""
+        print(format_text(self, verbose=verbose), file=file or sys.stdout)
+
+
+#: the width the text report wraps long free text and summary lines at
+WIDTH = 120
+
+
+def _cell_lines(text: Any, width: int) -> list[str]:
+    """A table cell as lines of at most ``width`` characters: wrapped at spaces, never cut."""
+    text = str(text)
+    if len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, width, break_on_hyphens=False) or [text]
 
 
 def _table(headers: list[str], rows: list[list[str]], max_width: int = 60) -> list[str]:
-    def clip(s: str) -> str:
-        s = str(s)
-        return s if len(s) <= max_width else s[: max_width - 1] + "…"
-
-    rows = [[clip(c) for c in r] for r in rows]
+    """A text table; a cell longer than ``max_width`` goes on over continuation lines (the other
+    columns blank there), so nothing is cut."""
+    cells = [[_cell_lines(c, max_width) for c in r] for r in rows]
     widths = [len(h) for h in headers]
-    for r in rows:
+    for r in cells:
         for i, c in enumerate(r):
-            widths[i] = max(widths[i], len(c))
-    line = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+            widths[i] = max(widths[i], *(len(x) for x in c))
+    line = lambda parts: "  " + "  ".join(c.ljust(w) for c, w in zip(parts, widths)).rstrip()
     out = [line(headers), "  " + "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in rows]
+    for r in cells:
+        for k in range(max(len(c) for c in r)):
+            out.append(line([c[k] if k < len(c) else "" for c in r]))
     return out
 
 
-def format_text(r: Report) -> str:
-    out = [f"liger_compat {r.liger_compat_version}  (python {r.python})", ""]
+def _wrap(text: str, indent: str = "  ", hang: str = "    ") -> list[str]:
+    """``text`` as lines of at most :data:`WIDTH` characters, continuation lines indented ``hang``."""
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=hang, break_on_hyphens=False) or [indent]
+
+
+def _counted(kinds: dict[str, list[str]], names_of: tuple[str, ...] = ()) -> str:
+    """``"13 applied, 2 not needed"``; the kinds in ``names_of`` also name their members."""
+    parts = []
+    for kind, members in kinds.items():
+        part = f"{len(members)} {kind}"
+        if kind in names_of:
+            part += f" ({', '.join(members)})"
+        parts.append(part)
+    return ", ".join(parts)
+
+
+def _off_line(r: Report) -> str | None:
+    """The report's statement that everything is off, or None while liger_compat is active."""
+    s = r.settings
+    if not s.get("disabled"):
+        return None
+    by = "configure(enabled=False)" if s.get("source", {}).get("disabled") == "configure()" else "LIGER_COMPAT_DISABLE=1"
+    return f"liger_compat is OFF ({by}): nothing is patched, every library runs natively"
+
+
+#: shim states that need no row of their own in the summary (counted only)
+_QUIET_SHIM_STATES = ("applied", "waiting", "not needed", "disabled", "reverted")
+
+
+def _shim_needs_attention(x: dict[str, Any]) -> bool:
+    reason = x.get("reason") or ""
+    return x["state"] not in _QUIET_SHIM_STATES or "failed" in reason or "could not remove" in reason
+
+
+def _family_kind(state: str) -> str:
+    """What a family's state line amounts to, for the summary; ``""``: it needs a row of its own
+    (failed, conflicting, replaced, native for a reason)."""
+    if any(w in state for w in ("failed", "conflict", "replaced", "error")):
+        return ""
+    if state.startswith("fused forward"):
+        return "patched"
+    if state.startswith("waiting"):
+        return "waiting (patched when their modeling module is imported)"
+    if state.startswith("not in transformers"):
+        return "not in this transformers"
+    if state == "native forward (family not in the table)":
+        return "other causal LMs (not in the family table: native forward)"
+    if state.startswith("native forward (") and state.endswith(" not selected)"):  # LIGER_COMPAT_KERNELS
+        return state
+    if state.startswith("off"):
+        return "off"
+    if state == "transformers not installed":
+        return "transformers not installed"
+    return ""
+
+
+def format_text(r: Report, verbose: bool = False) -> str:
+    """The report as text. By default it fits a screen: shims, model families, known issues, trl's
+    heads and the scenarios are counted by state on one line each, with a row for each one that
+    needs attention (failed, conflicting, not mitigated); ``verbose`` prints every row. Long cells
+    are wrapped, never cut."""
+    out = [f"liger_compat {r.liger_compat_version}  (python {r.python})"]
+    off = _off_line(r)
+    if off:
+        out.append(off)
+    out.append("")
     out.append("Installed")
-    out += _table(["package", "version"], [[k, v or "not installed"] for k, v in r.versions.items()])
+    if verbose:
+        out += _table(["package", "version"], [[k, v or "not installed"] for k, v in r.versions.items()])
+    else:
+        have = [f"{k} {v}" for k, v in r.versions.items() if v]
+        missing = [k for k, v in r.versions.items() if not v]
+        out += _wrap(", ".join(have)) if have else []
+        if missing:
+            out += _wrap("not installed: " + ", ".join(missing))
     d = r.device
     out += ["", "Device"]
     if d.get("cuda_available"):
         out.append(f"  GPU: {d.get('gpu_name')} (capability {d.get('capability')}, {d.get('device_count')} visible)")
     else:
         out.append("  GPU: none")
-    out.append(f"  kernels run on: {d.get('kernel_backend')}" + (f"  ({d['reason']})" if d.get("reason") else ""))
+    out += _wrap(f"kernels run on: {d.get('kernel_backend')}" + (f"  ({d['reason']})" if d.get("reason") else ""))
     s = r.settings
     out.append(f"  liger_compat: {'DISABLED' if s['disabled'] else 'active'}; kernels: {', '.join(s['kernels']) or 'none'}")
     tuning = s.get("tuning") or {}
     if tuning:
-        out.append("  tuning: " + ", ".join(f"{k} {v}" for k, v in tuning.items()))
-    if r.activation:
+        out += _wrap("tuning: " + ", ".join(f"{k} {v}" for k, v in tuning.items()))
+    if r.activation and verbose:
         out += ["", "Activation"] + _activation_lines(r.activation)
+    elif r.activation:
+        out += _wrap("activation: " + "; ".join(x.strip() for x in _activation_lines(r.activation)))
     variables = s.get("variables") or []
     if variables:
         out += ["", "Settings"]
-        out += _table(["variable", "value", "source"], [[x["variable"], x["value"], x["source"]] for x in variables])
+        shown = variables if verbose else [x for x in variables if x["source"] != "default"]
+        if shown:
+            out += _table(["variable", "value", "source"], [[x["variable"], x["value"], x["source"]] for x in shown])
+        if len(shown) < len(variables):
+            rest = len(variables) - len(shown)
+            out.append(f"  {'the other ' if shown else ''}{rest} variable{'s' if rest != 1 else ''} at "
+                       f"{'their defaults' if rest != 1 else 'its default'} (--verbose lists them)")
     out += ["", "Shims"]
-    if r.shims:
+    if r.shims and verbose:
         out += _table(["shim", "state", "fixes", "reason"],
                       [[x["id"], x["state"], ",".join(x["fixes"]) or "-", x["reason"] or "-"] for x in r.shims])
+    elif r.shims:
+        kinds: dict[str, list[str]] = {}
+        for x in r.shims:
+            kinds.setdefault(x["state"], []).append(x["id"])
+        out += _wrap(f"{len(r.shims)} shims: {_counted(kinds)}")
+        attention = [x for x in r.shims if _shim_needs_attention(x)]
+        if attention:
+            out += _table(["shim", "state", "fixes", "reason"],
+                          [[x["id"], x["state"], ",".join(x["fixes"]) or "-", x["reason"] or "-"] for x in attention])
     else:
         out.append("  (none registered)")
     for e in r.load_errors:
         out.append(f"  shim module failed to load: {e}")
     out += ["", "Known issues"]
-    out += _table(["id", "applies here", "state", "issue"],
-                  [[i.id, "yes" if i.applies else "no",
-                    ("mitigated" if i.mitigated else "NOT MITIGATED") if i.applies else "-",
-                    i.title] for i in r.issues])
-    for i in r.issues:
-        if i.unmitigated:
-            out.append(f"  ! {i.id}: {i.detail}")
+
+    def issue_state(i: IssueStatus) -> str:
+        if not i.applies:
+            return "-"
+        if i.mitigated:
+            return "mitigated"
+        return "off" if off else "NOT MITIGATED"
+
+    issue_rows = [[i.id, "yes" if i.applies else "no", issue_state(i), i.title] for i in r.issues]
+    if verbose:
+        out += _table(["id", "applies here", "state", "issue"], issue_rows)
+    else:
+        mitigated = [i.id for i in r.issues if i.applies and i.mitigated]
+        elsewhere = [i.id for i in r.issues if not i.applies]
+        if mitigated:
+            out += _wrap(f"{', '.join(mitigated)}: apply here, mitigated")
+        left = [row for row, i in zip(issue_rows, r.issues) if i.applies and not i.mitigated]
+        if left and off:
+            out += _wrap(f"{', '.join(row[0] for row in left)}: apply here, not mitigated while liger_compat is off")
+        elif left:
+            out += _table(["id", "applies here", "state", "issue"], left)
+        if elsewhere:
+            out += _wrap(f"{', '.join(elsewhere)}: not on these versions")
+    if not off:
+        for i in r.issues:
+            if i.unmitigated:
+                out += _wrap(f"! {i.id}: {i.detail}")
     if r.families:
         out += ["", "Model families"]
-        out += _table(["family", "state"], [[k, v] for k, v in r.families.items()])
+        if verbose:
+            out += _table(["family", "state"], [[k, v] for k, v in r.families.items()])
+        else:
+            kinds = {}
+            for name, state in r.families.items():
+                kinds.setdefault(_family_kind(state), []).append(name)
+            rows = kinds.pop("", [])
+            out += _wrap(f"{len(r.families)} families: " + _counted(kinds, names_of=("patched",)))
+            if rows:
+                out += _table(["family", "state"], [[k, r.families[k]] for k in rows], max_width=WIDTH - 22)
     if r.heads:
         out += ["", "LM heads (what computes each trl trainer's loss)"]
-        out += _table(["trainer", "head"], [[k, v] for k, v in r.heads.items()], max_width=110)
+        if verbose:
+            out += _table(["trainer", "head"], [[k, v] for k, v in r.heads.items()], max_width=110)
+        else:
+            by_head: dict[str, list[str]] = {}
+            for trainer, head in r.heads.items():
+                by_head.setdefault(head, []).append(trainer)
+            for head, trainers in by_head.items():
+                out += _wrap(f"{', '.join(trainers)}: {head}")
     if r.distributed is not None:
         out += ["", "Distributed", f"  {r.distributed.get('summary', '')}"]
         if r.distributed.get("distributed"):
@@ -186,11 +329,18 @@ def format_text(r: Report) -> str:
         out += [f"  - {a['kind']}: {a['text']}" for a in r.advice]
     if r.scenarios is not None:
         out += ["", "Scenarios (--deep)"]
-        if r.scenarios:
+        shown = r.scenarios if verbose else [x for x in r.scenarios if x.outcome != "passed"]
+        if r.scenarios and not verbose:
+            kinds = {}
+            for x in r.scenarios:
+                kinds.setdefault(x.outcome, []).append(x.id)
+            seconds = sum(x.seconds for x in r.scenarios)
+            out += _wrap(f"{len(r.scenarios)} scenarios in {seconds:.1f} s: {_counted(kinds, names_of=('passed',))}")
+        if shown:
             out += _table(["scenario", "issue", "outcome", "seconds", "detail"],
-                          [[x.id, x.issue or "-", x.outcome, f"{x.seconds:.2f}", x.detail or "-"] for x in r.scenarios],
+                          [[x.id, x.issue or "-", x.outcome, f"{x.seconds:.2f}", x.detail or "-"] for x in shown],
                           max_width=80)
-        else:
+        elif not r.scenarios:
             out.append("  (none registered)")
     out += ["", "Verdict: " + verdict(r)]
     return "\n".join(out)
@@ -221,6 +371,8 @@ def _activation() -> dict[str, Any]:
 
 
 def verdict(r: Report) -> str:
+    if r.ok and r.settings.get("disabled"):
+        return "OK (liger_compat is off: native behaviour everywhere)"
     return "OK" if r.ok else "PROBLEMS: " + ", ".join([f"{i.id} not mitigated" for i in r.unmitigated] +
                                                        [f"scenario {x.id} failed" for x in r.failed_scenarios])
 

@@ -10,6 +10,9 @@ Public functional API:
 - :func:`raise_target_errors`: wait for the GPU's report of targets outside the vocabulary
   (otherwise raised without a sync, see ``_device_errors.py``), :class:`TargetOutOfRangeError`;
   :class:`GradientContractError` (an upstream gradient that breaks ``grad_mode="sum"``)
+- the classes of the argument checks' errors (``errors.py``): each a ``TypeError`` or ``ValueError``
+  and also the class native torch raises for the same input (``TargetOutOfRangeError`` an
+  ``IndexError``, ``TargetDtypeError`` a ``RuntimeError`` ...)
 
 Every function dispatches through :mod:`liger_compat.kernels._dispatch`: CUDA tensors run the
 Triton kernels, CPU tensors the torch reference, and with ``TRITON_INTERPRET=1`` the Triton
@@ -24,7 +27,9 @@ from .logprob import LogProbOutput, fused_linear_logprobs
 from .gated_mlp import gated_project, geglu, swiglu
 from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
-from ._device_errors import GradientContractError, TargetOutOfRangeError, raise_target_errors
+from ._device_errors import raise_target_errors
+from .errors import (DeviceMismatchError, DimensionError, DtypeMismatchError, GradientContractError, OptionRangeError,
+                     ShapeMismatchError, TargetDtypeError, TargetOutOfRangeError, UnsupportedDtypeError)
 from . import _ops  # noqa: F401,E402  (registers the custom ops the functions above call under torch.compile)
 
 __all__ = [
@@ -42,6 +47,13 @@ __all__ = [
     "raise_target_errors",
     "TargetOutOfRangeError",
     "GradientContractError",
+    "TargetDtypeError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "DeviceMismatchError",
+    "UnsupportedDtypeError",
+    "DimensionError",
+    "OptionRangeError",
     "use_backend",
     "last_backend",
     "HAS_TRITON",

@@ -1,4 +1,5 @@
-"""Input validation shared by the kernels: clear ``TypeError``/``ValueError`` naming the argument.
+"""Input validation shared by the kernels: clear ``TypeError``/``ValueError`` naming the argument,
+each of a class in ``errors.py`` that is also the class native torch raises for the same input.
 
 The design rule is "a Python error, never a CUDA illegal memory access". Checks that need a
 host sync (target values in range) run up front on CPU tensors taking the torch reference, and
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from .._config import settings
-from ._device_errors import TargetOutOfRangeError
+from .errors import (DeviceMismatchError, DtypeMismatchError, TargetDtypeError, TargetOutOfRangeError,
+                     UnsupportedDtypeError)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,7 +40,7 @@ def tensor(name: str, value: object) -> torch.Tensor:
 
 def float_dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise UnsupportedDtypeError(
             f"{name} has unsupported dtype {t.dtype}; supported: float32, bfloat16, float16"
         )
 
@@ -48,7 +50,7 @@ def same_device(**tensors: torch.Tensor | None) -> torch.device:
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.device != first.device:
-            raise ValueError(
+            raise DeviceMismatchError(
                 f"{name} is on {t.device} but {first_name} is on {first.device}; "
                 "all inputs must be on one device"
             )
@@ -60,17 +62,17 @@ def same_dtype(**tensors: torch.Tensor | None) -> None:
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match")
+            raise DtypeMismatchError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match")
 
 
 def integer_target(name: str, t: torch.Tensor) -> None:
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{name} must hold integer class indices (int64/int32), got dtype {t.dtype}")
+        raise TargetDtypeError(f"{name} must hold integer class indices (int64/int32), got dtype {t.dtype}")
 
 
 def target_range(name: str, target: torch.Tensor, num_classes: int, ignore_index: int,
                  *, kernel_reports: bool = False) -> None:
-    """Raise ``TargetOutOfRangeError`` (a ``ValueError``) if any target is outside
+    """Raise ``TargetOutOfRangeError`` (a ``ValueError``, ``IndexError`` and ``RuntimeError``) if any target is outside
     ``[0, num_classes)`` and not ``ignore_index``.
 
     Runs on CPU tensors (no sync to speak of) unless ``kernel_reports`` (the Triton kernels,

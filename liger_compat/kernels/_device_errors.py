@@ -8,7 +8,8 @@ at once:
   memory with it: the row's loss is NaN, its gradient zero, and the kernel records it in a
   three-element tensor from :func:`new_flag` (``[number of bad rows, largest bad target >= V or 0,
   smallest negative bad target or 0]``), folded into the launch that already reads the target;
-  raised as :class:`TargetOutOfRangeError`;
+  raised as :class:`TargetOutOfRangeError` (a ``ValueError``, and an ``IndexError`` / ``RuntimeError`` as
+  native ``cross_entropy`` raises on CPU / CUDA);
 * a gradient contract broken by the caller (:func:`watch_contract`): the log-prob head's
   ``grad_mode="sum"`` is told that every non-ignored row gets the same upstream gradient, and
   counts on the device the rows that do not; raised as :class:`GradientContractError`.
@@ -34,17 +35,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+# defined with the other input errors, each also of native's class for the same input (errors.py)
+from .errors import GradientContractError, TargetOutOfRangeError
+
 __all__ = ["TargetOutOfRangeError", "GradientContractError", "new_flag", "watch", "watch_contract", "poll",
            "raise_target_errors"]
-
-
-class TargetOutOfRangeError(ValueError):
-    """A target that is neither a class id in ``[0, V)`` nor ``ignore_index``."""
-
-
-class GradientContractError(ValueError):
-    """An upstream gradient that breaks what the caller told a kernel about it (``grad_mode="sum"``
-    of :func:`~liger_compat.kernels.fused_linear_logprobs`)."""
 
 
 class _Pending(NamedTuple):

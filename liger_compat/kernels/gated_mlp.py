@@ -19,6 +19,7 @@ import torch.nn.modules.module as _module
 
 from .. import _config
 from . import _checks, _dispatch, _recompute
+from .errors import ShapeMismatchError
 
 __all__ = ["swiglu", "geglu", "gated_project"]
 
@@ -171,7 +172,7 @@ def check_args(gate, up) -> torch.device:
     _checks.float_dtype("gate", gate)
     _checks.float_dtype("up", up)
     if gate.shape != up.shape:
-        raise ValueError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}; they must match")
+        raise ShapeMismatchError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}; they must match")
     _checks.same_dtype(gate=gate, up=up)
     return _checks.same_device(gate=gate, up=up)
 

@@ -40,6 +40,7 @@ from typing import Callable, ContextManager, NamedTuple, Sequence
 import torch
 
 from . import _checks, _dispatch, _device_errors
+from .errors import ShapeMismatchError, TargetOutOfRangeError
 from .loss import FLCE_CHUNK_BYTES_CPU, _chunk_rows
 
 __all__ = ["fused_linear_logprobs", "LogProbOutput", "FIELDS", "lp_rows_torch"]
@@ -399,20 +400,20 @@ def fused_linear_logprobs(
         _checks.float_dtype("bias", bias)
     _checks.integer_target("target", target)
     if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dimension [..., H]")
+        raise ShapeMismatchError("hidden must have at least one dimension [..., H]")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+        raise ShapeMismatchError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     hdim, v = hidden.shape[-1], weight.shape[0]
     if weight.shape[1] != hdim:
-        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
-    if v == 0:
-        raise ValueError("weight has 0 rows (vocabulary size 0)")
+        raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
+    if v == 0:  # no target is a class of an empty vocabulary (native: gather's RuntimeError)
+        raise TargetOutOfRangeError("weight has 0 rows (vocabulary size 0): no target is in [0, 0)")
     if bias is not None and tuple(bias.shape) != (v,):
-        raise ValueError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
+        raise ShapeMismatchError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
     rows_shape = tuple(hidden.shape[:-1])
     n = math.prod(rows_shape)
     if tuple(target.shape) != rows_shape and not (target.dim() == 1 and target.numel() == n):
-        raise ValueError(f"target has shape {tuple(target.shape)} but hidden needs {rows_shape} (or a flat [{n}])")
+        raise ShapeMismatchError(f"target has shape {tuple(target.shape)} but hidden needs {rows_shape} (or a flat [{n}])")
     device = _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
     temperature = float(temperature)
     if not temperature > 0 or math.isinf(temperature):

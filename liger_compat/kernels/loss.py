@@ -34,6 +34,7 @@ import torch
 
 from .. import _config
 from . import _checks, _dispatch, _device_errors
+from .errors import DimensionError, OptionRangeError, ShapeMismatchError, TargetOutOfRangeError
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
 
@@ -171,7 +172,7 @@ def _ce_rows(backend: str, *args, **kwargs):
 def _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch):
     _checks.reduction(reduction)
     if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise OptionRangeError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if float(lse_square_scale) < 0.0:
         raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
     if softcap is not None and not float(softcap) > 0.0:
@@ -186,7 +187,7 @@ def _check_target(target, rows_shape, name_of_rows: str):
     rows_shape = tuple(rows_shape)
     n = math.prod(rows_shape)
     if tuple(target.shape) != rows_shape and not (target.dim() == 1 and target.numel() == n):
-        raise ValueError(
+        raise ShapeMismatchError(
             f"target has shape {tuple(target.shape)} but {name_of_rows} needs {rows_shape} (or a flat [{n}])"
         )
 
@@ -744,20 +745,20 @@ def fused_linear_cross_entropy(
         _checks.float_dtype("bias", bias)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
     if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dimension [..., H]")
+        raise ShapeMismatchError("hidden must have at least one dimension [..., H]")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+        raise ShapeMismatchError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     hdim = hidden.shape[-1]
     v = weight.shape[0]
     if weight.shape[1] != hdim:
-        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
+        raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
     if bias is not None and tuple(bias.shape) != (v,):
-        raise ValueError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
+        raise ShapeMismatchError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
     _check_target(target, hidden.shape[:-1], "hidden")
     device = _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
     _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
-    if v == 0:
-        raise ValueError("weight has 0 rows (vocabulary size 0)")
+    if v == 0:  # no target is a class of an empty vocabulary (native: cross_entropy's IndexError)
+        raise TargetOutOfRangeError("weight has 0 rows (vocabulary size 0): no target is in [0, 0)")
     compiling = _dispatch.compiling()
     if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
         raise ValueError("num_items_in_batch must be a number or a one-element tensor")
@@ -883,7 +884,9 @@ def cross_entropy(
     _checks.float_dtype("logits", logits)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
+        # native: IndexError (no class dimension: "Dimension out of range"; V = 0: "Target 0 is out of bounds")
+        error = DimensionError if logits.dim() < 1 else TargetOutOfRangeError
+        raise error(f"logits must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
     v = logits.shape[-1]
     _check_target(target, logits.shape[:-1], "logits")
     device = _checks.same_device(logits=logits, target=target)

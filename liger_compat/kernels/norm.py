@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _dispatch, _recompute
+from .errors import ShapeMismatchError
 
 __all__ = ["rms_norm", "project_norm_output"]
 
@@ -119,9 +120,9 @@ def check_args(x, weight, eps, casting: str = "llama") -> torch.device:
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
     if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"x must be [..., H] with H > 0, got shape {tuple(x.shape)}")
+        raise ShapeMismatchError(f"x must be [..., H] with H > 0, got shape {tuple(x.shape)}")
     if tuple(weight.shape) != (x.shape[-1],):
-        raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}")
+        raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}")
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     return _checks.same_device(x=x, weight=weight)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _dispatch
+from .errors import DimensionError, ShapeMismatchError
 
 __all__ = ["apply_rotary_pos_emb"]
 
@@ -103,7 +104,7 @@ def check_args(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
         _checks.float_dtype(name, t)
     device = _checks.same_device(q=q, k=k, cos=cos, sin=sin)
     if cos.shape != sin.shape:
-        raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match")
+        raise ShapeMismatchError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match")
     if position_ids is not None and cos.dim() == 2:
         _checks.tensor("position_ids", position_ids)
         _checks.integer_target("position_ids", position_ids)
@@ -111,17 +112,17 @@ def check_args(q, k, cos, sin, position_ids=None, unsqueeze_dim: int = 1):
     rot = cos.shape[-1]
     d = q.shape[-1]
     if k.shape[-1] != d:
-        raise ValueError(f"q has head_dim {d} but k has {k.shape[-1]}")
+        raise ShapeMismatchError(f"q has head_dim {d} but k has {k.shape[-1]}")
     if rot % 2 or rot == 0 or rot > d:
-        raise ValueError(f"cos/sin last dimension (rotary dim) must be even, > 0 and <= head_dim {d}, got {rot}")
+        raise ShapeMismatchError(f"cos/sin last dimension (rotary dim) must be even, > 0 and <= head_dim {d}, got {rot}")
     try:
         cos_u = cos.unsqueeze(unsqueeze_dim)
         sin_u = sin.unsqueeze(unsqueeze_dim)
     except IndexError as exc:
-        raise ValueError(f"unsqueeze_dim={unsqueeze_dim} is out of range for cos of shape {tuple(cos.shape)}: {exc}") from None
+        raise DimensionError(f"unsqueeze_dim={unsqueeze_dim} is out of range for cos of shape {tuple(cos.shape)}: {exc}") from None
     for name, x in (("q", q), ("k", k)):
         if not _broadcasts_into(cos_u.shape[:-1], x.shape[:-1]):
-            raise ValueError(
+            raise ShapeMismatchError(
                 f"cos of shape {tuple(cos.shape)} unsqueezed at unsqueeze_dim={unsqueeze_dim} does not broadcast "
                 f"against {name} of shape {tuple(x.shape)} (without enlarging it)"
             )

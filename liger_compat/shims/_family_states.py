@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from .. import _config
 from ..compat import versions
 from ..compat.families import BY_MODULE, FAMILIES, Family, family_of
 
@@ -28,6 +29,9 @@ def family_states() -> dict[str, str]:
     for fam in FAMILIES:
         if tf is None:
             out[fam.name] = "transformers not installed"
+            continue
+        if _config.settings.disabled:  # nothing patched, nothing waits for an import
+            out[fam.name] = "off (liger_compat is disabled)"
             continue
         mod = sys.modules.get(fam.module)
         if mod is None:

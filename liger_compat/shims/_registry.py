@@ -150,6 +150,9 @@ class Shim(Record):
                 reason += "; failed: " + "; ".join(f"{m}: {e}" for m, e in self.module_errors.items())
         elif self.in_use is not None and self.state == State.APPLIED:
             reason = self.in_use() or reason
+        elif self.state == State.WAITING and _config.settings.disabled:
+            # never activated (LIGER_COMPAT_DISABLE=1 at import): nothing waits for an import
+            state, reason = State.DISABLED.value, _config.off_reason()
         elif self.state == State.WAITING and not reason:
             reason = f"waiting for {self.trigger}"
         if self.stuck and self.state != State.APPLIED:

@@ -503,6 +503,7 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     inner = _plain_head(model)
     if inner is None or (divisor is not None and inner.bias is not None):
         return _unfused_loss(model, fam, hidden, target, ignore_index, num_items)
+    _check_labels(model, target, "labels" if loss_kw.get("shift_labels") is None else "shift_labels", ignore_index)
     h = hidden
     if divisor is not None:
         h = h / divisor  # (h W^T) / d == (h / d) W^T without a bias
@@ -522,6 +523,23 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
         # label ignore_index, a sequence of one token); the kernel's mean is 0 there. Gradients stay zero.
         loss = torch.where((target != ignore_index).any(), loss, float("nan"))
     return loss, res.token_accuracy
+
+
+def _check_labels(model: Any, target: Any, name: str, ignore_index: int) -> None:
+    """The fused loss's checks of its targets, run first so that the error names the forward's
+    argument (``labels`` or ``shift_labels``), of the classes native's ``cross_entropy`` errors are
+    too: float / bool labels a ``TargetDtypeError`` (``TypeError``, ``NotImplementedError``), a label outside
+    the vocabulary a ``TargetOutOfRangeError`` (``ValueError``, ``IndexError``, ``RuntimeError``). The
+    range check is the kernel's: where the torch reference runs (CPU tensors), elsewhere under
+    ``LIGER_COMPAT_DEBUG`` only (the Triton kernels report bad labels without a host sync, naming the
+    target)."""
+    from ..kernels import _checks, _dispatch
+
+    _checks.integer_target(name, target)
+    vocab = getattr(model.lm_head, "out_features", None)
+    if isinstance(vocab, int) and not compiling():
+        _checks.target_range(name, target, vocab, ignore_index,
+                             kernel_reports=not _dispatch.reference_only(target.device))
 
 
 def _native_head_loss(model: Any, hidden: Any, target: Any) -> bool:

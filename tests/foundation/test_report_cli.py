@@ -257,3 +257,136 @@ def test_report_shows_the_tuning_settings_in_effect():
     tuning = json.loads(r.stdout.splitlines()[0])
     assert tuning["LIGER_COMPAT_FLCE_CHUNK_MB"].startswith("invalid") and "'lots'" in tuning["LIGER_COMPAT_FLCE_CHUNK_MB"]
     assert tuning["LIGER_COMPAT_MLP_RECOMPUTE"] == "activation+input"
+
+
+# -- the text report fits a screen; --verbose prints every row; nothing is cut ---------------------
+
+#: the screen the default text report must fit, in lines (with --deep)
+SCREEN_LINES = 60
+
+
+def _families_from_verbose(text: str) -> dict[str, str]:
+    """The Model families table of a --verbose report: family -> state (continuation lines joined)."""
+    block = text.split("\nModel families\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows: dict[str, str] = {}
+    last = None
+    for line in block:
+        if line.startswith("  ") and not line.startswith("   "):
+            last, _, state = line.strip().partition(" ")
+            rows[last] = state.strip()
+        else:
+            rows[last] += " " + line.strip()
+    return rows
+
+
+def test_deep_report_fits_a_screen_and_cuts_nothing():
+    """``liger-compat check --deep`` on this machine's transformers / trl: at most 60 lines on stdout,
+    no cell cut at "…"; every family and shim is still counted."""
+    r = _run("check", "--deep", "--device", "cpu")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) <= SCREEN_LINES, f"{len(lines)} lines:\n{r.stdout}"
+    assert "…" not in r.stdout
+    assert r.stdout.count("Verdict: OK") == 1
+    d = json.loads(_run("check", "--json").stdout)
+    assert f"{len(d['shims'])} shims: " in r.stdout
+    assert f"{len(d['families'])} families: " in r.stdout
+    assert "Scenarios (--deep)" in r.stdout and "scenarios in " in r.stdout
+
+
+def _big_healthy_report() -> report.Report:
+    """This process's report with every family patched, every shim applied with a long reason, many
+    scenarios passed with long details: the most a healthy set-up shows."""
+    r = liger_compat.check(quiet=True)
+    fams = {f"family_{i}": "fused forward; rms_norm, gated_mlp, rope" for i in range(80)}
+    fams.update({f"OtherForCausalLM{i}": "native forward (family not in the table)" for i in range(20)})
+    long = "patched " + ", ".join(f"Family{i}ForCausalLM.forward" for i in range(60))
+    shims = [{**s, "state": "applied", "reason": long} for s in r.shims]
+    scen = [scenarios.ScenarioResult(f"S{i}", "t", None, "passed", "detail " * 60, 0.5) for i in range(12)]
+    return report.Report(**{**{k: getattr(r, k) for k in report.Report.__dataclass_fields__},
+                            "families": fams, "shims": shims, "scenarios": scen})
+
+
+def test_the_report_stays_on_a_screen_however_many_families_and_shims():
+    r = _big_healthy_report()
+    text = report.format_text(r)
+    assert len(text.splitlines()) <= SCREEN_LINES, text
+    assert "80 patched (family_0, family_1" in text.replace("\n    ", " ")
+    assert "12 passed" in text and "…" not in text
+    full = report.format_text(r, verbose=True)
+    assert set(_families_from_verbose(full)) == set(r.families)  # every row there, none here
+    assert "\n  family_79 " not in text and "\n  OtherForCausalLM0 " not in text  # counted, not listed
+    assert "20 other causal LMs" in text
+
+
+def test_verbose_prints_every_family_shim_setting_and_scenario_row(capsys):
+    r = liger_compat.check(quiet=True)
+    assert main(["check", "--no-import", "--verbose"]) == r.exit_code
+    out = capsys.readouterr().out
+    families = _families_from_verbose(out)
+    assert set(families) == set(r.families)
+    assert all(families[k] == v for k, v in r.families.items()), families  # wrapped, not cut
+    for s in r.shims:
+        assert f"\n  {s['id']} " in out, s["id"]
+    for v in r.settings["variables"]:
+        assert f"\n  {v['variable']} " in out, v["variable"]
+    assert "…" not in out
+    import io
+
+    buf = io.StringIO()
+    again = liger_compat.check(verbose=True, file=buf)
+    assert set(_families_from_verbose(buf.getvalue())) == set(again.families)
+    # the default report counts them instead: one line, rows only for those needing attention
+    assert main(["check", "--no-import"]) == r.exit_code
+    short = capsys.readouterr().out
+    assert len(short.splitlines()) < len(out.splitlines())
+    assert f"  {len(r.families)} families: " in short and f"  {len(r.shims)} shims: " in short
+
+
+def test_rows_that_need_attention_are_listed_and_long_cells_wrapped_not_cut():
+    reason = "ImportError: " + " ".join(f"word{i}" for i in range(90))
+    r = report.Report(
+        liger_compat_version="0", python="3", versions={"torch": "2.13.0", "peft": None}, device={},
+        settings={"disabled": False, "kernels": [], "source": {}},
+        shims=[{"id": "a.ok", "state": "applied", "fixes": [], "reason": "patched A.forward"},
+               {"id": "a.broken", "state": "failed", "fixes": ["F9"], "reason": reason},
+               {"id": "a.stuck", "state": "reverted", "fixes": [], "reason": "could not remove X.y (another "
+                                                                               "library wrapped over it)"}],
+        issues=[report.IssueStatus("F9", "a title", True, False, "a.broken: failed")],
+        families={"fine": "fused forward; rms_norm", "odd": "native forward (replaced by other_lib) " + reason,
+                  "later": "waiting (patched when its modeling module is imported)"},
+        matrix={"summary": "m"}, conflicts=[],
+        scenarios=[scenarios.ScenarioResult("S1", "t", "F9", "failed", "boom " + reason, 1.0),
+                   scenarios.ScenarioResult("S2", "t", None, "passed", "fine", 1.0)])
+    for verbose in (False, True):
+        text = report.format_text(r, verbose=verbose)
+        assert "…" not in text
+        flat = " ".join(text.split())
+        assert reason in flat  # every word, in order, across the wrapped lines
+        assert max(len(line) for line in text.splitlines()) <= 130
+        for row in ("a.broken", "a.stuck", "odd", "S1", "NOT MITIGATED"):
+            assert f"\n  {row} " in text or f"  {row}  " in text, (verbose, row)
+        assert "Verdict: PROBLEMS: F9 not mitigated, scenario S1 failed" in text
+    short = report.format_text(r)
+    assert "\n  a.ok " not in short and "\n  fine " not in short and "\n  later " not in short and "\n  S2 " not in short
+    assert "3 shims: 1 applied, 1 failed, 1 reverted" in short
+    assert "3 families: 1 patched (fine), 1 waiting" in short
+    assert "2 scenarios in 2.0 s: 1 failed, 1 passed (S2)" in short
+
+
+def test_disabled_report_says_everything_is_off_and_nothing_waits():
+    """LIGER_COMPAT_DISABLE=1, with transformers and trl imported (the CLI imports them): no shim or
+    family is "waiting" for an import that will never patch anything."""
+    env = {"LIGER_COMPAT_DISABLE": "1"}
+    for args in (("check",), ("check", "--verbose")):
+        r = _run(*args, env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "waiting" not in r.stdout.lower(), r.stdout
+        assert "liger_compat is OFF (LIGER_COMPAT_DISABLE=1): nothing is patched" in r.stdout
+        assert "Verdict: OK (liger_compat is off" in r.stdout
+    assert "  transformers.fused_causal_lm_forward   " in r.stdout and " disabled " in r.stdout  # --verbose's row
+    d = json.loads(_run("check", "--json", env=env).stdout)
+    assert {s["state"] for s in d["shims"]} == {"disabled"}
+    assert all("liger_compat is off" in s["reason"] for s in d["shims"])
+    assert all(v.startswith("off") for v in d["families"].values()), d["families"]
+    assert d["ok"] is True

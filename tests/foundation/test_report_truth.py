@@ -46,20 +46,40 @@ def test_shims_wait_for_their_targets_and_the_report_imports_none():
     assert d["ok"] == [True, True] and d["exit"] == [0, 0]
 
 
+def _shim_rows(text: str) -> dict[str, list[str]]:
+    """The Shims table of a --verbose report: id -> [state, fixes and reason] (wrapped reasons joined)."""
+    rows: dict[str, list[str]] = {}
+    last = None
+    for line in text.split("\nShims\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]:
+        if line.startswith("   "):  # a continuation line of the reason
+            rows[last][1] += " " + line.strip()
+        else:
+            last, *rest = line.split(None, 2)
+            rows[last] = rest
+    return rows
+
+
 def test_cli_prints_the_table_once_and_shows_waiting_shims():
     """The CLI imports transformers and trl first: the module shims then wait for a modeling module."""
     pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, "-m", "liger_compat", "check"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "liger_compat", "check", "--verbose"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("Verdict: OK") == 1, r.stdout[-2000:]
-    rows = {line.split()[0]: line.split(None, 2)[1:] for line in
-            r.stdout.split("\nShims\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]}
+    rows = _shim_rows(r.stdout)
     # a shim with no target module imported yet waits for one, and says which; whatever trl imports
     # of transformers' modeling modules, nothing claims "applied" for a patch it has not made
     assert not [sid for sid, (state, rest) in rows.items() if "no target imported" in rest], rows
     waiting = {sid: rest for sid, (state, rest) in rows.items() if state == "waiting"}
     assert all("waiting for " in rest for rest in waiting.values()), waiting
     assert any("waiting for one of" in rest and "transformers." in rest for rest in waiting.values()), rows
+    # the default report counts them by state on one line
+    short = subprocess.run([sys.executable, "-m", "liger_compat", "check"], capture_output=True, text=True, timeout=600)
+    full = subprocess.run([sys.executable, "-m", "liger_compat", "check", "--json"], capture_output=True, text=True,
+                          timeout=600)
+    states = [s["state"] for s in json.loads(full.stdout)["shims"]]
+    counts = ", ".join(f"{states.count(st)} {st}" for st in dict.fromkeys(states))
+    assert f"\nShims\n  {len(rows)} shims: {counts}\n" in short.stdout, short.stdout
     j = subprocess.run([sys.executable, "-m", "liger_compat", "check", "--no-import", "--json"], capture_output=True,
                        text=True, timeout=300)
     assert j.returncode == 0 and json.loads(j.stdout)["ok"] is True  # nothing but the JSON on stdout

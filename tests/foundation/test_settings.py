@@ -58,12 +58,19 @@ def test_check_shows_every_setting_with_its_value_and_source():
     assert mlp.startswith("invalid (LIGER_COMPAT_MLP_RECOMPUTE must be 1, 0, or names from activation, input")
     for name in ("LIGER_COMPAT_DISABLE", "LIGER_COMPAT_FLCE_MODE", "LIGER_COMPAT_FLCE_LOGITS", "TRITON_INTERPRET"):
         assert rows[name]["source"] == "default", name
-    text = "\n".join(lines[1:])
-    section = text[text.index("\nSettings\n"):text.index("\nShims\n")]
-    for name in _config.ENV_VARS:
-        assert name in section, name
-    assert [ln.split()[:3] for ln in section.splitlines() if "LIGER_COMPAT_FLCE_CHUNK_MB" in ln] == [
-        ["LIGER_COMPAT_FLCE_CHUNK_MB", "62", "LIGER_COMPAT_FLCE_CHUNK_MB"]]
+    # the default report lists the variables not at their default; --verbose (verbose=True) every one
+    set_here = [name for name, row in rows.items() if row["source"] != "default"]
+    assert set_here and len(set_here) < len(rows)
+    for verbose in (False, True):
+        text = "\n".join(lines[1:]) if not verbose else subprocess.run(
+            [sys.executable, "-c", code.replace("format_text(r)", "format_text(r, verbose=True)")], env=env,
+            capture_output=True, text=True, timeout=600).stdout
+        section = text[text.index("\nSettings\n"):text.index("\nShims\n")]
+        for name in _config.ENV_VARS:
+            assert (name in section) == (verbose or name in set_here), (verbose, name)
+        assert [ln.split()[:3] for ln in section.splitlines() if "LIGER_COMPAT_FLCE_CHUNK_MB" in ln] == [
+            ["LIGER_COMPAT_FLCE_CHUNK_MB", "62", "LIGER_COMPAT_FLCE_CHUNK_MB"]]
+    assert f"the other {len(rows) - len(set_here)} variables at their defaults" in "\n".join(lines[1:])
 
 
 def test_the_report_follows_configure(monkeypatch):
