@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from suite_scope import skip_what_the_main_run_passed
 
 settings.register_profile("fixed", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
@@ -74,6 +75,7 @@ _trl_head_kernels_interpreted_on_cpu()
 
 
 def pytest_collection_modifyitems(config, items):
+    skip_what_the_main_run_passed(items)
     try:
         import torch
 

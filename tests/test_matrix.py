@@ -204,6 +204,13 @@ def test_ci_subset_covers_oldest_newest_and_the_4_48_to_4_50_window():
     assert any(Version(c.trl).release[:2] == (0, 14) for c in ci if not c.newest), "the before-side of trl 0.15"
 
 
+def test_cells_run_by_ci_are_the_labelled_ones_and_the_newest():
+    newest = GRID.cell("newest")
+    assert newest.ci and "ci" not in newest.labels  # CI's main run installs what it installs
+    assert {c.name for c in GRID.cells if c.ci} == {c.name for c in GRID.labelled("ci")} | {newest.name}
+    assert not all(c.ci for c in GRID.pinned)  # some cells only run when someone runs them
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d["cell"][0].update(transformers="4.48"), "plain released version"),
     (lambda d: d["cell"][0].update(trl="0.15.0.dev0"), "plain released version"),
@@ -490,12 +497,57 @@ def _verified(**cells):
     return {"schema": 1, "cells": cells}
 
 
+#: a pinned cell CI runs, and pinned cells on the grid's torch outside CI (their verdicts follow the
+#: recorded fingerprint)
+CI_CELL = GRID.cell("tf4.48-trl0.15")
+OUTSIDE_CI = [c for c in GRID.pinned if not c.ci and not c.own_torch]
+
+
 def test_status_verified_cell():
     c = GRID.cells[4]
     st = _status(c.transformers, c.trl, _verified(**{c.name: _result()}))
     assert st["verified"] is True and st["state"] == "verified" and st["stale"] is False and st["cell"] == c.name and st["nearest"] is None
     assert st["results"]["passed"] == 10
     assert st["summary"].startswith("verified:") and c.name in st["summary"] and "\n" not in st["summary"]
+
+
+def test_ci_cell_is_verified_whatever_its_recorded_run():
+    c = CI_CELL
+    for res in (_result(prints=OTHER), _result(prints=None), _result(failed=2, prints=OTHER)):
+        st = _status(c.transformers, c.trl, _verified(**{c.name: res}))
+        assert st["verified"] is True and st["state"] == "verified" and st["ci"] is True and st["stale"] is False
+        assert st["cell"] == c.name and st["results"] is res and st["nearest"] is None
+    st = _status(c.transformers, c.trl, _verified(**{c.name: _result(prints=OTHER)}))
+    assert st["summary"] == (f"verified by CI: transformers {c.transformers} + trl {c.trl} is grid cell {c.name}, run "
+                             "and passed at every landed commit (last counted: 10 passed, 0 failed, 1 skipped at "
+                             "abc1234 2026-11-20)")
+
+
+def test_ci_cell_without_a_recorded_run_is_verified_with_unknown_counts():
+    from liger_compat.matrix.status import nearest_cells
+
+    c = CI_CELL
+    st = verification_status(c.transformers, c.trl, GRID, _verified(), current=NOW, torch=c.torch)
+    assert st["verified"] is True and st["state"] == "verified" and st["ci"] is True
+    assert st["results"] is None and st["recorded_at"] is None
+    assert st["summary"].startswith(f"verified by CI: transformers {c.transformers} + trl {c.trl} is grid cell "
+                                    f"{c.name}, run and passed at every landed commit (no counts recorded); ")
+    # its torch release is verified by it, and it is offered as a verified neighbour
+    assert st["torch"]["verified"] is True and c.name in st["torch"]["cells"]
+    near = nearest_cells({"transformers": "4.48.4", "trl": c.trl, "torch": c.torch}, GRID, _verified(), NOW)
+    assert near[0]["cell"] == c.name and near[0]["state"] == "verified"
+
+
+def test_cell_outside_ci_is_verified_or_stale_by_its_recorded_fingerprint():
+    c = OUTSIDE_CI[0]
+    assert not c.ci
+    st = _status(c.transformers, c.trl, _verified(**{c.name: _result()}))
+    assert st["state"] == "verified" and st["ci"] is False
+    assert st["summary"].startswith(f"verified: transformers {c.transformers} + trl {c.trl} is grid cell {c.name} (")
+    st = _status(c.transformers, c.trl, _verified(**{c.name: _result(prints=OTHER)}))
+    assert st["state"] == "stale" and st["verified"] is False and st["ci"] is False
+    st = _status(c.transformers, c.trl, _verified(**{c.name: _result(failed=1)}))
+    assert st["state"] == "failing" and st["verified"] is False
 
 
 def test_status_failing_cell_points_to_nearest_passing_one():
@@ -524,9 +576,10 @@ def test_status_unknown_and_unrecorded():
     st = _status(None, None, _verified())
     assert st["verified"] is False and st["cell"] is None and st["nearest"] is None
     assert "not installed" in st["summary"]
-    c = GRID.cells[0]
+    c = OUTSIDE_CI[0]
     st = _status(c.transformers, c.trl, _verified())
-    assert st["cell"] == c.name and "not run yet" in st["summary"] and st["nearest"] is None
+    assert st["cell"] == c.name and st["state"] == "not run" and "not run yet" in st["summary"]
+    assert GRID.cell(st["nearest"]["cell"]).ci  # nothing recorded: the cells CI runs still speak
     st = _status("not-a-version", "0.15.2", _verified(**{c.name: _result()}))
     assert st["cell"] is None and st["verified"] is False
 
@@ -574,26 +627,115 @@ def test_check_report_shows_the_matrix():
 
 def test_readme_block_rewrite_only_touches_the_block(tmp_path):
     text = f"# Title\n\nintro\n\n{readme.START}\nold table\n{readme.END}\n\n## After\nkeep me\n"
-    v = _verified(**{GRID.cells[0].name: _result(failed=3), NEWEST_PINNED.name: _result(passed=99)})
-    new = readme.render(text, GRID, v, NOW)
+    v = _verified(**{OUTSIDE_CI[0].name: _result(failed=3), NEWEST_PINNED.name: _result(passed=99)})
+    new = readme.render(text, GRID, v)
     assert new.startswith("# Title\n\nintro\n\n") and new.endswith(f"{readme.END}\n\n## After\nkeep me\n")
     assert "old table" not in new
-    assert "| 5.23.0 | 1.16.0 | 2.13.0 |" in new and "| verified | 99 |" in new
+    assert "| 5.23.0 | 1.16.0 | 2.13.0 |" in new and "| verified by CI | 99 / 0 / 1 |" in new
     assert "FAILING (3 tests)" in new and "not run yet" in new
-    assert readme.is_current(new, GRID, v, NOW) and not readme.is_current(text, GRID, v, NOW)
+    assert readme.is_current(new, GRID, v) and not readme.is_current(text, GRID, v)
     p = tmp_path / "README.md"
     p.write_text(text)
-    assert readme.update(p, GRID, v, NOW) is True and readme.update(p, GRID, v, NOW) is False
+    assert readme.update(p, GRID, v) is True and readme.update(p, GRID, v) is False
     with pytest.raises(readme.ReadmeError):
-        readme.render("no markers here", GRID, v, NOW)
+        readme.render("no markers here", GRID, v)
 
 
 def test_readme_support_table_is_current():
-    path = ROOT / "README.md"
-    if not path.exists() or not readme.has_markers(path.read_text(encoding="utf-8")):
-        pytest.skip("README.md has no support-table markers yet")
-    assert readme.is_current(path.read_text(encoding="utf-8"), GRID, matrix.load_verified()), \
-        "README support table is stale: run `python -m liger_compat.matrix readme`"
+    assert set(readme.TARGETS) == {"README.md", "docs/version-matrix.md"}
+    for rel, full in readme.TARGETS.items():
+        text = (ROOT / rel).read_text(encoding="utf-8")
+        assert readme.has_markers(text), f"{rel} has no support-table markers"
+        assert readme.is_current(text, GRID, matrix.load_verified(), full), \
+            f"the support table of {rel} is out of date: run `python -m liger_compat.matrix readme`"
+
+
+def _table_rows(table: str) -> dict[str, list[str]]:
+    """The rows of a support table by tox env, split into columns."""
+    return {line.rsplit("`", 2)[1]: line.strip("| ").split(" | ") for line in table.splitlines() if line.endswith("` |")}
+
+
+def test_readme_tables_do_not_depend_on_the_fingerprint(monkeypatch):
+    from liger_compat.matrix import fingerprint
+
+    c = OUTSIDE_CI[0]
+    v = _verified(**{c.name: _result(), CI_CELL.name: _result(prints=OTHER)})
+    text = f"{readme.START}\n{readme.END}\n"
+    for full in (False, True):
+        tables = []
+        for now in (NOW, OTHER):  # the code as recorded, then other code (an edited test)
+            monkeypatch.setattr(fingerprint, "current", lambda with_tests=False, now=now: dict(now))
+            tables.append(readme.render(text, GRID, v, full))
+        assert tables[0] == tables[1]
+        assert "| passed at abc1234 2026-11-20 |" in tables[0] and "| verified by CI |" in tables[0]
+
+
+def test_readme_states_of_each_kind():
+    passed, failing, errors, unrun = OUTSIDE_CI[:4]
+    v = _verified(**{passed.name: _result(commit="1234567" + "0" * 33), failing.name: _result(failed=1),
+                     errors.name: _result(failed=1, errors=2), CI_CELL.name: _result(failed=4, prints=None)})
+    rows = _table_rows(readme.table(GRID, v))
+    state = readme.SHORT.index("state")
+    assert rows[passed.name][state] == "passed at 1234567 2026-11-20"
+    assert rows[failing.name][state] == "FAILING (1 test) at abc1234 2026-11-20"
+    assert rows[errors.name][state] == "FAILING (3 tests) at abc1234 2026-11-20"
+    assert rows[unrun.name][state] == "not run yet" and rows[unrun.name][state + 1:state + 3] == ["", ""]
+    # CI passes it at every landed commit, whatever was recorded; the counts are the recorded ones
+    assert rows[CI_CELL.name][state:] == ["verified by CI", "10 / 4 / 1", "abc1234 2026-11-20", f"`{CI_CELL.name}`"]
+    assert all(rows[c.name][state] == "verified by CI" for c in GRID.cells if c.ci)
+    assert rows["newest"][state] == "verified by CI"  # also when its run was never recorded
+
+
+def test_readme_rows_are_grouped_by_transformers_series():
+    lines = readme.table(GRID, _verified()).splitlines()
+    groups = [i for i, line in enumerate(lines) if line.startswith("| **transformers ")]
+    assert len(groups) == len({Version(c.transformers).major for c in GRID.pinned}) >= 2
+    for start, end in zip(groups, groups[1:] + [len(lines)]):
+        cells = [GRID.cell(line.rsplit("`", 2)[1]) for line in lines[start + 1:end] if line.endswith("` |")]
+        majors = {Version(c.transformers).major for c in cells if not c.newest}
+        assert len(majors) == 1, lines[start]
+        assert lines[start].startswith(f"| **transformers {majors.pop()}.")
+    assert "and the newest release**" in lines[groups[-1]] and lines[-1].endswith("`newest` |")
+
+
+def test_docs_table_has_every_column_and_the_readme_fewer():
+    v = _verified(**{c.name: _result() for c in GRID.pinned})
+    full, short = readme.table(GRID, v, full=True), readme.table(GRID, v)
+    header = full.splitlines()[4].strip("| ").split(" | ")
+    assert header == list(readme.FULL)
+    assert {"transformers", "trl", "torch", "accelerate", "datasets", "also installed", "state", "passed", "failed",
+            "skipped", "recorded at", "tox env"} <= set(header)
+    assert short.splitlines()[4].strip("| ").split(" | ") == list(readme.SHORT) and len(readme.SHORT) < len(header)
+    assert "accelerate" not in readme.SHORT and "CI" not in header  # CI-ness is in the state
+    rows = _table_rows(full)
+    for c in GRID.pinned:
+        assert [rows[c.name][header.index(k)] for k in ("transformers", "trl", "torch", "accelerate", "datasets")] == \
+            [c.transformers, c.trl, c.torch, c.accelerate, c.datasets], c.name
+        assert rows[c.name][header.index("passed"):header.index("recorded at")] == ["10", "0", "1"]
+    assert full.splitlines()[2] == short.splitlines()[2]  # one intro for both
+
+
+def test_readme_intro_says_what_verified_means():
+    intro = readme.table(GRID, _verified()).splitlines()[2]
+    assert "*verified by CI*" in intro and "nothing lands unless it passes" in intro and "`.ci/run`" in intro
+    assert "every landed commit" in intro and "labelled `ci`" in intro
+    assert "python -m liger_compat.matrix record" in intro and "fingerprint" not in intro
+
+
+def test_readme_cli_rewrites_and_checks_both_tables(tmp_path, capsys):
+    from liger_compat.matrix.__main__ import main
+
+    for rel in readme.TARGETS:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n\n{readme.START}\nold\n{readme.END}\n")
+    assert main(["readme", "--check", "--root", str(tmp_path)]) == 1
+    assert main(["readme", "--root", str(tmp_path)]) == 0
+    assert main(["readme", "--check", "--root", str(tmp_path)]) == 0
+    for rel, full in readme.TARGETS.items():
+        assert (tmp_path / rel).read_text() == readme.render(f"# {rel}\n\n{readme.START}\n{readme.END}\n", GRID,
+                                                             matrix.load_verified(), full)
+    (tmp_path / "docs" / "version-matrix.md").write_text("no markers")
+    assert main(["readme", "--root", str(tmp_path)]) == 2
 
 
 # -- the newest cell: no pins, eager upgrade, versions recorded --------------------------------------
@@ -710,11 +852,12 @@ def test_status_and_readme_use_the_newest_cells_recorded_releases():
     st = _status("99.1.1", "98.2.0", v)  # a later patch release: not the recorded run, but nearest to it
     assert st["cell"] is None and st["nearest"]["cell"] == "newest" and st["nearest"]["transformers"] == "99.1.0"
     assert _status("99.1.0", "98.2.0", _verified())["cell"] is None  # never run: nothing to match
-    table = readme.table(GRID, v, NOW)
+    table = readme.table(GRID, v, full=True)
     row = next(line for line in table.splitlines() if line.endswith("`newest` |"))
-    assert row.startswith("| newest (99.1.0) | newest (98.2.0) | 2.13.0 | newest (97.0.0) | newest (96.0.0) | - | verified | 77 |")
-    row = next(line for line in readme.table(GRID, _verified(), NOW).splitlines() if line.endswith("`newest` |"))
-    assert row.startswith("| newest | newest | 2.13.0 | newest | newest | - | not run yet |")
+    assert row.startswith("| newest (99.1.0) | newest (98.2.0) | 2.13.0 | newest (97.0.0) | newest (96.0.0) | - | "
+                          "verified by CI | 77 |")
+    row = next(line for line in readme.table(GRID, _verified(), full=True).splitlines() if line.endswith("`newest` |"))
+    assert row.startswith("| newest | newest | 2.13.0 | newest | newest | - | verified by CI |  |")
 
 
 # -- content fingerprints: verified only for the code that ran ------------------------------------
@@ -784,7 +927,8 @@ def test_fingerprint_matching(source, now, ok):
 
 
 def test_status_verified_only_for_the_recorded_code():
-    c = GRID.cell("tf4.48-trl0.15")
+    c = GRID.cell("tf4.53-trl0.20")  # outside CI: its verdict follows the recorded fingerprint
+    assert not c.ci
     for res in (_result(prints=OTHER), _result(prints=None)):  # other code; recorded without a fingerprint
         st = _status(c.transformers, c.trl, _verified(**{c.name: res}))
         assert st["verified"] is False and st["stale"] is True and st["state"] == "stale" and st["cell"] == c.name
@@ -792,29 +936,16 @@ def test_status_verified_only_for_the_recorded_code():
         assert st["recorded_at"] == {"commit": res["source"]["commit"], "date": "2026-11-20T10:00:00"}
     st = _status(c.transformers, c.trl, _verified(**{c.name: _result(prints=OTHER)}), now=dict(OTHER))
     assert st["verified"] is True and st["summary"].startswith("verified: ")
-    # a stale cell is not offered as a verified neighbour: a verified one is preferred at equal distance
-    a, b = GRID.cell("tf4.48-trl0.14"), GRID.cell("tf4.49-trl0.15")
-    v = _verified(**{a.name: _result(prints=OTHER), b.name: _result()})
-    st = _status("4.48.3", "0.15.0", v)
-    assert st["nearest"]["cell"] == b.name and st["nearest"]["state"] == "verified"
-    assert "nearest verified cell: " + b.name in st["summary"]
-    st = _status("4.48.3", "0.15.0", _verified(**{a.name: _result(prints=OTHER)}))
+    # a stale cell is named as such, a verified one as verified (cells outside CI, far from those CI runs)
+    a, b = GRID.cell("tf4.53-trl0.20"), GRID.cell("tf4.54-trl0.20")
+    assert not a.ci and not b.ci
+    v = _verified(**{a.name: _result(), b.name: _result(prints=OTHER)})
+    st = _status("4.53.9", "0.20.0", v)
+    assert st["nearest"]["cell"] == a.name and st["nearest"]["state"] == "verified"
+    assert "nearest verified cell: " + a.name in st["summary"]
+    st = _status("4.53.9", "0.20.0", _verified(**{a.name: _result(prints=OTHER)}))
     assert st["nearest"]["state"] == "stale" and "nearest passing cell: " + a.name in st["summary"]
     assert "stale (recorded at abc1234" in st["summary"]
-
-
-def test_readme_table_states_by_fingerprint():
-    c0, c1, c2 = GRID.pinned[0], GRID.pinned[1], GRID.pinned[2]
-    v = _verified(**{c0.name: _result(), c1.name: _result(prints=OTHER, commit="1234567" + "0" * 33),
-                     c2.name: _result(failed=1, prints=None)})
-    rows = {line.rsplit("`", 2)[1]: line for line in readme.table(GRID, v, NOW).splitlines() if line.endswith("` |")}
-    assert "| verified | 10 |" in rows[c0.name]
-    assert "| stale (recorded at 1234567 2026-11-20) | 10 |" in rows[c1.name]
-    assert "| FAILING (1 test), stale (recorded at abc1234 2026-11-20) |" in rows[c2.name]
-    # the README compares the tests too: a run of the same package with other tests is stale
-    other_tests = readme.table(GRID, v, {**NOW, "tests": "d" * 64})
-    assert "| stale (recorded at abc1234 2026-11-20) |" in next(
-        line for line in other_tests.splitlines() if line.endswith(f"`{c0.name}` |"))
 
 
 def _report_with(matrix_section):
@@ -831,7 +962,7 @@ def test_check_report_verified_line_and_json_follow_the_fingerprint(monkeypatch)
     from liger_compat.compat import report
     from liger_compat.matrix import fingerprint, status
 
-    c = GRID.cell("tf4.48-trl0.15")
+    c = GRID.cell("tf4.53-trl0.20")  # outside CI
     installed = {"transformers": SimpleNamespace(raw=c.transformers), "trl": SimpleNamespace(raw=c.trl)}
     here = fingerprint.current()  # what check() compares: the installed package, no tests
     assert set(here) == {"package"}
@@ -847,19 +978,35 @@ def test_check_report_verified_line_and_json_follow_the_fingerprint(monkeypatch)
         if state == "verified":
             assert line.startswith(f"verified: transformers {c.transformers} + trl {c.trl} is grid cell {c.name}")
         else:
-            assert line.startswith("stale (recorded at abc1234 2026-11-20): ") and "verified" not in line
+            assert line.startswith("stale (recorded at abc1234 2026-11-20): ")
+            assert "verified" not in line.split(";")[0]  # only the nearest cell is (one CI runs)
 
 
-def test_readme_table_says_which_cells_ci_runs_and_what_else_is_installed():
-    rows = {line.rsplit("`", 2)[1]: line.split(" | ") for line in readme.table(GRID, _verified(), NOW).splitlines()
-            if line.endswith("` |")}
+def test_check_report_says_verified_by_ci_for_a_cell_ci_runs(monkeypatch):
+    from types import SimpleNamespace
+
+    from liger_compat.compat import report
+    from liger_compat.matrix import status
+
+    c = CI_CELL
+    installed = {"transformers": SimpleNamespace(raw=c.transformers), "trl": SimpleNamespace(raw=c.trl)}
+    for recorded in (_verified(**{c.name: _result(prints=OTHER)}), _verified()):
+        monkeypatch.setattr(status, "load_verified", lambda recorded=recorded: recorded)
+        r = _report_with(report._matrix(installed))
+        lines = str(r).splitlines()
+        line = lines[lines.index("Version matrix") + 1].strip()
+        assert line.startswith(f"verified by CI: transformers {c.transformers} + trl {c.trl} is grid cell {c.name}, "
+                               "run and passed at every landed commit (")
+        data = json.loads(r.to_json())["matrix"]
+        assert data["verified"] is True and data["ci"] is True and data["state"] == "verified"
+
+
+def test_readme_table_says_what_else_is_installed():
+    rows = _table_rows(readme.table(GRID, _verified()))
     assert set(rows) == {c.name for c in GRID.cells}
+    extras = readme.SHORT.index("also installed")
     for c in GRID.cells:
-        assert (rows[c.name][-2] == "yes") == ("ci" in c.labels), c.name
-        for dist, ver in c.extras:
-            assert f"{dist} {ver}" in rows[c.name][5]
-    intro = readme.table(GRID, _verified(), NOW).splitlines()[2]
-    assert all(f"`{c.name}`" in intro for c in GRID.labelled("ci"))
+        assert rows[c.name][extras] == (", ".join(f"{d} {v}" for d, v in c.extras) or "-"), c.name
 
 
 # -- the torch axis: cells that install their own torch ----------------------------------------------
@@ -954,7 +1101,7 @@ def test_env_check_refuses_a_torch_axis_cell_on_another_torch(tmp_path):
 
 
 def test_status_prefers_the_cell_on_the_installed_torch_and_says_whether_torch_was_verified():
-    axis = next(c for c in TORCH_AXIS if c.transformers == NEWEST_PINNED.transformers)
+    axis = next(c for c in TORCH_AXIS if c.transformers == NEWEST_PINNED.transformers and not c.ci)
     v = _verified(**{NEWEST_PINNED.name: _result(passed=11), axis.name: _result(passed=22)})
     st = verification_status(axis.transformers, axis.trl, GRID, v, current=NOW, torch=axis.torch + "+cu130")
     assert st["cell"] == axis.name and st["verified"] and st["results"]["passed"] == 22
@@ -968,13 +1115,14 @@ def test_status_prefers_the_cell_on_the_installed_torch_and_says_whether_torch_w
     assert st["cell"] == NEWEST_PINNED.name and st["state"] == "verified"
     assert st["torch"]["verified"] is False and st["torch"]["nearest"] == "2.13.0"
     assert f"(its cell runs on torch {GRID.torch})" in st["summary"]
-    assert "torch 2.11.0: NOT verified (no cell runs on it; verified torch releases: 2.13.0, " + axis.torch + ")" \
+    ci_torch = sorted({c.torch for c in GRID.cells if c.ci} | {axis.torch}, key=Version)
+    assert f"torch 2.11.0: NOT verified (no cell runs on it; verified torch releases: {', '.join(ci_torch)})" \
         in st["summary"]
     # a torch release of the grid whose cells have no passing run of this code
     v2 = _verified(**{NEWEST_PINNED.name: _result(), axis.name: _result(prints=OTHER)})
     st = verification_status(axis.transformers, axis.trl, GRID, v2, current=NOW, torch=axis.torch)
     assert st["cell"] == axis.name and st["state"] == "stale" and st["torch"]["verified"] is False
-    assert "without a passing run of this code" in st["torch"]["summary"]
+    assert "without a verified cell" in st["torch"]["summary"]
     # without torch, torch is not looked at (as before)
     st = verification_status(axis.transformers, axis.trl, GRID, v, current=NOW)
     assert st["cell"] == NEWEST_PINNED.name and st["torch"] is None and "torch" not in st["summary"]
@@ -996,8 +1144,8 @@ def test_check_report_looks_at_the_installed_torch(monkeypatch):
 
 
 def test_readme_table_has_a_torch_column():
-    table = readme.table(GRID, _verified(), NOW)
-    rows = {line.rsplit("`", 2)[1]: line.split(" | ") for line in table.splitlines() if line.endswith("` |")}
+    table = readme.table(GRID, _verified())
+    rows = _table_rows(table)
     assert table.splitlines()[4].split(" | ")[2] == "torch"
     for c in GRID.cells:
         assert rows[c.name][2] == c.torch, c.name

@@ -5,8 +5,8 @@ their own package metadata.
 
 Three kinds of advice, each a dict with ``kind``, ``subject``, ``text`` and the data it comes from:
 
-* ``matrix``: the installed (transformers, trl) pair is not a verified cell: the nearest cells with a
-  passing run and the pins (``pins``, ``command``) that would put the user on one;
+* ``matrix``: the installed (transformers, trl) pair is not a verified cell: the nearest cells CI
+  runs or with a passing run and the pins (``pins``, ``command``) that would put the user on one;
 * ``torch``: the installed torch release is not one a cell verified: the nearest verified release
   and the pin that would put the user on it;
 * ``known-issue``: an applying known issue, with the upstream release that fixes it (``fixed_in``),

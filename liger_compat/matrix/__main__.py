@@ -4,7 +4,7 @@
   tox-ini [--check]             (re)generate tox.ini and constraints.txt from grid.toml
   env-check CELL --out DIR      inside a tox env: assert the pins are what Python imports; write DIR/env.json
   record DIR [DIR...]           merge tox results (DIR/env.json + DIR/junit.xml) into verified.json
-  readme [--check] [PATH]       rewrite the support table between the README markers
+  readme [--check] [--root DIR] rewrite the support tables of README.md and docs/version-matrix.md
   status [TRANSFORMERS TRL] [--torch V]  verification status of a pair and a torch release (default: installed)
 """
 
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from . import readme, results, toxgen
+from .grid import Grid
 from .grid import load as load_grid
 from .status import verification_status
 
@@ -33,6 +34,26 @@ def _write_or_check(path: Path, text: str, check: bool) -> int:
     path.write_text(text, encoding="utf-8")
     print(f"{path}: written")
     return 0
+
+
+def _readme(grid: Grid, root: Path, check: bool) -> int:
+    """Rewrite (with ``check``: only compare) the support table of each file of :data:`readme.TARGETS`."""
+    verified = results.load_verified()
+    rc = 0
+    for rel, full in readme.TARGETS.items():
+        path = root / rel
+        try:
+            if check:
+                ok = readme.is_current(path.read_text(encoding="utf-8"), grid, verified, full)
+                rc |= 0 if ok else 1
+                said = "up to date" if ok else "OUT OF DATE (run python -m liger_compat.matrix readme)"
+            else:
+                said = "rewritten" if readme.update(path, grid, verified, full) else "already up to date"
+        except (OSError, readme.ReadmeError) as exc:
+            print(f"readme: {path}: {exc}", file=sys.stderr)
+            return 2
+        print(f"{path}: support table {said}")
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("dirs", nargs="+", type=Path)
     r.add_argument("--output", type=Path, default=None, help="default: liger_compat/matrix/verified.json")
     m = sub.add_parser("readme")
-    m.add_argument("path", nargs="?", type=Path, default=ROOT / "README.md")
-    m.add_argument("--check", action="store_true")
+    m.add_argument("--check", action="store_true", help="exit 1 if a table is out of date instead of writing it")
+    m.add_argument("--root", type=Path, default=ROOT)
     s = sub.add_parser("status")
     s.add_argument("transformers", nargs="?")
     s.add_argument("trl", nargs="?")
@@ -99,19 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"record: not recorded: {prob}", file=sys.stderr)
         return 1 if problems else 0
     if a.cmd == "readme":
-        try:
-            text = a.path.read_text(encoding="utf-8")
-            verified = results.load_verified()
-            if a.check:
-                ok = readme.is_current(text, grid, verified)
-                print(f"{a.path}: support table {'up to date' if ok else 'STALE (run python -m liger_compat.matrix readme)'}")
-                return 0 if ok else 1
-            changed = readme.update(a.path, grid, verified)
-        except (OSError, readme.ReadmeError) as exc:
-            print(f"readme: {exc}", file=sys.stderr)
-            return 2
-        print(f"{a.path}: support table {'rewritten' if changed else 'already up to date'}")
-        return 0
+        return _readme(grid, a.root, a.check)
     if a.cmd == "status":
         if a.transformers is None:
             from ..compat import versions

@@ -7,9 +7,12 @@ is itself one commit after it, and unrelated commits (docs) leave the tested cod
 - the package: ``liger_compat/**/*.py`` plus its data files (grid.toml, ...), without
   ``verified.json`` (the results themselves) -- what a user's install has, so ``check()`` can
   compare it there;
-- the tests: ``tests/**/*.py`` -- only in a source checkout (the README generator compares both).
+- the tests: ``tests/**/*.py`` -- only in a source checkout (recorded beside the package's, so
+  that a run says which tests it ran).
 
-A recorded cell counts as verified only while these fingerprints equal the current ones.
+``check()`` counts a recorded cell that CI does not run as verified only while the recorded
+package fingerprint equals the installed package's (a cell CI runs is verified at every landed
+commit, whatever was recorded). The support tables compare no fingerprint.
 Cheap: reads ~100 small files, imports nothing heavy.
 """
 

@@ -84,6 +84,13 @@ class Cell:
     #: torch instead of reusing the system-wide one)
     own_torch: bool = False
 
+    @property
+    def ci(self) -> bool:
+        """Whether CI runs this cell at every landed commit: a cell labelled ``ci`` (``.ci/run``
+        runs them all) or the newest cell (``.ci/run``'s main suite installs what it installs).
+        Nothing lands unless they pass, so each of them is verified at every landed commit."""
+        return self.newest or "ci" in self.labels
+
     def pins(self) -> dict[str, str]:
         """The exact releases this cell installs; empty for the newest cell."""
         if self.newest:

@@ -1,6 +1,11 @@
 """Is the installed (transformers, trl) pair a verified cell of the grid? Which one is nearest?
 Was the installed torch release verified by any cell?
 
+A cell CI runs (:attr:`Cell.ci`) is verified at every landed commit, whatever verified.json
+recorded for it: nothing lands unless ``.ci/run`` passes it. Any other cell is verified while its
+recorded run passed on this very code: the package's content fingerprint then equals the
+installed one.
+
 Used by ``check()``; reads grid.toml and verified.json, and hashes the installed package's
 files to tell whether a recorded run tested this code (no torch / transformers import).
 """
@@ -37,11 +42,16 @@ def _distance(transformers: str | None, trl: str | None, cell_transformers: str,
     return round(d, 4)
 
 
-def _brief(result: dict[str, Any]) -> str:
+def _counts(result: dict[str, Any]) -> str:
+    """``N passed, N failed, N skipped`` (and errors, if any) of a recorded run."""
     s = f"{result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped"
     if result.get("errors"):
         s += f", {result['errors']} errors"
-    return f"{s}; {str(result.get('date', '?'))[:10]}"
+    return s
+
+
+def _brief(result: dict[str, Any]) -> str:
+    return f"{_counts(result)}; {str(result.get('date', '?'))[:10]}"
 
 
 def recorded_at(result: dict[str, Any]) -> str:
@@ -50,14 +60,30 @@ def recorded_at(result: dict[str, Any]) -> str:
     return f"{commit[:7]} {str(result.get('date', '?'))[:10]}"
 
 
-def cell_state(result: dict[str, Any] | None, now: dict[str, str | None]) -> str:
-    """``verified`` (passing run of this very code), ``stale`` (passing run of other code, or
-    of code without a fingerprint), ``failing`` or ``not run``."""
+def cell_state(cell: Cell, result: dict[str, Any] | None, now: dict[str, str | None]) -> str:
+    """``verified`` (a cell CI runs, whatever ``result`` says, or a passing run of this very
+    code), ``stale`` (passing run of other code, or of code without a fingerprint), ``failing``
+    or ``not run``."""
+    if cell.ci:
+        return "verified"
     if result is None:
         return "not run"
     if not passing(result):
         return "failing"
     return "verified" if fingerprint.matches(result.get("source"), now) else "stale"
+
+
+def _speaks(cell: Cell, recorded: dict[str, Any]) -> bool:
+    """Whether a cell speaks for its pair: CI runs it, or a recorded run of it passed (on
+    whatever code: ``verified`` or ``stale``)."""
+    return cell.ci or passing(recorded.get(cell.name))
+
+
+def _ci_counts(result: dict[str, Any] | None) -> str:
+    """What the summary of a cell CI runs says of it: it passes at every landed commit; the counts
+    are those of its last recorded run, if any."""
+    last = f"last counted: {_counts(result)} at {recorded_at(result)}" if result else "no counts recorded"
+    return f"run and passed at every landed commit ({last})"
 
 
 def _newest_match(grid: Grid, recorded: dict[str, Any], transformers_raw: str | None, trl_raw: str | None) -> Cell | None:
@@ -84,22 +110,22 @@ def _releases(cell: Cell, recorded: dict[str, Any]) -> tuple[str, str] | None:
 
 def torch_pool(grid: Grid, recorded: dict[str, Any], torch_raw: str | None) -> tuple[Cell, ...]:
     """The cells whose runs speak for a user on this torch release: those on that release when
-    one of them has a passing run, else those on the grid's own torch."""
+    one of them speaks for its pair (:func:`_speaks`), else those on the grid's own torch."""
     if _release(torch_raw) is not None:
         same = grid.on_torch(torch_raw)
-        if any(passing(recorded.get(c.name)) for c in same):
+        if any(_speaks(c, recorded) for c in same):
             return same
     return grid.on_torch(None)
 
 
 def torch_status(torch_raw: str | None, grid: Grid, recorded: dict[str, Any],
                  now: dict[str, str | None], cell: Cell | None = None) -> dict[str, Any]:
-    """Whether the installed torch release was verified: some cell on it has a passing run of
-    this code (``verified``). Keys: ``installed``, ``release``, ``verified``, ``cells`` (the cells
-    verified on it), ``releases`` (each torch release of the grid -> its cells verified on this
-    code), ``cell_torch`` (the torch of ``cell``, the installed pair's cell), ``nearest`` (the
+    """Whether the installed torch release was verified: some cell on it is ``verified`` (CI runs
+    it, or it has a passing run of this code). Keys: ``installed``, ``release``, ``verified``,
+    ``cells`` (the cells verified on it), ``releases`` (each torch release of the grid -> its
+    verified cells), ``cell_torch`` (the torch of ``cell``, the installed pair's cell), ``nearest`` (the
     nearest verified release when the installed one is not verified), ``summary``."""
-    releases = {t: [c.name for c in grid.on_torch(t) if cell_state(recorded.get(c.name), now) == "verified"]
+    releases = {t: [c.name for c in grid.on_torch(t) if cell_state(c, recorded.get(c.name), now) == "verified"]
                 for t in grid.torch_releases}
     rel = _release(torch_raw)
     out: dict[str, Any] = {"installed": torch_raw, "release": str(rel) if rel is not None else None,
@@ -118,7 +144,7 @@ def torch_status(torch_raw: str | None, grid: Grid, recorded: dict[str, Any],
     if done:
         out["nearest"] = min(done, key=lambda t: (abs(_ordinal(Version(t)) - _ordinal(rel)), Version(t)))
     listed = ", ".join(done) or "none yet"
-    why = "a torch release of the grid without a passing run of this code" if mine else "no cell runs on it"
+    why = "a torch release of the grid without a verified cell" if mine else "no cell runs on it"
     out["summary"] = f"torch {torch_raw}: NOT verified ({why}; verified torch releases: {listed})"
     return out
 
@@ -131,15 +157,17 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     """Where the installed pair stands in the version matrix.
 
     Keys: ``summary`` (one line), ``state`` (``verified``, ``stale``, ``failing``, ``not run``,
-    or ``not a cell``), ``verified`` (the pair is a grid cell whose recorded run had no failures
-    or errors *and* ran this code: the recorded package fingerprint equals ``current``'s),
-    ``stale`` (a passing run recorded at another state of the code), ``recorded_at`` (commit and
-    date of the cell's run), ``cell`` (name of the grid cell pinning exactly these releases, or
-    the newest cell when its recorded run was on them, or None), ``results`` (that cell's
-    recorded results, or None), ``nearest`` (the nearest other cell with a passing recorded run,
-    when the pair is not verified itself: name, versions, distance, state, results; verified
-    cells before stale ones at equal distance; None when nothing passed yet), ``installed``,
-    ``grid_cells``, ``recorded_cells``, ``fingerprint`` (the compared fingerprints).
+    or ``not a cell``), ``verified`` (the pair is a grid cell that CI runs at every landed commit,
+    whatever was recorded for it, or one whose recorded run had no failures or errors *and* ran
+    this code: the recorded package fingerprint equals ``current``'s), ``ci`` (the pair's cell is
+    one CI runs: :attr:`Cell.ci`), ``stale`` (a passing run recorded at another state of the code),
+    ``recorded_at`` (commit and date of the cell's run), ``cell`` (name of the grid cell pinning
+    exactly these releases, or the newest cell when its recorded run was on them, or None),
+    ``results`` (that cell's recorded results, or None: a cell CI runs may have none),
+    ``nearest`` (the nearest other cell that CI runs or with a passing recorded run, when the
+    pair is not verified itself: name, versions, distance, state, results; verified cells before
+    stale ones at equal distance; None when there is none), ``installed``, ``grid_cells``,
+    ``recorded_cells``, ``fingerprint`` (the compared fingerprints).
 
     ``extras`` (distribution -> installed version) lets a cell that pins peft / liger-kernel ...
     match when those are installed at its pins (see :meth:`Grid.find`).
@@ -160,10 +188,11 @@ def verification_status(transformers_raw: str | None, trl_raw: str | None,
     cell = ((grid.find(transformers_raw, trl_raw, extras, torch) if _release(torch) is not None else None)
             or grid.find(transformers_raw, trl_raw, extras) or _newest_match(grid, recorded, transformers_raw, trl_raw))
     results = recorded.get(cell.name) if cell else None
-    state = cell_state(results, now) if cell else "not a cell"
+    state = cell_state(cell, results, now) if cell else "not a cell"
     ok = state == "verified"
     out: dict[str, Any] = {
         "verified": ok,
+        "ci": cell is not None and cell.ci,
         "stale": state == "stale",
         "state": state,
         "cell": cell.name if cell else None,
@@ -192,23 +221,26 @@ def _nearest_and_summary(out: dict[str, Any], grid: Grid, recorded: dict[str, An
     pair = f"transformers {transformers_raw or 'not installed'} + trl {trl_raw or 'not installed'}"
     if cell is not None and _release(torch) is not None and Version(cell.torch) != _release(torch):
         pair += f" (its cell runs on torch {cell.torch})"
+    if ok and cell.ci:  # type: ignore[union-attr]
+        return f"verified by CI: {pair} is grid cell {cell.name}, {_ci_counts(results)}"  # type: ignore[union-attr]
     if ok:
         return f"verified: {pair} is grid cell {cell.name} ({_brief(results)})"  # type: ignore[union-attr]
 
     pool = torch_pool(grid, recorded, torch) if torch is not None else grid.cells
     candidates = [c for c in pool
-                  if c is not cell and passing(recorded.get(c.name)) and _releases(c, recorded) is not None]
+                  if c is not cell and _speaks(c, recorded) and _releases(c, recorded) is not None]
     if transformers_raw is not None and candidates:
         def key(c: Cell) -> tuple[float, bool, int]:
             t, r = _releases(c, recorded)  # type: ignore[misc]
-            return (_distance(transformers_raw, trl_raw, t, r), cell_state(recorded[c.name], now) != "verified",
-                    grid.cells.index(c))
+            return (_distance(transformers_raw, trl_raw, t, r),
+                    cell_state(c, recorded.get(c.name), now) != "verified", grid.cells.index(c))
 
         best = min(candidates, key=key)
         t, r = _releases(best, recorded)  # type: ignore[misc]
         out["nearest"] = {"cell": best.name, "transformers": t, "trl": r,
                           "distance": _distance(transformers_raw, trl_raw, t, r),
-                          "state": cell_state(recorded[best.name], now), "results": recorded[best.name]}
+                          "state": cell_state(best, recorded.get(best.name), now),
+                          "results": recorded.get(best.name)}
     if out["nearest"] is None:
         near = "; no verified cell to compare with"
     elif out["nearest"]["state"] == "verified":
@@ -233,17 +265,18 @@ def _nearest_and_summary(out: dict[str, Any], grid: Grid, recorded: dict[str, An
 def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, verified: dict[str, Any] | None = None,
                   current: dict[str, str | None] | None = None, limit: int = 2,
                   only_verified: bool = False) -> list[dict[str, Any]]:
-    """The cells with a passing recorded run nearest to the installed releases, and the pins that
-    would put the user on each.
+    """The cells CI runs or with a passing recorded run (:func:`_speaks`) nearest to the installed
+    releases, and the pins that would put the user on each.
 
     ``installed``: distribution name -> installed version or None (transformers, trl, accelerate,
     datasets, torch and any optional library of the grid). Only cells that speak for the installed
-    torch are offered (:func:`torch_pool`: those on that torch release when one passed, else those on
-    the grid's torch; torch itself is advised apart). The installed pair's own cell is left out; a
-    cell with ``extras`` counts only when each of them is installed (in whatever release: the
-    pins then name the cell's). Verified cells (a passing run of this very code) come before
-    stale ones (left out with ``only_verified``), then by :func:`distance`, then in grid order. Each entry: ``cell``, ``state``
-    (``verified`` / ``stale``), ``distance``, ``transformers``, ``trl``, ``pins`` (distribution ->
+    torch are offered (:func:`torch_pool`: those on that torch release when one of them speaks,
+    else those on the grid's torch; torch itself is advised apart). The installed pair's own cell
+    is left out; a cell with ``extras`` counts only when each of them is installed (in whatever
+    release: the pins then name the cell's). Verified cells (CI runs them, or a passing run of
+    this very code) come before stale ones (left out with ``only_verified``), then by
+    :func:`distance`, then in grid order. Each entry: ``cell``, ``state`` (``verified`` /
+    ``stale``), ``distance``, ``transformers``, ``trl``, ``pins`` (distribution ->
     release, only those that differ from what is installed) and ``command`` (a pip line).
     """
     grid = grid or load_grid()
@@ -261,7 +294,7 @@ def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, ve
     for i, c in enumerate(grid.cells):
         res = recorded.get(c.name)
         rel = _releases(c, recorded)
-        if c is own or c not in pool or not passing(res) or rel is None:
+        if c is own or c not in pool or not _speaks(c, recorded) or rel is None:
             continue
         if any(installed.get(d) is None for d, _ in c.extras):
             continue
@@ -272,7 +305,7 @@ def nearest_cells(installed: dict[str, str | None], grid: Grid | None = None, ve
         else:
             want = c.pins()
         pins = {k: v for k, v in want.items() if _release(installed.get(k)) != _release(v)}
-        state = cell_state(res, now)
+        state = cell_state(c, res, now)
         if only_verified and state != "verified":
             continue
         found.append(((state != "verified", _distance(t_raw, r_raw, *rel), i),

@@ -51,9 +51,9 @@ HEADER = """\
 """
 
 
-#: ``torch==X triton==Y`` of a run that passed the kernel interpreter tests
-#: (``tests/kernels/test_interpret.py``): a cell on the same two skips them (the kernels import no library)
-KERNELS_VERIFIED_ENV = "LIGER_COMPAT_KERNELS_VERIFIED_ON"
+#: ``torch==X triton==Y`` of CI's main run once it has passed: a cell then skips the tests that depend
+#: on none of its pins, and on the same torch and Triton those that depend on these two only (tests/suite_scope.py)
+MAIN_RUN_ENV = "LIGER_COMPAT_MAIN_RUN_PASSED_ON"
 
 
 def render(grid: Grid) -> str:
@@ -75,8 +75,8 @@ def render(grid: Grid) -> str:
         "system_site_packages = true",
         "package = editable",
         "extras = test",
-        # set by .ci/run once the main run has passed the kernel interpreter tests on this torch and triton
-        f"pass_env = {KERNELS_VERIFIED_ENV}",
+        # set by .ci/run once its main run has passed (tests/suite_scope.py)
+        f"pass_env = {MAIN_RUN_ENV}",
         "set_env =",
         f"    PIP_CONSTRAINT = {{tox_root}}/{CONSTRAINTS}",
         "    HF_HUB_OFFLINE = 1",

@@ -145,3 +145,56 @@ def test_loop_finder_sees_a_loop_and_a_lazy_import():
     finally:
         for m in ("a", "b", "c"):
             MODULES.pop(f"liger_compat.kernels.{m}", None)
+
+
+#: what a stack-only test may not reach: every library a grid cell pins besides torch, and the
+#: parts of the package that read or patch them
+PINNED_LIBRARIES = ("transformers", "trl", "accelerate", "datasets", "peft", "liger_kernel",
+                    "liger_compat.shims", "liger_compat.compat")
+
+
+def _reach(path: Path, seen: set[Path]) -> set[str]:
+    """The names imported by a test-side module (anywhere in it), and by the repository modules it
+    reaches: helper modules beside it (``import harness``) and ``benchmarks.*``."""
+    if path in seen:
+        return set()
+    seen.add(path)
+    names = _imports(path.read_text(), path.stem, False)
+    for n in list(names):
+        local = [path.with_name(n.split(".")[0] + ".py"), ROOT / (n.replace(".", "/") + ".py")]
+        for f in local:
+            if f.is_file() and (n.startswith("benchmarks.") or f.parent == path.parent):
+                names |= _reach(f, seen)
+    return names
+
+
+def test_stack_only_tests_reach_no_pinned_library():
+    """tests/kernels (``STACK_ONLY_DIRS`` in tests/suite_scope.py) is skipped by grid cells on the torch and
+    Triton of CI's passed main run: its modules, the helpers and benchmark modules they import, and
+    the package modules they use must reach no library a cell pins but torch."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from suite_scope import STACK_ONLY_DIRS
+    finally:
+        sys.path.pop(0)
+    bad = {}
+    for d in STACK_ONLY_DIRS:
+        for f in sorted((ROOT / "tests" / d).glob("*.py")):
+            names = _reach(f, set())
+            # the package modules they use, but not the package's root: importing it installs hooks that
+            # act only when a pinned library is imported, and its functions (check, apply) are not used
+            pkg = {n for n in names if _under(n, "liger_compat") and n != "liger_compat"}
+            names |= {dep for m in pkg if m in MODULES for dep in _graph(m).get(m, set())}
+            hits = sorted(n for n in names if _under(n, *PINNED_LIBRARIES))
+            if hits:
+                bad[f.name] = hits
+    assert bad == {}
+
+
+def test_stack_only_reach_sees_an_import_through_a_helper(tmp_path):
+    """The check above can fail: a helper beside the test that imports transformers is seen."""
+    (tmp_path / "helper.py").write_text("def f():\n    import transformers\n")
+    (tmp_path / "test_x.py").write_text("import helper\n")
+    assert "transformers" in _reach(tmp_path / "test_x.py", set())

@@ -14,27 +14,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def stack_id() -> str:
-    """What the kernels' results depend on besides their own code: ``torch==X triton==Y``."""
-    import torch
-    import triton
-
-    return f"torch=={torch.__version__} triton=={triton.__version__}"
-
-
-def skip_if_verified_earlier() -> None:
-    """Skip the calling test where this CI run has already passed the interpreter tests on this torch
-    and Triton: its main run sets ``LIGER_COMPAT_KERNELS_VERIFIED_ON`` to :func:`stack_id` for the grid
-    cells after it (the kernels import no library but these two, so a cell on the same pair would
-    repeat the same runs)."""
-    import os
-
-    import pytest
-
-    if os.environ.get("LIGER_COMPAT_KERNELS_VERIFIED_ON") == stack_id():
-        pytest.skip(f"passed on {stack_id()} earlier in this CI run (LIGER_COMPAT_KERNELS_VERIFIED_ON)")
-
-
 def expected_backend() -> str:
     return "triton" if interpreting() else "torch"
 

@@ -172,23 +172,26 @@ def test_ruled_out_tiles_are_left_out_without_error(monkeypatch):
 def test_the_mean_weight_row_keeps_what_left_out_tiles_share(e, monkeypatch):
     """Trained-like logits (a Zipf prior through a constant hidden feature: every tail token's
     weight row shares a large log-prior entry): leaving tiles out without the correction would
-    take 8-35 % out of grad_hidden; with it the error is a twentieth of that, and the kernel
-    matches the corrected simulation."""
+    take 1.5-10 % out of grad_hidden at this size; with it the error is under a tenth of that (a
+    sixteenth to a twentieth measured), and the kernel matches the corrected simulation."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.regimes import make_inputs
     from liger_compat.kernels import _lowmem_triton
 
-    hid, w, t, _ = make_inputs("trained", 256, 64, 4096, device="cpu", dtype=torch.float32, seed=e)
+    hid, w, t, _ = make_inputs("trained", 128, 64, 2048, device="cpu", dtype=torch.float32, seed=e)
     b = 0.1 * torch.randn(w.shape[0], generator=torch.Generator().manual_seed(e))
     eps = 2.0 ** -e
     monkeypatch.setattr(_lowmem_triton, "SKIP_EPS", eps)
+    # every group runs the sparse kernel however few tiles it leaves out (at this small vocabulary
+    # e=10 leaves out 5 %; the switch to the dense kernel has its own test below)
+    monkeypatch.setattr(_lowmem_triton, "SPARSE_MIN_SHARE", 0.0)
     ref = _grads64(hid, w, b, t)
     got = _grads(hid, w, b, t)
     skipped = int(_lowmem_triton.last_skipped)
     order = _lowmem_triton.column_order(hid, w, b, torch.arange(hid.shape[0]), (t != -100).float())
     *sim, count = _simulated(hid, w, b, t, eps, order)
     plain, *_ = _simulated(hid, w, b, t, eps, order, corrected=False)
-    assert skipped == count and skipped >= 300  # of 16 x 128 pairs
+    assert skipped == count and skipped >= 20  # of 8 x 64 pairs
     for g, r in zip(got, sim):
         assert rel_err(g, r) <= 1e-4  # the float32 kernel against its float64 simulation
     assert rel_err(got[0], ref[0]) <= 0.1 * rel_err(plain, ref[0])

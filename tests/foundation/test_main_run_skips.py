@@ -1,0 +1,59 @@
+"""After CI's main run has passed (``LIGER_COMPAT_MAIN_RUN_PASSED_ON``, set by ``.ci/run``), a grid cell
+skips exactly what cannot tell it from the main run: the repository's data and tools everywhere, the
+torch-and-Triton-only tests on the main run's torch and Triton; the rest runs (tests/suite_scope.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from suite_scope import MAIN_RUN_ENV, MAIN_RUN_ONLY, STACK_ONLY_DIRS, stack_id  # noqa: E402
+
+sys.path.pop(0)
+
+TOOLING = "tests/test_ranges.py::test_some_shims_declare_a_range"
+KERNEL = "tests/kernels/test_validation.py::test_bias_shape_and_target_range_on_logits"
+COMPILED_KERNEL = "tests/compile/test_compile.py::test_bad_target_under_compile_is_a_clear_error"
+LIBRARY = "tests/models/test_cpu_native.py::test_the_setting_off_and_a_forced_backend_run_the_references"
+
+
+def _outcomes(passed_on: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != MAIN_RUN_ENV}
+    if passed_on is not None:
+        env[MAIN_RUN_ENV] = passed_on
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-rA",
+                        TOOLING, KERNEL, COMPILED_KERNEL, LIBRARY], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = {}
+    for line in r.stdout.splitlines():
+        for node in (TOOLING, KERNEL, COMPILED_KERNEL, LIBRARY):
+            if node in line and line.split(" ")[0] in ("PASSED", "SKIPPED"):
+                out[node] = line.split(" ")[0]
+            elif line.startswith("SKIPPED") and node.split("::")[0] in line:
+                out[node] = "SKIPPED"
+    return out
+
+
+def test_a_cell_after_the_main_run_skips_only_what_does_not_depend_on_its_pins():
+    on_main_stack = _outcomes(stack_id())
+    assert on_main_stack == {TOOLING: "SKIPPED", KERNEL: "SKIPPED", COMPILED_KERNEL: "SKIPPED", LIBRARY: "PASSED"}
+    # a cell of the torch axis: its torch differs, so the kernel tests run there
+    other_torch = _outcomes("torch==0.0.0 triton==0.0.0")
+    assert other_torch == {TOOLING: "SKIPPED", KERNEL: "PASSED", COMPILED_KERNEL: "PASSED", LIBRARY: "PASSED"}
+    # no main run passed (a local run, or the main run itself): everything runs
+    assert _outcomes(None) == {TOOLING: "PASSED", KERNEL: "PASSED", COMPILED_KERNEL: "PASSED", LIBRARY: "PASSED"}
+
+
+@pytest.mark.parametrize("path", sorted(MAIN_RUN_ONLY))
+def test_every_main_run_only_module_exists(path):
+    assert (ROOT / "tests" / path).is_file(), f"tests/suite_scope.py MAIN_RUN_ONLY names a missing module: {path}"
+
+
+def test_stack_only_directories_exist():
+    assert all((ROOT / "tests" / d).is_dir() for d in STACK_ONLY_DIRS)
