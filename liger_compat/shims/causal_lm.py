@@ -466,6 +466,9 @@ def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: in
     import torch
 
     shift_labels = loss_kw.get("shift_labels")
+    for name, value in (("labels", labels), ("shift_labels", shift_labels)):
+        if value is not None and not isinstance(value, torch.Tensor):  # native: a TypeError from a torch op
+            raise TypeError(f"{name} must be a tensor of class ids, got {type(value).__name__}")
     if shift_labels is None:
         # position t predicts label t + 1; the last position predicts nothing
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]

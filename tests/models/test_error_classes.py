@@ -128,6 +128,8 @@ def test_bad_shift_labels_raise_natives_class(case, path):
     bad = LABEL_CASES[case](shift, model.config.vocab_size, rnd)
     with native():
         nat = _raised(lambda: model(input_ids=ids, labels=labels, shift_labels=bad))
+    if isinstance(nat, TypeError) and "shift_labels" in str(nat):  # before transformers 4.50's loss kwarg
+        pytest.skip(f"this transformers' forward takes no shift_labels: {nat}")
     ours = _raised(lambda: model(input_ids=ids, labels=labels, shift_labels=bad))
     _same_class(ours, nat, "labels")  # "shift_labels" names it
 
