@@ -7,6 +7,7 @@ Building it patches nothing.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -179,6 +180,10 @@ def _shim_needs_attention(x: dict[str, Any]) -> bool:
     return x["state"] not in _QUIET_SHIM_STATES or "failed" in reason or "could not remove" in reason
 
 
+#: a family whose fused forward needs a newer transformers (compat/families.py words it so)
+_VERSION_GATED = re.compile(r"native forward \(the fused forward matches the native one from transformers ([^;]+); not on ")
+
+
 def _family_kind(state: str) -> str:
     """What a family's state line amounts to, for the summary; ``""``: it needs a row of its own
     (failed, conflicting, replaced, native for a reason)."""
@@ -194,6 +199,9 @@ def _family_kind(state: str) -> str:
         return "other causal LMs (not in the family table: native forward)"
     if state.startswith("native forward (") and state.endswith(" not selected)"):  # LIGER_COMPAT_KERNELS
         return state
+    gated = _VERSION_GATED.match(state)
+    if gated:  # the fused forward needs a newer transformers: expected, not a problem
+        return f"native forward here, fused from transformers {gated.group(1)}"
     if state.startswith("off"):
         return "off"
     if state == "transformers not installed":
@@ -300,7 +308,8 @@ def format_text(r: Report, verbose: bool = False) -> str:
             for name, state in r.families.items():
                 kinds.setdefault(_family_kind(state), []).append(name)
             rows = kinds.pop("", [])
-            out += _wrap(f"{len(r.families)} families: " + _counted(kinds, names_of=("patched",)))
+            named = ("patched",) + tuple(k for k in kinds if k.startswith("native forward here"))
+            out += _wrap(f"{len(r.families)} families: " + _counted(kinds, names_of=named))
             if rows:
                 out += _table(["family", "state"], [[k, r.families[k]] for k in rows], max_width=WIDTH - 22)
     if r.heads:
