@@ -148,6 +148,10 @@ def test_trl_head_bad_labels_raise_natives_class(path):
         bad = LABEL_CASES[case](labels.clone(), model.config.vocab_size, rnd)
         with native():
             nat = _raised(lambda: model(input_ids=ids, labels=bad, fused_lm_head=True).log_probs)
+        if type(nat).__module__.startswith("triton"):
+            # trl 1.15.0 on CPU: its head cannot run natively (known issue trl-head-on-cpu), so the suite
+            # runs its Triton kernels through the interpreter (tests/conftest.py), whose errors are its own
+            pytest.skip(f"native's head runs in Triton's interpreter here: {type(nat).__name__}")
         ours = _raised(lambda: model(input_ids=ids, labels=bad, fused_lm_head=True).log_probs)
         _same_class(ours, nat, "target")
 
