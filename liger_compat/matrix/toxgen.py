@@ -79,6 +79,9 @@ def render(grid: Grid) -> str:
         f"pass_env = {MAIN_RUN_ENV}",
         "set_env =",
         f"    PIP_CONSTRAINT = {{tox_root}}/{CONSTRAINTS}",
+        # no byte-compiling at install: a cell imports a few hundred of transformers' thousands of modules
+        # (compiled on first import), and CI builds the next cell's environment beside a cell's tests
+        "    PIP_NO_COMPILE = 1",
         "    HF_HUB_OFFLINE = 1",
         "    TRANSFORMERS_NO_ADVISORY_WARNINGS = 1",
         "    TOKENIZERS_PARALLELISM = false",
