@@ -186,10 +186,12 @@ def _from_env(environ: Any = None) -> Settings:
 settings: Settings = _from_env()
 
 
-def off_reason() -> str:
-    """While ``settings.disabled``: what turned liger_compat off, in words, for the report."""
-    by = "configure(enabled=False)" if settings.source.get("disabled") == "configure()" else "LIGER_COMPAT_DISABLE=1"
-    return f"liger_compat is off ({by}): nothing is patched, every library runs natively"
+def off_reason(source: dict[str, str] | None = None, word: str = "off") -> str:
+    """While ``settings.disabled``: what turned liger_compat off, in words, for the report
+    (``source``: where each setting came from, default this process's ``settings.source``)."""
+    source = settings.source if source is None else source
+    by = "configure(enabled=False)" if source.get("disabled") == "configure()" else "LIGER_COMPAT_DISABLE=1"
+    return f"liger_compat is {word} ({by}): nothing is patched, every library runs natively"
 
 
 def kernel_enabled(name: str) -> bool:

@@ -167,8 +167,7 @@ def _off_line(r: Report) -> str | None:
     s = r.settings
     if not s.get("disabled"):
         return None
-    by = "configure(enabled=False)" if s.get("source", {}).get("disabled") == "configure()" else "LIGER_COMPAT_DISABLE=1"
-    return f"liger_compat is OFF ({by}): nothing is patched, every library runs natively"
+    return _config.off_reason(s.get("source", {}), word="OFF")
 
 
 #: shim states that need no row of their own in the summary (counted only)
