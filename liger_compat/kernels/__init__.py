@@ -28,8 +28,8 @@ from .gated_mlp import gated_project, geglu, swiglu
 from .norm import project_norm_output, rms_norm
 from .rope import apply_rotary_pos_emb
 from ._device_errors import raise_target_errors
-from .errors import (DeviceMismatchError, DimensionError, DtypeMismatchError, GradientContractError, OptionRangeError,
-                     ShapeMismatchError, TargetDtypeError, TargetOutOfRangeError, UnsupportedDtypeError)
+from .errors import (DeviceMismatchError, DimensionError, DtypeMismatchError, GradientContractError, NotATensorError,
+                     OptionRangeError, ShapeMismatchError, TargetDtypeError, TargetOutOfRangeError, UnsupportedDtypeError)
 from . import _ops  # noqa: F401,E402  (registers the custom ops the functions above call under torch.compile)
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "DimensionError",
     "OptionRangeError",
+    "NotATensorError",
     "use_backend",
     "last_backend",
     "HAS_TRITON",

@@ -36,6 +36,10 @@ UnsupportedDtypeError   TypeError,                    ``NotImplementedError: "..
 DimensionError          ValueError, IndexError        ``IndexError: Dimension out of range``
 OptionRangeError        ValueError, RuntimeError      ``RuntimeError: label_smoothing must be between
                                                       0.0 and 1.0``
+NotATensorError         TypeError, AttributeError     labels given as a list: ``AttributeError: 'list'
+                                                      object has no attribute 'to'`` (transformers
+                                                      4.46-4.50, the loss moves them), a ``TypeError``
+                                                      from a torch op elsewhere
 ======================  ============================  =============================================
 
 :class:`GradientContractError` (``grad_mode="sum"`` told a uniform upstream gradient that was not)
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 __all__ = [
     "TargetOutOfRangeError", "TargetDtypeError", "ShapeMismatchError", "DtypeMismatchError", "DeviceMismatchError",
-    "UnsupportedDtypeError", "DimensionError", "OptionRangeError", "GradientContractError",
+    "UnsupportedDtypeError", "DimensionError", "OptionRangeError", "NotATensorError", "GradientContractError",
 ]
 
 
@@ -91,6 +95,12 @@ class DimensionError(ValueError, IndexError):
 class OptionRangeError(ValueError, RuntimeError):
     """An option outside the range native torch accepts (``label_smoothing`` above 1). Native:
     ``RuntimeError``."""
+
+
+class NotATensorError(TypeError, AttributeError):
+    """An argument that must be a tensor and is not (labels as a list). Native: the first tensor
+    method called on it fails, ``AttributeError`` (``labels.to(...)`` in transformers' loss) or a
+    ``TypeError`` from a torch op."""
 
 
 class GradientContractError(ValueError):

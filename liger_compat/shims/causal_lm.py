@@ -69,6 +69,7 @@ from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep
 from ._module_shims import compiling
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
+from ..kernels.errors import NotATensorError
 from .logits_to_keep import translate
 
 from . import training_output
@@ -211,6 +212,8 @@ def _decoder_and_head(model: Any, fam: families.Family, kw: dict[str, Any], keep
     labels = kw.pop("labels", None)
     return_dict = _return_dict(config, kw.pop("return_dict", None))
     loss_kw = {k: kw.pop(k) for k in LOSS_KWARGS if k in kw}
+    if "shift_labels" in loss_kw and not _native_loss_reads_shift_labels():
+        _drop_shift_labels(model, loss_kw)
     decoder = model.model
     # the class's function, not a bound method (whose __func__ torch.compile does not look through)
     dec_names = forward_params(type(decoder).forward).names
@@ -462,13 +465,47 @@ def _output_class(fam: families.Family) -> tuple[Any, tuple[str, ...]]:
     return cls, names
 
 
+_shift_labels_read: dict[Any, bool] = {}
+
+
+def _native_loss_reads_shift_labels() -> bool:
+    """Whether this transformers' causal-LM loss (``loss_utils.ForCausalLMLoss``) takes
+    ``shift_labels``: from 4.50 on. Before it the forward swallows the kwarg (4.46-4.49, through
+    ``**kwargs`` into a loss that ignores it) or refuses it (4.45, no ``**kwargs``). Cached per loss
+    function object."""
+    mod = sys.modules.get("transformers.loss.loss_utils")
+    fn = getattr(mod, "ForCausalLMLoss", None)
+    hit = _shift_labels_read.get(fn)
+    if hit is None:
+        try:
+            hit = fn is not None and "shift_labels" in signature(fn).parameters
+        except (TypeError, ValueError):
+            hit = False
+        _shift_labels_read[fn] = hit
+    return hit
+
+
+def _drop_shift_labels(model: Any, loss_kw: dict[str, Any]) -> None:
+    """``shift_labels`` where native's loss does not read it: native ignores it where its forward
+    takes ``**kwargs`` (the loss is computed from ``labels``), else raises ``TypeError``."""
+    if forward_params(type(model).forward).varkw:
+        loss_kw.pop("shift_labels")
+        return
+    raise TypeError(f"{type(model).__name__}.forward() got an unexpected keyword argument 'shift_labels' "
+                    f"(transformers {_tf_version()} computes the loss from labels only; shift_labels needs 4.50)")
+
+
+def _tf_version() -> str:
+    return getattr(sys.modules.get("transformers"), "__version__", "?")
+
+
 def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: int) -> Any:
     import torch
 
     shift_labels = loss_kw.get("shift_labels")
     for name, value in (("labels", labels), ("shift_labels", shift_labels)):
-        if value is not None and not isinstance(value, torch.Tensor):  # native: a TypeError from a torch op
-            raise TypeError(f"{name} must be a tensor of class ids, got {type(value).__name__}")
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise NotATensorError(f"{name} must be a tensor of class ids, got {type(value).__name__}")
     if shift_labels is None:
         # position t predicts label t + 1; the last position predicts nothing
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
