@@ -69,7 +69,6 @@ from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep
 from ._module_shims import compiling
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
-from ..kernels.errors import NotATensorError
 from .logits_to_keep import translate
 
 from . import training_output
@@ -505,6 +504,8 @@ def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: in
     shift_labels = loss_kw.get("shift_labels")
     for name, value in (("labels", labels), ("shift_labels", shift_labels)):
         if value is not None and not isinstance(value, torch.Tensor):
+            from ..kernels.errors import NotATensorError
+
             raise NotATensorError(f"{name} must be a tensor of class ids, got {type(value).__name__}")
     if shift_labels is None:
         # position t predicts label t + 1; the last position predicts nothing
