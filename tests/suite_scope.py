@@ -31,6 +31,34 @@ MAIN_RUN_ONLY = {
     "foundation/test_main_run_skips.py": "this skip rule itself",
     "foundation/test_benchmark_tools.py": "the benchmarks' own logic (they run on the GPU machine's releases)",
     "foundation/test_benchmark_regimes.py": "the benchmarks' logit regimes",
+    "launcher/test_startup_file.py": "the launcher's start-up file (written, found, removed; no library imported)",
+    # the launcher's own process handling: each command is `python -c` code or `sh`, importing no pinned library
+    "launcher/test_run.py::test_options_reach_every_process_as_settings": "the launcher's options as settings",
+    "launcher/test_run.py::test_bad_option_is_a_usage_error_and_nothing_runs": "the launcher's usage errors",
+    "launcher/test_run.py::test_exit_code_and_signals_pass_through": "the launcher's exit codes and signals",
+    "launcher/test_run.py::test_existing_sitecustomize_still_runs": "the launcher's start-up beside a sitecustomize",
+    "launcher/test_run.py::test_a_broken_sitecustomize_is_reported_as_python_does": "the launcher's start-up",
+    "launcher/test_run.py::test_bad_inherited_setting_is_reported_and_the_command_runs": "the launcher's settings",
+    "launcher/test_run.py::test_non_python_and_python_without_the_package_are_left_alone": "the launcher's start-up",
+    "launcher/test_run.py::test_nested_runs_put_the_start_up_directory_once": "the launcher's PYTHONPATH",
+    "launcher/test_run.py::test_usage_page_shows_the_current_help": "the launcher's help text",
+}
+
+#: Integration tests that start fresh Python processes for a whole run (a trainer under torch.compile,
+#: gloo ranks, trl's command line, a script under the launcher): the costliest of the suite (about
+#: half a cell's CPU time on transformers 5.23). Their outcome depends on the pins, and the in-process
+#: tests of every cell cover the same code paths (the forward, the loss, the trainers' kwargs, the
+#: shims); after a passed main run, a CI cell runs them only where the grid labels it
+#: ``ci-integration``: the oldest pinned pair, the last 4.x pair in CI, the peft + liger-kernel cell
+#: and the newest pinned pair on the torch axis's newest torch (the main run is the newest releases).
+INTEGRATION_LABEL = "ci-integration"
+INTEGRATION = {
+    "trainers/test_compile_trainers.py": "Trainer / SFTTrainer with torch_compile, each side in its own process",
+    "compile/test_compile.py": "torch.compile of the patched models, graph breaks and recompiles counted in fresh processes",
+    "distributed/test_trainers_gloo.py": "Trainer / SFTTrainer over two gloo ranks",
+    "distributed/test_gloo.py": "DDP / FSDP2 / ZeRO-3 steps over two gloo ranks",
+    "launcher/test_trl_cli.py": "trl's own command line under the launcher",
+    "launcher/test_run.py": "training scripts under the launcher, against the same script run natively",
 }
 
 #: Directories whose tests depend on Python, torch and Triton only (the kernels import no other
@@ -56,17 +84,38 @@ def _suite_path(item) -> str:
     return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
 
 
+def runs_integration(cell: str | None) -> bool:
+    """Whether the grid cell ``cell`` (tox's ``TOX_ENV_NAME``; None outside tox) runs the
+    :data:`INTEGRATION` tests after a passed main run: a cell labelled :data:`INTEGRATION_LABEL`,
+    or any run that is not a known cell of the grid."""
+    if not cell:
+        return True
+    from liger_compat.matrix import grid
+
+    try:
+        return INTEGRATION_LABEL in grid.load().cell(cell).labels
+    except (KeyError, grid.GridError):
+        return True
+
+
 def skip_what_the_main_run_passed(items) -> None:
-    """In a grid cell after CI's passed main run: skip the tests that cannot tell this cell from it."""
+    """In a grid cell after CI's passed main run: skip the tests that cannot tell this cell from it,
+    and, in a cell not labelled :data:`INTEGRATION_LABEL`, the :data:`INTEGRATION` tests."""
     passed_on = os.environ.get(MAIN_RUN_ENV)
     if not passed_on:
         return
     same_stack = passed_on == stack_id()
+    integration = runs_integration(os.environ.get("TOX_ENV_NAME"))
     for item in items:
         path = _suite_path(item)
-        if path in MAIN_RUN_ONLY:
+        test = f"{path}::{getattr(item, 'originalname', None) or item.name.split('[')[0]}"
+        only = MAIN_RUN_ONLY.get(path) or MAIN_RUN_ONLY.get(test)
+        if only:
             item.add_marker(pytest.mark.skip(reason=f"passed in CI's main run; depends on no pinned library "
-                                                    f"({MAIN_RUN_ONLY[path]})"))
+                                                    f"({only})"))
+        elif not integration and path in INTEGRATION:
+            item.add_marker(pytest.mark.skip(reason=f"integration test ({INTEGRATION[path]}): passed in CI's main "
+                                                    f"run; run by the cells labelled {INTEGRATION_LABEL}"))
         elif same_stack and (path.split("/")[0] in STACK_ONLY_DIRS or "stack_only" in item.keywords):
             item.add_marker(pytest.mark.skip(reason=f"passed in CI's main run on {passed_on}; depends on "
                                                     "Python, torch and Triton only"))

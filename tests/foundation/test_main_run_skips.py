@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from suite_scope import MAIN_RUN_ENV, MAIN_RUN_ONLY, STACK_ONLY_DIRS, stack_id  # noqa: E402
+from suite_scope import (INTEGRATION, INTEGRATION_LABEL, MAIN_RUN_ENV, MAIN_RUN_ONLY, STACK_ONLY_DIRS,  # noqa: E402
+                         skip_what_the_main_run_passed, stack_id)
 
 sys.path.pop(0)
 
@@ -50,10 +51,72 @@ def test_a_cell_after_the_main_run_skips_only_what_does_not_depend_on_its_pins()
     assert _outcomes(None) == {TOOLING: "PASSED", KERNEL: "PASSED", COMPILED_KERNEL: "PASSED", LIBRARY: "PASSED"}
 
 
-@pytest.mark.parametrize("path", sorted(MAIN_RUN_ONLY))
+@pytest.mark.parametrize("path", sorted(p for p in MAIN_RUN_ONLY if "::" not in p))
 def test_every_main_run_only_module_exists(path):
     assert (ROOT / "tests" / path).is_file(), f"tests/suite_scope.py MAIN_RUN_ONLY names a missing module: {path}"
 
 
 def test_stack_only_directories_exist():
     assert all((ROOT / "tests" / d).is_dir() for d in STACK_ONLY_DIRS)
+
+
+class _Item:
+    """What skip_what_the_main_run_passed reads of a collected test."""
+
+    def __init__(self, node: str):
+        path, _, name = node.partition("::")
+        self.fspath = ROOT / "tests" / path
+        self.name = name
+        self.originalname = name.split("[")[0]
+        self.keywords: dict = {}
+        self.skipped = False
+
+    def add_marker(self, marker) -> None:
+        self.skipped = self.skipped or marker.name == "skip"
+
+
+def _skipped(nodes: list[str], monkeypatch, cell: str | None, passed_on: str | None = "torch==0.0.0 triton==0.0.0"):
+    if passed_on is None:
+        monkeypatch.delenv(MAIN_RUN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MAIN_RUN_ENV, passed_on)
+    if cell is None:
+        monkeypatch.delenv("TOX_ENV_NAME", raising=False)
+    else:
+        monkeypatch.setenv("TOX_ENV_NAME", cell)
+    items = [_Item(n) for n in nodes]
+    skip_what_the_main_run_passed(items)
+    return {n for n, i in zip(nodes, items) if i.skipped}
+
+
+def test_integration_tests_run_in_the_cells_labelled_for_them_and_outside_the_grid(monkeypatch):
+    from liger_compat.matrix import grid
+
+    g = grid.load()
+    labelled = [c.name for c in g.labelled("ci") if INTEGRATION_LABEL in c.labels]
+    others = [c.name for c in g.labelled("ci") if INTEGRATION_LABEL not in c.labels]
+    assert labelled and others
+    integration = [f"{path}::test_x" for path in sorted(INTEGRATION)]
+    plain = "models/test_causal_lm.py::test_x[llama]"
+    main_only = "launcher/test_run.py::test_exit_code_and_signals_pass_through"
+    library = "launcher/test_run.py::test_python_script_takes_the_fused_path_with_native_loss"
+    nodes = [*integration, plain, main_only, library]
+    for cell in labelled:
+        assert _skipped(nodes, monkeypatch, cell) == {main_only}, cell
+    for cell in others:
+        assert _skipped(nodes, monkeypatch, cell) == {*integration, main_only, library}, cell
+    # a run outside the grid's cells, and any run before a passed main run: everything runs
+    assert _skipped(nodes, monkeypatch, "my-own-env") == {main_only}
+    assert _skipped(nodes, monkeypatch, None) == {main_only}
+    assert _skipped(nodes, monkeypatch, others[0], passed_on=None) == set()
+
+
+@pytest.mark.parametrize("node", sorted(n for n in MAIN_RUN_ONLY if "::" in n))
+def test_every_main_run_only_test_exists(node):
+    path, name = node.split("::")
+    assert f"def {name}(" in (ROOT / "tests" / path).read_text(), f"MAIN_RUN_ONLY names a missing test: {node}"
+
+
+@pytest.mark.parametrize("path", sorted(INTEGRATION))
+def test_every_integration_module_exists(path):
+    assert (ROOT / "tests" / path).is_file(), f"tests/suite_scope.py INTEGRATION names a missing module: {path}"
