@@ -57,6 +57,7 @@ INTEGRATION = {
     "compile/test_compile.py": "torch.compile of the patched models, graph breaks and recompiles counted in fresh processes",
     "distributed/test_trainers_gloo.py": "Trainer / SFTTrainer over two gloo ranks",
     "distributed/test_gloo.py": "DDP / FSDP2 / ZeRO-3 steps over two gloo ranks",
+    "distributed/test_tensor_parallel.py": "tensor parallelism (tp_plan, FSDP2 x TP) over two and four gloo ranks",
     "launcher/test_trl_cli.py": "trl's own command line under the launcher",
     "launcher/test_run.py": "training scripts under the launcher, against the same script run natively",
 }

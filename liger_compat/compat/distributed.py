@@ -227,6 +227,26 @@ def _output_head(model: Any) -> Any:
     return head
 
 
+def _tensor_parallel_model() -> Any:
+    """A live model of this process whose LM head is a DTensor (loaded with ``tp_plan``, or
+    parallelised by hand), so that ``check()`` without a model still names tensor parallelism
+    rather than assuming DDP from the process group. None when there is none (or no DTensor yet)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    import gc
+
+    from ..shims import _sharded_head as sd
+
+    for obj in gc.get_objects():
+        try:
+            head = getattr(obj, "lm_head", None) if hasattr(obj, "named_parameters") else None
+            if head is not None and sd.is_dtensor(getattr(sd.head_module(head), "weight", None)):
+                return obj
+        except Exception:  # noqa: BLE001 - an object whose attributes raise is not the model
+            continue
+    return None
+
+
 def _from_model(info: DistributedInfo, model: Any) -> None:
     from ..shims import _sharded_head as sd
 
@@ -253,8 +273,13 @@ def _from_model(info: DistributedInfo, model: Any) -> None:
             engine, info.zero_stage = "DeepSpeed ZeRO-3", 3
         elif "DistributedDataParallel" in top:
             engine = "DDP"
-        elif any(sd.is_dtensor(p) for p in model.parameters()):
-            engine = "DTensor (tensor parallel?)"
+        else:
+            dt = next((p for p in model.parameters() if sd.is_dtensor(p)), None)
+            if dt is not None:
+                mesh = dt.device_mesh
+                dims = getattr(mesh, "mesh_dim_names", None) or ()
+                engine = "tensor parallel" + (f" ({', '.join(f'{d}={mesh.size(i)}' for i, d in enumerate(dims))})"
+                                              if dims else "")
     if engine is not None:
         info.engine, info.engine_source = engine, "model"
     head = _output_head(model)
@@ -262,14 +287,16 @@ def _from_model(info: DistributedInfo, model: Any) -> None:
         kind = sd.head_sharding(head)
         if kind == "dtensor" and engine == "FSDP2":
             kind = "parent"  # sharded here, gathered by the enclosing unit's forward
-        info.head = {
-            "parent": "in its parent's FSDP2 unit (gathered in the parent's forward)",
-            "none": "ordinary module (gathered with its parent unit, if any)",
-            "fsdp2": "own FSDP2 unit (sharded DTensor outside its forward)",
-            "fsdp1": "own FSDP1 unit",
-            "zero3": "ZeRO-3 partitioned",
-            "dtensor": "DTensor without an FSDP unit (tensor parallel?)",
-        }[kind]
+        if kind == "dtensor":
+            info.head = sd.describe_dtensor_head(sd.head_module(head).weight)
+        else:
+            info.head = {
+                "parent": "in its parent's FSDP2 unit (gathered in the parent's forward)",
+                "none": "ordinary module (gathered with its parent unit, if any)",
+                "fsdp2": "own FSDP2 unit (sharded DTensor outside its forward)",
+                "fsdp1": "own FSDP1 unit",
+                "zero3": "ZeRO-3 partitioned",
+            }[kind]
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,10 +348,11 @@ def _warnings(info: DistributedInfo, *, model: Any, training_args: Any, device_c
             "mixed requires_grad (LoRA) fail. Prefer FSDP2 (fsdp_version: 2) or use_orig_params=True.")
     if info.engine.startswith("DeepSpeed") and not versions.installed("deepspeed").installed:
         add("D5", "error", "a DeepSpeed engine is configured but the deepspeed package is not installed.")
-    if info.head and info.head.startswith("DTensor"):
+    if active and info.head and info.head.startswith("DTensor") and "NOT supported" in info.head:
         add("D6", "error",
-            "lm_head.weight is a DTensor outside any FSDP unit (tensor parallel?): the fused loss needs the whole "
-            "weight and raises ShardedHeadError; disable the fused_linear_cross_entropy kernel for this run.")
+            f"lm_head.weight is a {info.head.split(':')[0]}: the fused loss takes a head split over the vocabulary "
+            "(Shard(0)) along one mesh dimension, or a replicated one, and raises ShardedHeadError on this one; "
+            "leave fused_linear_cross_entropy out of LIGER_COMPAT_KERNELS for this run.")
     if (info.local_world_size and device_count is not None and device_count > 0
             and info.local_world_size > device_count and info.backend in (None, "nccl")):
         add("D7", "error",
@@ -360,6 +388,8 @@ def detect(
         _from_training_args(info, training_args)
     _from_transformers(info)
     _from_torch_distributed(info)
+    if model is None and info.initialized and (info.engine == "none" or "assumed" in info.engine_source):
+        model = _tensor_parallel_model()
     if model is not None:
         _from_model(info, model)
     if info.engine == "none" and info.world_size > 1:

@@ -30,10 +30,12 @@ from .rope import apply_rotary_pos_emb
 from ._device_errors import raise_target_errors
 from .errors import (DeviceMismatchError, DimensionError, DtypeMismatchError, GradientContractError, NotATensorError,
                      OptionRangeError, ShapeMismatchError, TargetDtypeError, TargetOutOfRangeError, UnsupportedDtypeError)
+from .vocab_parallel import vocab_parallel_cross_entropy
 from . import _ops  # noqa: F401,E402  (registers the custom ops the functions above call under torch.compile)
 
 __all__ = [
     "fused_linear_cross_entropy",
+    "vocab_parallel_cross_entropy",
     "cross_entropy",
     "CrossEntropyOutput",
     "fused_linear_logprobs",

@@ -38,12 +38,15 @@ from typing import Any, Callable, Iterator
 
 __all__ = [
     "fused_head_loss", "through_module", "head_weight", "head_module", "head_sharding", "ShardedHeadError", "wired",
+    "dtensor_route", "describe_dtensor_head",
 ]
 
 _MISSING = object()
 
 #: how many times the fused head went through a sharding engine's hooks (for ``check()``)
 engine_calls = 0
+#: how many times the fused loss ran vocabulary-parallel over a tensor-parallel head (for ``check()``)
+tensor_parallel_calls = 0
 
 
 class ShardedHeadError(RuntimeError):
@@ -129,6 +132,88 @@ def through_module(module: Any, fn: Callable[..., Any], *args: Any) -> Any:
             d[attr] = saved
 
 
+def dtensor_route(w: Any) -> str:
+    """How the fused loss takes the DTensor head weight ``w``: ``"vocab"`` (``Shard(0)`` over one
+    mesh dimension: tensor parallelism's vocabulary-parallel head, the loss combines the shards'
+    statistics across that dimension's group), ``"replicated"`` (every rank holds the whole
+    weight). Anything else raises :class:`ShardedHeadError` naming the placements."""
+    placements = tuple(getattr(w, "placements", ()))
+    mesh = getattr(w, "device_mesh", None)
+    names = [type(p).__name__ for p in placements]
+    if placements and all(n == "Replicate" for n in names):
+        return "replicated"
+    if mesh is not None and mesh.ndim == 1 and names == ["Shard"] and placements[0].dim == 0:
+        return "vocab"
+    dims = getattr(mesh, "mesh_dim_names", None)
+    raise ShardedHeadError(
+        f"lm_head.weight is a DTensor with placements {placements} on mesh dimensions {dims}: the fused loss takes a "
+        "head split over the vocabulary (Shard(0)) along one mesh dimension, or a replicated one. Run the native "
+        "head loss for this model: LIGER_COMPAT_KERNELS without fused_linear_cross_entropy, or "
+        "liger_compat.configure(kernels=...)."
+    )
+
+
+def describe_dtensor_head(w: Any) -> str:
+    """For ``check()``: the head's placements, mesh and the route the fused loss takes."""
+    mesh = getattr(w, "device_mesh", None)
+    dims = getattr(mesh, "mesh_dim_names", None) or ()
+    shape = "x".join(f"{d}={mesh.size(i)}" for i, d in enumerate(dims)) if mesh is not None and dims else \
+        f"{getattr(mesh, 'ndim', '?')}-D mesh"
+    placements = ", ".join(str(p) for p in getattr(w, "placements", ()))
+    try:
+        route = {"vocab": "vocabulary-parallel fused loss", "replicated": "fused loss on the replicated weight"}[
+            dtensor_route(w)]
+    except ShardedHeadError:
+        route = "NOT supported by the fused loss (native head loss needed)"
+    return f"DTensor ({placements}) over {shape}: {route}"
+
+
+def _vocab_shard(w: Any) -> tuple[Any, int, int, Any]:
+    """(local rows, their first row in the whole vocabulary, the vocabulary, the group) of a
+    ``Shard(0)`` DTensor weight: DTensor splits as ``torch.chunk`` does (ceil(V / n) rows a rank,
+    the last ranks fewer or none)."""
+    mesh = w.device_mesh
+    n = mesh.size(0)
+    vocab = int(w.shape[0])
+    coord = mesh.get_coordinate()[0]
+    rows = -(-vocab // n)
+    offset = min(coord * rows, vocab)
+    local = w.to_local()
+    if local.shape[0] != min(rows, vocab - offset):
+        raise ShardedHeadError(f"lm_head.weight's shard on rank {coord} of {n} has {local.shape[0]} rows, not the "
+                               f"{min(rows, vocab - offset)} an even split of {vocab} gives")
+    return local, offset, vocab, mesh.get_group(0)
+
+
+def _dtensor_loss(w: Any, b: Any, h: Any, target: Any, dtype: Any, loss_kwargs: dict[str, Any]) -> Any:
+    """The fused loss of a DTensor head weight (tensor parallel): by :func:`dtensor_route`."""
+    if is_dtensor(h):  # the decoder's output as a DTensor: replicated on every rank, or not ours to take
+        if not all(type(p).__name__ == "Replicate" for p in h.placements):
+            raise ShardedHeadError(f"the hidden states reach lm_head as a DTensor with placements {h.placements}: "
+                                   "the fused loss takes replicated hidden states (sequence parallelism's sharded "
+                                   "ones are not supported); run the native head loss for this model")
+        h = h.to_local()
+    route = dtensor_route(w)
+    dt = dtype if dtype is not None else w.dtype
+    if route == "replicated":
+        from ..kernels import fused_linear_cross_entropy
+
+        wl = w.to_local().to(dt)
+        bl = None if b is None else (b.to_local() if is_dtensor(b) else b).to(dt)
+        return fused_linear_cross_entropy(h.to(dt), wl, target, bias=bl, **loss_kwargs)
+    from ..kernels.vocab_parallel import vocab_parallel_cross_entropy
+
+    wl, offset, vocab, group = _vocab_shard(w)
+    bl = None
+    if b is not None:
+        bl = b.to_local() if is_dtensor(b) else b[offset:offset + wl.shape[0]]
+        bl = bl.to(dt)
+    global tensor_parallel_calls
+    tensor_parallel_calls += 1
+    return vocab_parallel_cross_entropy(h.to(dt), wl.to(dt), target, vocab_offset=offset, vocab_size=vocab,
+                                        group=group, bias=bl, **loss_kwargs)
+
+
 def _full_weight_and_bias(inner: Any) -> tuple[Any, Any]:
     w = inner.weight
     b = getattr(inner, "bias", None)
@@ -171,6 +256,9 @@ def fused_head_loss(lm_head: Any, hidden: Any, target: Any, *, dtype: Any = None
     from ..kernels import fused_linear_cross_entropy
 
     def loss(inner: Any, h: Any) -> Any:
+        if is_dtensor(inner.weight):  # tensor parallel (the weight inside an FSDP2 unit's call: FSDP2 x TP)
+            out = _dtensor_loss(inner.weight, getattr(inner, "bias", None), h, target, dtype, loss_kwargs)
+            return tuple(out) if isinstance(out, tuple) else out
         w, b = _full_weight_and_bias(inner)
         # decided here, on the gathered weight: FSDP2's mixed precision makes the unsharded weight
         # (and, with cast_forward_inputs, ``h``) param_dtype while the sharded one keeps its own
@@ -245,7 +333,7 @@ def wired() -> bool:
     """True when some other loaded ``liger_compat`` module routes the fused head through here
     (it references :func:`fused_head_loss`, :func:`through_module` or this module), or when the
     engine route has already run in this process."""
-    if engine_calls:
+    if engine_calls or tensor_parallel_calls:
         return True
     me = sys.modules.get(__name__)
     targets = {id(fused_head_loss), id(through_module), id(me)}

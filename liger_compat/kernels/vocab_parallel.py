@@ -1,0 +1,209 @@
+"""Cross-entropy of a linear head whose weight is split over the vocabulary across a process group.
+
+Tensor parallelism shards the LM head by rows (``Shard(0)``): each rank of the group holds rows
+``[offset, offset + V_local)`` of the ``[V, H]`` weight and the same (replicated) hidden states.
+:func:`vocab_parallel_cross_entropy` computes the loss of the whole head from the shards without
+any rank holding ``[N, V]`` logits: each rank computes its shard's logits a block of rows at a time
+(``[rows, V_local]`` at most), keeps a few floats a row (its shard's maximum, sum of exponentials,
+the target's logit where the target is in its shard, the sum of logits for label smoothing,
+whether its shard's argmax is the target), and the group combines them with two all-reduces of
+``[N]``-sized tensors. The backward recomputes each block's logits, forms ``softmax - one_hot`` on
+the shard with the global log-sum-exp, keeps the weight's gradient local and all-reduces the
+hidden states' gradient (each rank's is the part its shard contributes).
+
+Pure torch (matmuls and ``torch.distributed``), so it runs on any device and backend (gloo on
+CPU tensors, NCCL on GPUs). The options are those of
+:func:`liger_compat.kernels.fused_linear_cross_entropy` and mean the same: a loss computed here
+equals that function's on the gathered weight. A target outside ``[0, V)`` that is not
+``ignore_index`` raises :class:`TargetOutOfRangeError` where the check needs no host sync (CPU
+tensors, or ``LIGER_COMPAT_DEBUG``); elsewhere its row's loss is NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _checks
+from .errors import ShapeMismatchError
+from .loss import CrossEntropyOutput, _check_options
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+#: the largest block of logits a rank forms at once, in elements (fp32: 64 MiB)
+BLOCK_ELEMENTS = 1 << 24
+
+
+def _block_rows(v_local: int) -> int:
+    return max(1, BLOCK_ELEMENTS // max(1, v_local))
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    z = (h @ w.t()).float()
+    if b is not None:
+        z = z + b.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, offset, vocab, group, ignore_index, smoothing, z_scale, softcap):
+        n, v_local = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        local = target - offset
+        inside = (local >= 0) & (local < v_local) & (target != ignore_index)
+        idx = local.clamp(0, max(v_local - 1, 0)).unsqueeze(1)
+        m_l = torch.empty(n, dtype=torch.float32, device=dev)
+        s_l = torch.empty_like(m_l)
+        zt_l = torch.empty_like(m_l)
+        sz_l = torch.zeros_like(m_l)
+        hit_l = torch.empty(n, dtype=torch.bool, device=dev)
+        step = _block_rows(v_local)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            z = _logits(hidden[r0:r1], weight, bias, softcap)
+            m, arg = z.max(dim=1)
+            m_l[r0:r1] = m
+            s_l[r0:r1] = torch.exp(z - m.unsqueeze(1)).sum(dim=1)
+            zt_l[r0:r1] = torch.where(inside[r0:r1], z.gather(1, idx[r0:r1]).squeeze(1), 0.0)
+            if smoothing:
+                sz_l[r0:r1] = z.sum(dim=1)
+            hit_l[r0:r1] = inside[r0:r1] & (arg == idx[r0:r1].squeeze(1))
+        m_g = m_l.clone()
+        torch.distributed.all_reduce(m_g, op=torch.distributed.ReduceOp.MAX, group=group)
+        # the argmax is the target where the target's shard holds it and that shard holds the maximum
+        packed = torch.stack([s_l * torch.exp(m_l - m_g), zt_l, sz_l, (hit_l & (m_l >= m_g)).float(),
+                              inside.float()])
+        torch.distributed.all_reduce(packed, group=group)
+        s_g, zt, sz, correct, found = packed
+        lse = m_g + torch.log(s_g)
+        valid = target != ignore_index
+        bad = valid & (found < 0.5)  # in no rank's shard: outside the vocabulary
+        rows = (1.0 - smoothing) * (lse - zt)
+        if smoothing:
+            rows = rows + smoothing * (lse - sz / vocab)
+        if z_scale:
+            rows = rows + z_scale * lse * lse
+        rows = torch.where(valid, rows, 0.0)
+        rows = torch.where(bad, float("nan"), rows)
+        z_rows = torch.where(valid, z_scale * lse * lse, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.meta = (offset, vocab, group, ignore_index, smoothing, z_scale, softcap)
+        ctx.mark_non_differentiable(z_rows, correct)
+        return rows, z_rows, correct > 0.5
+
+    @staticmethod
+    def backward(ctx, grad_rows, _gz, _gc):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        offset, vocab, group, ignore_index, smoothing, z_scale, softcap = ctx.meta
+        n, v_local = hidden.shape[0], weight.shape[0]
+        valid = target != ignore_index
+        g = torch.where(valid, grad_rows.float(), 0.0)
+        local = target - offset
+        inside = (local >= 0) & (local < v_local) & valid
+        idx = local.clamp(0, max(v_local - 1, 0)).unsqueeze(1)
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        step = _block_rows(v_local)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            h = hidden[r0:r1]
+            z = _logits(h, weight, bias, softcap)
+            p = torch.exp(z - lse[r0:r1].unsqueeze(1))
+            if z_scale:
+                p = p * (1.0 + 2.0 * z_scale * lse[r0:r1]).unsqueeze(1)
+            if smoothing:
+                p = p - smoothing / vocab
+            p.scatter_add_(1, idx[r0:r1], torch.where(inside[r0:r1], -(1.0 - smoothing), 0.0).unsqueeze(1))
+            dz = p * g[r0:r1].unsqueeze(1)
+            if softcap is not None:
+                dz = dz * (1.0 - (z / softcap) ** 2)
+            grad_h[r0:r1] = dz @ weight.float()
+            grad_w += dz.t() @ h.float()
+            if grad_b is not None:
+                grad_b += dz.sum(dim=0)
+        # every rank's hidden states are the same tensor; each contributed its shard's part
+        torch.distributed.all_reduce(grad_h, group=group)
+        return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None, None, None, None, None, None)
+
+
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_offset: int,
+    vocab_size: int,
+    group: Any = None,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_token_accuracy: bool = False,
+    return_z_loss: bool = False,
+):
+    """The fused linear cross-entropy of a head split over the vocabulary across ``group``.
+
+    ``weight`` is this rank's ``[V_local, H]`` rows of the ``[vocab_size, H]`` weight, starting
+    at row ``vocab_offset`` (``bias`` the matching ``[V_local]``); ``hidden`` ``[..., H]`` and
+    ``target`` (class ids of the whole vocabulary) are the same on every rank of ``group``. Every
+    rank returns the same loss; the weight's gradient is this rank's rows, the hidden states'
+    gradient is the whole head's. Options as :func:`~liger_compat.kernels.fused_linear_cross_entropy`.
+    """
+    _checks.tensor("hidden", hidden)
+    _checks.tensor("weight", weight)
+    _checks.float_dtype("hidden", hidden)
+    _checks.float_dtype("weight", weight)
+    _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
+    _checks.tensor("target", target)
+    _checks.integer_target("target", target)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is "
+                                 f"{hidden.shape[-1]}")
+    if not (0 <= vocab_offset and vocab_offset + weight.shape[0] <= vocab_size):
+        raise ShapeMismatchError(f"rows [{vocab_offset}, {vocab_offset + weight.shape[0]}) of the weight do not fit "
+                                 f"a vocabulary of {vocab_size}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ShapeMismatchError(f"bias has shape {tuple(bias.shape)}, the weight's shard {weight.shape[0]} rows")
+    rows_shape = tuple(hidden.shape[:-1])
+    if tuple(target.shape) != rows_shape and not (target.dim() == 1 and target.numel() == hidden[..., 0].numel()):
+        raise ShapeMismatchError(f"target has shape {tuple(target.shape)} but hidden needs {rows_shape}")
+    _checks.target_range("target", target, vocab_size, ignore_index)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1).to(device=h.device, dtype=torch.long)
+    if weight.dtype != h.dtype:
+        weight = weight.to(h.dtype)
+    if bias is not None and bias.dtype != h.dtype:
+        bias = bias.to(h.dtype)
+
+    rows, z_rows, correct = _VocabParallelCE.apply(
+        h, weight, bias, t, int(vocab_offset), int(vocab_size), group, int(ignore_index), float(label_smoothing),
+        float(lse_square_scale), None if softcap is None else float(softcap))
+    valid = t != ignore_index
+    n_valid = valid.sum()
+    if reduction == "none":
+        loss = rows.view(target.shape)
+        z = z_rows.view(target.shape) if return_z_loss else None
+        acc = correct.float().view(target.shape) if return_token_accuracy else None
+    else:
+        if num_items_in_batch is not None:
+            denom = (num_items_in_batch.to(device=h.device, dtype=torch.float32)
+                     if isinstance(num_items_in_batch, torch.Tensor) else float(num_items_in_batch))
+        elif reduction == "mean":
+            denom = n_valid.clamp(min=1).float()
+        else:
+            denom = 1.0
+        loss = rows.sum() / denom
+        z = (z_rows.sum() / denom).detach() if return_z_loss else None
+        acc = ((correct & valid).sum().float() / n_valid.clamp(min=1).float()) if return_token_accuracy else None
+    if return_token_accuracy or return_z_loss:
+        return CrossEntropyOutput(loss, z, acc)
+    return loss
