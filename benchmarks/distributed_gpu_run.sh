@@ -29,6 +29,9 @@ timeout 100 python3 -m torch.distributed.run --nproc_per_node 2 -m benchmarks.di
 python3 -m benchmarks.distributed_scaling --table "$OUT"/distributed_scaling_1gpu.json \
   "$OUT"/distributed_scaling_2gpu.json >"$OUT/distributed_scaling.md" 2>>"$LOG"
 
+step "tensor parallelism: the LM head's loss, native vs vocabulary-parallel"
+timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 -m benchmarks.tp_head --out "$OUT" >>"$LOG" 2>&1
+
 if [ "${WITH_ZERO3:-0}" = 1 ] && ls .whl_ds/deepspeed-*.whl >/dev/null 2>&1; then
   step "ZeRO-3 (deepspeed carried as wheels)"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_ds/*.whl >>"$LOG" 2>&1 &&

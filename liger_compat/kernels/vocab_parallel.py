@@ -31,8 +31,10 @@ from .loss import CrossEntropyOutput, _check_options
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
-#: the largest block of logits a rank forms at once, in elements (fp32: 64 MiB)
-BLOCK_ELEMENTS = 1 << 24
+#: the largest block of logits a rank forms at once, in elements (fp32: 2 GiB, the rank's whole
+#: [N, V / tp] at 8192 tokens of a 128k vocabulary over two ranks): few, large blocks keep the
+#: matmuls efficient and the weight gradient's fp32 sums over blocks few
+BLOCK_ELEMENTS = 1 << 29
 
 
 def _block_rows(v_local: int) -> int:
@@ -40,11 +42,12 @@ def _block_rows(v_local: int) -> int:
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """One block's fp32 logits (softcapped), computed in place after the matmul."""
     z = (h @ w.t()).float()
     if b is not None:
-        z = z + b.float()
+        z += b.float()
     if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+        z.div_(softcap).tanh_().mul_(softcap)
     return z
 
 
@@ -56,27 +59,29 @@ class _VocabParallelCE(torch.autograd.Function):
         local = target - offset
         inside = (local >= 0) & (local < v_local) & (target != ignore_index)
         idx = local.clamp(0, max(v_local - 1, 0)).unsqueeze(1)
-        m_l = torch.empty(n, dtype=torch.float32, device=dev)
-        s_l = torch.empty_like(m_l)
-        zt_l = torch.empty_like(m_l)
-        sz_l = torch.zeros_like(m_l)
-        hit_l = torch.empty(n, dtype=torch.bool, device=dev)
+        lse_l = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)  # an empty shard adds nothing
+        m_l = torch.full_like(lse_l, float("-inf"))
+        zt_l = torch.zeros_like(lse_l)
+        sz_l = torch.zeros_like(lse_l)
+        hit_l = torch.zeros(n, dtype=torch.bool, device=dev)
         step = _block_rows(v_local)
-        for r0 in range(0, n, step):
+        for r0 in range(0, n if v_local else 0, step):
             r1 = min(n, r0 + step)
             z = _logits(hidden[r0:r1], weight, bias, softcap)
+            lse_l[r0:r1] = torch.logsumexp(z, dim=1)
             m, arg = z.max(dim=1)
             m_l[r0:r1] = m
-            s_l[r0:r1] = torch.exp(z - m.unsqueeze(1)).sum(dim=1)
             zt_l[r0:r1] = torch.where(inside[r0:r1], z.gather(1, idx[r0:r1]).squeeze(1), 0.0)
             if smoothing:
                 sz_l[r0:r1] = z.sum(dim=1)
             hit_l[r0:r1] = inside[r0:r1] & (arg == idx[r0:r1].squeeze(1))
-        m_g = m_l.clone()
-        torch.distributed.all_reduce(m_g, op=torch.distributed.ReduceOp.MAX, group=group)
+            del z
+        # one all-reduce of the maxima (each shard's log-sum-exp and its largest logit), one of the sums
+        maxima = torch.stack([lse_l, m_l])
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=group)
+        m_g, top = maxima
         # the argmax is the target where the target's shard holds it and that shard holds the maximum
-        packed = torch.stack([s_l * torch.exp(m_l - m_g), zt_l, sz_l, (hit_l & (m_l >= m_g)).float(),
-                              inside.float()])
+        packed = torch.stack([torch.exp(lse_l - m_g), zt_l, sz_l, (hit_l & (m_l >= top)).float(), inside.float()])
         torch.distributed.all_reduce(packed, group=group)
         s_g, zt, sz, correct, found = packed
         lse = m_g + torch.log(s_g)
@@ -105,30 +110,45 @@ class _VocabParallelCE(torch.autograd.Function):
         local = target - offset
         inside = (local >= 0) & (local < v_local) & valid
         idx = local.clamp(0, max(v_local - 1, 0)).unsqueeze(1)
-        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        grad_w = None  # the first block's product; fp32 sums from the second block on
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         step = _block_rows(v_local)
-        for r0 in range(0, n, step):
+        for r0 in range(0, n if v_local else 0, step):
             r1 = min(n, r0 + step)
             h = hidden[r0:r1]
             z = _logits(h, weight, bias, softcap)
-            p = torch.exp(z - lse[r0:r1].unsqueeze(1))
+            # d softcap * tanh(x / softcap) / dx = 1 - (z / softcap)^2, from the capped logits
+            cap = (z / softcap).square_().neg_().add_(1.0) if softcap is not None else None
+            dz = z.sub_(lse[r0:r1].unsqueeze(1)).exp_()  # the softmax, in place of the logits
             if z_scale:
-                p = p * (1.0 + 2.0 * z_scale * lse[r0:r1]).unsqueeze(1)
+                dz.mul_((1.0 + 2.0 * z_scale * lse[r0:r1]).unsqueeze(1))
             if smoothing:
-                p = p - smoothing / vocab
-            p.scatter_add_(1, idx[r0:r1], torch.where(inside[r0:r1], -(1.0 - smoothing), 0.0).unsqueeze(1))
-            dz = p * g[r0:r1].unsqueeze(1)
-            if softcap is not None:
-                dz = dz * (1.0 - (z / softcap) ** 2)
-            grad_h[r0:r1] = dz @ weight.float()
-            grad_w += dz.t() @ h.float()
+                dz.sub_(smoothing / vocab)
+            dz.scatter_add_(1, idx[r0:r1], torch.where(inside[r0:r1], -(1.0 - smoothing), 0.0).unsqueeze(1))
+            dz.mul_(g[r0:r1].unsqueeze(1))
+            if cap is not None:
+                dz.mul_(cap)
+                del cap
             if grad_b is not None:
                 grad_b += dz.sum(dim=0)
+            # the two matmuls in the inputs' dtype (tensor cores for bf16 / fp16, as native's
+            # backward of its logits); the weight's gradient summed over blocks in fp32
+            dz = dz.to(hidden.dtype)
+            grad_h[r0:r1] = dz @ weight
+            part = dz.t() @ h
+            if grad_w is None:
+                grad_w = part
+            elif grad_w.dtype != torch.float32:
+                grad_w = grad_w.float().add_(part)
+            else:
+                grad_w.add_(part)
+        if grad_w is None:  # an empty shard
+            grad_h.zero_()
+            grad_w = torch.zeros_like(weight)
         # every rank's hidden states are the same tensor; each contributed its shard's part
         torch.distributed.all_reduce(grad_h, group=group)
-        return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
+        return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None, None, None, None, None)
 
 
