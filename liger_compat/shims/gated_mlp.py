@@ -155,6 +155,10 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
 
     from .. import kernels
 
+    if x.numel() == 0:
+        # nothing to compare (an MoE expert routed no token, an empty batch): this call runs its
+        # native forward and the verdict waits for an input with rows
+        return False
     with torch.no_grad():
         probe = x.detach()[..., :8, :] if x.dim() >= 2 else x.detach()
         gate, up = project_in(probe)

@@ -243,6 +243,30 @@ def test_inputs_the_kernels_refuse_run_natively(monkeypatch, caplog):
     assert "unsupported dtype torch.float64" in caplog.text
 
 
+def test_a_gated_mlp_whose_first_call_has_no_rows_is_judged_on_its_first_call_with_rows(monkeypatch):
+    """An MoE expert routed no token gets a ``[0, H]`` input; when that is its first call, the
+    structural probe has nothing to compare: the call runs native (an empty result) and the
+    verdict waits for rows (seen: mixtral's experts on transformers 4.48 with a one-token batch)."""
+    monkeypatch.setattr(gated_mlp, "_mlp_verdicts", {})
+    monkeypatch.setattr(gated_mlp, "_class_verdicts", {})
+    model = tiny("llama")
+    mlp = model.model.layers[0].mlp
+    hdim = model.config.hidden_size
+    empty = torch.randn(0, hdim, requires_grad=True)
+    out = mlp(empty)
+    assert out.shape == (0, hdim) and not gated_mlp._mlp_verdicts
+    out.sum().backward()
+    x = torch.randn(2, 5, hdim)
+    with native(), torch.no_grad():
+        ref = mlp(x)
+    kernels.last_backend.clear()
+    with torch.no_grad():
+        got = mlp(x)
+    assert list(gated_mlp._mlp_verdicts.values()) == [True] and "swiglu" in kernels.last_backend
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert mlp(torch.randn(1, 0, hdim)).shape == (1, 0, hdim)  # with a verdict: the kernel path, no rows
+
+
 @pytest.mark.parametrize("kernel", ["rms_norm", "gated_project", "apply_rotary_pos_emb"])
 def test_an_error_inside_a_kernel_raises_instead_of_falling_back(monkeypatch, kernel):
     """Inputs the kernel accepts go to the kernel, unguarded: a TypeError / ValueError raised
