@@ -98,6 +98,8 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
     if verdict is None and compiling() and _rope_fn_verdicts.get(fn) is False:
         # no eager call probed these shapes, and the function failed the probe of its patch time
         return wrapped(*args, **kwargs)
+    if verdict is None and (q.numel() == 0 or k.numel() == 0):  # no values to judge the kernel on
+        return wrapped(*args, **kwargs)
     if verdict is None and refusal is None and not compiling():
         # the structural probe: the native function and the kernel on this call's inputs, once per
         # function and shapes. gpt-oss rotates halves with a half-width cos, GLM-4 / Cohere / DeepSeek
