@@ -178,9 +178,11 @@ def test_patched_step_under_sync_debug_error_on_gpu():
 #: a tiny model's patched CPU step against native's (per-call host work only): the goal, met on this
 #: machine when nothing else runs (``python -m benchmarks.cpu_step``, ``benchmarks/results/cpu_step.md``)
 CPU_STEP_RATIO_GOAL = 1.1
-#: what a test run may assert beside other tests on two cores: timing noise stays below it, the
-#: per-call overhead this machine had before the CPU path was trimmed (about 1.2x) does not
-CPU_STEP_RATIO_BOUND = 1.15
+#: what a test run may assert beside other tests on two cores: a gross slowdown (a per-step cost
+#: that doubles the step). Seconds on a shared machine cannot hold a finer bound: 1.15-1.18 was
+#: measured in a CI cell where the step alone takes 1.08x. The finer guard is the call count below
+#: (machine-independent: 224 extra calls now, 418 before the CPU path was trimmed)
+CPU_STEP_RATIO_BOUND = 1.5
 #: Python calls (profiler events) a patched step makes beyond native's: machine-independent, and about
 #: the same on every transformers version (native's own count is not: 650 on 4.45, 1020 on 5.24); 420
 #: before the CPU path was trimmed
