@@ -27,7 +27,7 @@ import torch
 
 from . import _checks
 from .errors import ShapeMismatchError
-from .loss import CrossEntropyOutput, _check_options
+from .loss import CEOptions, CrossEntropyOutput, _check_options, _check_target, _finish, _reduction_scale
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -183,8 +183,7 @@ def vocab_parallel_cross_entropy(
     _checks.float_dtype("hidden", hidden)
     _checks.float_dtype("weight", weight)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
-    _checks.tensor("target", target)
-    _checks.integer_target("target", target)
+    _check_target(target, hidden.shape[:-1], "hidden")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is "
                                  f"{hidden.shape[-1]}")
@@ -193,9 +192,6 @@ def vocab_parallel_cross_entropy(
                                  f"a vocabulary of {vocab_size}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ShapeMismatchError(f"bias has shape {tuple(bias.shape)}, the weight's shard {weight.shape[0]} rows")
-    rows_shape = tuple(hidden.shape[:-1])
-    if tuple(target.shape) != rows_shape and not (target.dim() == 1 and target.numel() == hidden[..., 0].numel()):
-        raise ShapeMismatchError(f"target has shape {tuple(target.shape)} but hidden needs {rows_shape}")
     _checks.target_range("target", target, vocab_size, ignore_index)
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1).to(device=h.device, dtype=torch.long)
@@ -207,23 +203,11 @@ def vocab_parallel_cross_entropy(
     rows, z_rows, correct = _VocabParallelCE.apply(
         h, weight, bias, t, int(vocab_offset), int(vocab_size), group, int(ignore_index), float(label_smoothing),
         float(lse_square_scale), None if softcap is None else float(softcap))
-    valid = t != ignore_index
-    n_valid = valid.sum()
-    if reduction == "none":
-        loss = rows.view(target.shape)
-        z = z_rows.view(target.shape) if return_z_loss else None
-        acc = correct.float().view(target.shape) if return_token_accuracy else None
-    else:
-        if num_items_in_batch is not None:
-            denom = (num_items_in_batch.to(device=h.device, dtype=torch.float32)
-                     if isinstance(num_items_in_batch, torch.Tensor) else float(num_items_in_batch))
-        elif reduction == "mean":
-            denom = n_valid.clamp(min=1).float()
-        else:
-            denom = 1.0
-        loss = rows.sum() / denom
-        z = (z_rows.sum() / denom).detach() if return_z_loss else None
-        acc = ((correct & valid).sum().float() / n_valid.clamp(min=1).float()) if return_token_accuracy else None
+    # ``correct`` is False on ignored rows: the accuracy is over the labelled ones, as the fused loss's
+    n_valid, scale = _reduction_scale(t, CEOptions(ignore_index=int(ignore_index)), reduction, num_items_in_batch,
+                                      h.device)
+    loss, z, acc = _finish(rows, z_rows, correct, n_valid, scale, reduction, target.shape, return_z_loss,
+                           return_token_accuracy)
     if return_token_accuracy or return_z_loss:
         return CrossEntropyOutput(loss, z, acc)
     return loss
