@@ -4,7 +4,7 @@ Tensor parallelism shards the LM head by rows (``Shard(0)``): each rank of the g
 ``[offset, offset + V_local)`` of the ``[V, H]`` weight and the same (replicated) hidden states.
 :func:`vocab_parallel_cross_entropy` computes the loss of the whole head from the shards without
 any rank holding ``[N, V]`` logits: each rank computes its shard's logits a block of rows at a time
-(``[rows, V_local]`` at most), keeps a few floats a row (its shard's maximum, sum of exponentials,
+(``[rows, V_local]`` at most), keeps a few floats a row (its shard's log-sum-exp and maximum,
 the target's logit where the target is in its shard, the sum of logits for label smoothing,
 whether its shard's argmax is the target), and the group combines them with two all-reduces of
 ``[N]``-sized tensors. The backward recomputes each block's logits, forms ``softmax - one_hot`` on
