@@ -235,14 +235,20 @@ def _tensor_parallel_model() -> Any:
         return None
     import gc
 
+    import torch
+
     from ..shims import _sharded_head as sd
 
     for obj in gc.get_objects():
+        # modules only: an attribute read on any other live object can run its own __getattr__
+        # (deprecation warnings, lazy proxies)
+        if not isinstance(obj, torch.nn.Module):
+            continue
         try:
-            head = getattr(obj, "lm_head", None) if hasattr(obj, "named_parameters") else None
+            head = obj._modules.get("lm_head")
             if head is not None and sd.is_dtensor(getattr(sd.head_module(head), "weight", None)):
                 return obj
-        except Exception:  # noqa: BLE001 - an object whose attributes raise is not the model
+        except Exception:  # noqa: BLE001 - a module whose attributes raise is not the model
             continue
     return None
 

@@ -262,3 +262,24 @@ def test_output_embeddings_not_implemented_means_no_head_and_other_errors_surfac
     assert info.head is None and info.warnings == []
     with pytest.raises(RuntimeError, match="lm_head storage"):
         cdist.detect(Backbone(RuntimeError("lm_head storage")), env={})
+
+
+def test_the_search_for_a_tensor_parallel_model_reads_no_attribute_of_other_objects():
+    """check() without a model looks for a live module with a DTensor head among the process's
+    objects: it reads attributes of modules only, never through another object's __getattr__ (a
+    deprecated alias that warns, a lazy proxy that imports)."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401 - the search runs only once DTensor is imported
+
+    reads = []
+
+    class Lazy:
+        def __getattr__(self, name):
+            reads.append(name)
+            raise AttributeError(name)
+
+    lazy = Lazy()
+    plain = torch.nn.Linear(2, 2)
+    assert cdist._tensor_parallel_model() is None  # no module with a DTensor head here
+    assert reads == [], reads
+    del lazy, plain
