@@ -19,8 +19,9 @@ TESTS = Path(__file__).resolve().parent
 MAIN_RUN_ENV = "LIGER_COMPAT_MAIN_RUN_PASSED_ON"
 
 #: Tests whose outcome depends on nothing a grid cell pins (transformers, trl, accelerate, datasets,
-#: peft, liger-kernel, torch): the repository's own data and tools. A cell run after a passed main
-#: run skips them. Paths relative to tests/; why each is here:
+#: peft, liger-kernel, torch): the repository's own data and tools, our settings' parsing; and the one
+#: test that measures seconds, run once (its machine-independent twin runs everywhere). A cell run
+#: after a passed main run skips them. Paths relative to tests/; why each is here:
 MAIN_RUN_ONLY = {
     "test_matrix.py": "the version grid's data, tox.ini / README generation",
     "test_ranges.py": "shim version ranges against the grid's data",
@@ -42,6 +43,13 @@ MAIN_RUN_ONLY = {
     "launcher/test_run.py::test_non_python_and_python_without_the_package_are_left_alone": "the launcher's start-up",
     "launcher/test_run.py::test_nested_runs_put_the_start_up_directory_once": "the launcher's PYTHONPATH",
     "launcher/test_run.py::test_usage_page_shows_the_current_help": "the launcher's help text",
+    # our settings' parsing and the CLI's usage errors, each case a fresh `python -c` process
+    "foundation/test_report_cli.py::test_report_shows_the_tuning_settings_in_effect": "the tuning settings' parsing",
+    "foundation/test_report_cli.py::test_kernels_env_and_configure": "the kernels setting's parsing",
+    "foundation/test_report_cli.py::test_cli_usage_errors_exit_2": "the CLI's usage errors",
+    # seconds, not work: measured once per CI run; the Python-call count beside it, which no clock
+    # moves, guards every cell
+    "models/test_host_syncs.py::test_tiny_model_cpu_step_close_to_native": "a CPU step's time against native's",
 }
 
 #: Integration tests that start fresh Python processes for a whole run (a trainer under torch.compile,
@@ -49,8 +57,9 @@ MAIN_RUN_ONLY = {
 #: half a cell's CPU time on transformers 5.23). Their outcome depends on the pins, and the in-process
 #: tests of every cell cover the same code paths (the forward, the loss, the trainers' kwargs, the
 #: shims); after a passed main run, a CI cell runs them only where the grid labels it
-#: ``ci-integration``: the oldest pinned pair, the last 4.x pair in CI, the peft + liger-kernel cell
-#: and the newest pinned pair on the torch axis's newest torch (the main run is the newest releases).
+#: ``ci-integration``: the two ends of the range, the oldest pinned pair and the newest pinned pair on
+#: the torch axis's newest torch, where torch.compile and torch.distributed change (the main run is
+#: the newest releases).
 INTEGRATION_LABEL = "ci-integration"
 INTEGRATION = {
     "trainers/test_compile_trainers.py": "Trainer / SFTTrainer with torch_compile, each side in its own process",

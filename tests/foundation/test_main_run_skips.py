@@ -42,13 +42,21 @@ def _outcomes(passed_on: str | None) -> dict[str, str]:
 
 
 def test_a_cell_after_the_main_run_skips_only_what_does_not_depend_on_its_pins():
+    """The rule as pytest applies it (conftest, markers, the real stack): one run, on the main run's
+    stack; the same nodes on another torch and with no main run go through the rule itself below."""
     on_main_stack = _outcomes(stack_id())
     assert on_main_stack == {TOOLING: "SKIPPED", KERNEL: "SKIPPED", COMPILED_KERNEL: "SKIPPED", LIBRARY: "PASSED"}
+
+
+def test_the_kernel_tests_run_on_another_torch_and_everything_runs_without_a_main_run(monkeypatch):
+    nodes = [n.removeprefix("tests/") for n in (TOOLING, KERNEL, COMPILED_KERNEL, LIBRARY)]
+    stack_marked = {nodes[2]}  # the compiled-kernel test is marked stack_only
     # a cell of the torch axis: its torch differs, so the kernel tests run there
-    other_torch = _outcomes("torch==0.0.0 triton==0.0.0")
-    assert other_torch == {TOOLING: "SKIPPED", KERNEL: "PASSED", COMPILED_KERNEL: "PASSED", LIBRARY: "PASSED"}
+    assert _skipped(nodes, monkeypatch, None, stack_marked=stack_marked) == {nodes[0]}
+    assert _skipped(nodes, monkeypatch, None, passed_on=stack_id(),
+                    stack_marked=stack_marked) == set(nodes[:3])
     # no main run passed (a local run, or the main run itself): everything runs
-    assert _outcomes(None) == {TOOLING: "PASSED", KERNEL: "PASSED", COMPILED_KERNEL: "PASSED", LIBRARY: "PASSED"}
+    assert _skipped(nodes, monkeypatch, None, passed_on=None, stack_marked=stack_marked) == set()
 
 
 @pytest.mark.parametrize("path", sorted(p for p in MAIN_RUN_ONLY if "::" not in p))
@@ -75,7 +83,8 @@ class _Item:
         self.skipped = self.skipped or marker.name == "skip"
 
 
-def _skipped(nodes: list[str], monkeypatch, cell: str | None, passed_on: str | None = "torch==0.0.0 triton==0.0.0"):
+def _skipped(nodes: list[str], monkeypatch, cell: str | None, passed_on: str | None = "torch==0.0.0 triton==0.0.0",
+             stack_marked: set[str] = frozenset()):
     if passed_on is None:
         monkeypatch.delenv(MAIN_RUN_ENV, raising=False)
     else:
@@ -85,6 +94,9 @@ def _skipped(nodes: list[str], monkeypatch, cell: str | None, passed_on: str | N
     else:
         monkeypatch.setenv("TOX_ENV_NAME", cell)
     items = [_Item(n) for n in nodes]
+    for item, node in zip(items, nodes):
+        if node in stack_marked:
+            item.keywords["stack_only"] = True
     skip_what_the_main_run_passed(items)
     return {n for n, i in zip(nodes, items) if i.skipped}
 
