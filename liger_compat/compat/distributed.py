@@ -240,9 +240,10 @@ def _tensor_parallel_model() -> Any:
     from ..shims import _sharded_head as sd
 
     for obj in gc.get_objects():
-        # modules only: an attribute read on any other live object can run its own __getattr__
+        # modules only, by their type (isinstance reads __class__, which a weakref proxy forwards, and
+        # a dead one raises): an attribute read on any other live object can run its own __getattr__
         # (deprecation warnings, lazy proxies)
-        if not isinstance(obj, torch.nn.Module):
+        if not issubclass(type(obj), torch.nn.Module):
             continue
         try:
             head = obj._modules.get("lm_head")

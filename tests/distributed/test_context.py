@@ -278,8 +278,14 @@ def test_the_search_for_a_tensor_parallel_model_reads_no_attribute_of_other_obje
             reads.append(name)
             raise AttributeError(name)
 
+    import weakref
+
     lazy = Lazy()
     plain = torch.nn.Linear(2, 2)
+    gone = torch.nn.Linear(2, 2)
+    dead = weakref.proxy(gone)  # a proxy whose module is gone: any read through it raises
+    live = weakref.proxy(plain)
+    del gone
     assert cdist._tensor_parallel_model() is None  # no module with a DTensor head here
     assert reads == [], reads
-    del lazy, plain
+    del lazy, plain, dead, live
