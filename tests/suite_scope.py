@@ -71,6 +71,13 @@ INTEGRATION = {
     "launcher/test_run.py": "training scripts under the launcher, against the same script run natively",
 }
 
+#: The integration modules whose outcome turns on torch's own machinery (torch.compile's graphs and
+#: guards; DDP, FSDP2 and DTensor in torch.distributed): the only ones a cell of the torch axis (a cell
+#: that installs its own torch) runs, when it is labelled ``ci-integration``. The trainers under
+#: compile or gloo, trl's command line and the launcher's scripts reach the same torch machinery
+#: through the pinned libraries' code, which the oldest cell and the main run cover.
+TORCH_INTEGRATION = {"compile/test_compile.py", "distributed/test_gloo.py", "distributed/test_tensor_parallel.py"}
+
 #: Directories whose tests depend on Python, torch and Triton only (the kernels import no other
 #: library; ``foundation/test_layers.py`` checks it for the package and these test modules): a cell
 #: on the torch and Triton of the passed main run skips them, a cell of the torch axis runs them.
@@ -94,28 +101,32 @@ def _suite_path(item) -> str:
     return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
 
 
-def runs_integration(cell: str | None) -> bool:
-    """Whether the grid cell ``cell`` (tox's ``TOX_ENV_NAME``; None outside tox) runs the
-    :data:`INTEGRATION` tests after a passed main run: a cell labelled :data:`INTEGRATION_LABEL`,
-    or any run that is not a known cell of the grid."""
+def integration_modules(cell: str | None) -> set[str]:
+    """The :data:`INTEGRATION` modules the grid cell ``cell`` (tox's ``TOX_ENV_NAME``; None outside
+    tox) runs after a passed main run: every one in a cell labelled :data:`INTEGRATION_LABEL` or in
+    any run that is not a known cell of the grid, :data:`TORCH_INTEGRATION` in a labelled cell of
+    the torch axis, none in the other cells."""
     if not cell:
-        return True
+        return set(INTEGRATION)
     from liger_compat.matrix import grid
 
     try:
-        return INTEGRATION_LABEL in grid.load().cell(cell).labels
+        c = grid.load().cell(cell)
     except (KeyError, grid.GridError):
-        return True
+        return set(INTEGRATION)
+    if INTEGRATION_LABEL not in c.labels:
+        return set()
+    return set(TORCH_INTEGRATION) if c.own_torch else set(INTEGRATION)
 
 
 def skip_what_the_main_run_passed(items) -> None:
     """In a grid cell after CI's passed main run: skip the tests that cannot tell this cell from it,
-    and, in a cell not labelled :data:`INTEGRATION_LABEL`, the :data:`INTEGRATION` tests."""
+    and the :data:`INTEGRATION` tests the cell does not run (:func:`integration_modules`)."""
     passed_on = os.environ.get(MAIN_RUN_ENV)
     if not passed_on:
         return
     same_stack = passed_on == stack_id()
-    integration = runs_integration(os.environ.get("TOX_ENV_NAME"))
+    integration = integration_modules(os.environ.get("TOX_ENV_NAME"))
     for item in items:
         path = _suite_path(item)
         test = f"{path}::{getattr(item, 'originalname', None) or item.name.split('[')[0]}"
@@ -123,7 +134,7 @@ def skip_what_the_main_run_passed(items) -> None:
         if only:
             item.add_marker(pytest.mark.skip(reason=f"passed in CI's main run; depends on no pinned library "
                                                     f"({only})"))
-        elif not integration and path in INTEGRATION:
+        elif path in INTEGRATION and path not in integration:
             item.add_marker(pytest.mark.skip(reason=f"integration test ({INTEGRATION[path]}): passed in CI's main "
                                                     f"run; run by the cells labelled {INTEGRATION_LABEL}"))
         elif same_stack and (path.split("/")[0] in STACK_ONLY_DIRS or "stack_only" in item.keywords):

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from suite_scope import (INTEGRATION, INTEGRATION_LABEL, MAIN_RUN_ENV, MAIN_RUN_ONLY, STACK_ONLY_DIRS,  # noqa: E402
-                         skip_what_the_main_run_passed, stack_id)
+                         TORCH_INTEGRATION, skip_what_the_main_run_passed, stack_id)
 
 sys.path.pop(0)
 
@@ -105,9 +105,10 @@ def test_integration_tests_run_in_the_cells_labelled_for_them_and_outside_the_gr
     from liger_compat.matrix import grid
 
     g = grid.load()
-    labelled = [c.name for c in g.labelled("ci") if INTEGRATION_LABEL in c.labels]
+    labelled = [c.name for c in g.labelled("ci") if INTEGRATION_LABEL in c.labels and not c.own_torch]
+    torch_axis = [c.name for c in g.labelled("ci") if INTEGRATION_LABEL in c.labels and c.own_torch]
     others = [c.name for c in g.labelled("ci") if INTEGRATION_LABEL not in c.labels]
-    assert labelled and others
+    assert labelled and torch_axis and others
     integration = [f"{path}::test_x" for path in sorted(INTEGRATION)]
     plain = "models/test_causal_lm.py::test_x[llama]"
     main_only = "launcher/test_run.py::test_exit_code_and_signals_pass_through"
@@ -115,6 +116,11 @@ def test_integration_tests_run_in_the_cells_labelled_for_them_and_outside_the_gr
     nodes = [*integration, plain, main_only, library]
     for cell in labelled:
         assert _skipped(nodes, monkeypatch, cell) == {main_only}, cell
+    # the torch axis: only the modules that turn on torch's own machinery
+    not_torch = {f"{path}::test_x" for path in INTEGRATION if path not in TORCH_INTEGRATION}
+    assert not_torch and len(not_torch) < len(integration)
+    for cell in torch_axis:
+        assert _skipped(nodes, monkeypatch, cell) == {*not_torch, main_only, library}, cell
     for cell in others:
         assert _skipped(nodes, monkeypatch, cell) == {*integration, main_only, library}, cell
     # a run outside the grid's cells, and any run before a passed main run: everything runs
@@ -132,3 +138,7 @@ def test_every_main_run_only_test_exists(node):
 @pytest.mark.parametrize("path", sorted(INTEGRATION))
 def test_every_integration_module_exists(path):
     assert (ROOT / "tests" / path).is_file(), f"tests/suite_scope.py INTEGRATION names a missing module: {path}"
+
+
+def test_the_torch_axis_integration_modules_are_integration_modules():
+    assert TORCH_INTEGRATION and TORCH_INTEGRATION < set(INTEGRATION)
