@@ -84,7 +84,9 @@ def test_torchrun_every_rank_takes_the_fused_path_with_native_loss(tmp_path):
     if not torchrun.exists():
         pytest.skip("no torchrun next to this Python")
     seed = random.randrange(2**31)
-    args = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(random.randrange(20000, 40000))]
+    # --standalone: the rendezvous binds a free port itself (a port drawn at random can be in use:
+    # the draw overlapped the kernel's ephemeral range, where gloo's own sockets live)
+    args = [str(torchrun), "--standalone", "--nproc_per_node", "2"]
     fused = _train(tmp_path, "fused", LAUNCH + ["--"] + args, seed)
     native = _train(tmp_path, "native", args, seed)
     assert [r["rank"] for r in fused] == [0, 1] and {r["world"] for r in fused} == {2}
