@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -96,7 +97,11 @@ def _native_abort(log: str, worker: Path = WORKER) -> bool:
     reproduced alone, nor with two gloo tests side by side). ``faulthandler``'s stacks, which the
     log may carry after it (:func:`_fault_stacks`), are not a Python error of the worker."""
     log = log.split("\n[faulthandler, ")[0]
-    return "terminate called" in log and f'File "{worker}"' not in log
+    if f'File "{worker}"' in log:
+        return False
+    # a run killed past its limit with no Python error (seen once: a native DDP run whose ranks
+    # stopped after their first step, with the machine running two suites at once) counts as well
+    return "terminate called" in log or TIMED_OUT in log
 
 
 def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -186,12 +191,45 @@ def enable_fault_stacks() -> None:
 _fault_file: Any = None
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first-found, then theirs), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+TIMED_OUT = "[timed out after"
+
+
 def _wait(p: subprocess.Popen, timeout: float) -> str:
+    """The run's output; past ``timeout`` the run is killed with every process below it (torchrun's
+    ranks: killing torchrun alone leaves a rank holding the output pipe, and reading it then waits
+    for that rank forever)."""
     try:
         return p.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        p.kill()
-        return p.communicate()[0] + "\n[timed out]"
+        for pid in [*_descendants(p.pid), p.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            out = p.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:  # a grandchild that left the tree still holds the pipe
+            p.stdout.close()
+            p.wait()
+            out = ""
+        return (out or "") + f"\n{TIMED_OUT} {timeout:.0f} s: the run and its ranks were killed]"
 
 
 def run(tmp: Path, *, device: str = "cpu", configs: str, forward: str = "helper", nproc: int = 2,

@@ -3,6 +3,7 @@ TrainingArguments-like objects and models, and the warnings on known bad combina
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -289,3 +290,31 @@ def test_the_search_for_a_tensor_parallel_model_reads_no_attribute_of_other_obje
     assert cdist._tensor_parallel_model() is None  # no module with a DTensor head here
     assert reads == [], reads
     del lazy, plain, dead, live
+
+
+def test_a_distributed_run_past_its_time_is_killed_with_every_process_below_it():
+    """The harness's wait on a torchrun: past its limit it kills the run and the ranks below it; a
+    rank left alive would hold the output pipe, and the wait would never return."""
+    import threading
+    import time
+
+    import _harness as h
+
+    parent = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              "print(c.pid, flush=True); time.sleep(600)")
+    p = h._start([sys.executable, "-c", parent])
+    got: list[str] = []
+    waiter = threading.Thread(target=lambda: got.append(h._wait(p, 3)), daemon=True)
+    t0 = time.monotonic()
+    waiter.start()
+    waiter.join(120)
+    assert got, "the wait did not return: a process below the run still holds its output"
+    assert "timed out after 3 s" in got[0] and time.monotonic() - t0 < 120
+    child = int(got[0].split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}") and \
+            open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}") or \
+        open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", "the rank below the run lives on"

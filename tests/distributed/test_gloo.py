@@ -114,6 +114,10 @@ def test_only_a_native_abort_before_any_worker_error_is_started_again():
     # the stacks faulthandler wrote for the aborting rank name the worker's frames: still an abort
     stacks = f'\n[faulthandler, rank1]\nFatal Python error: Aborted\n  File "{h.WORKER}", line 10 in train\n'
     assert h._native_abort(abort + stacks)
+    # a run killed past its limit: started again unless the worker raised first
+    timed_out = f"step 1\n{h.TIMED_OUT} 300 s: the run and its ranks were killed]"
+    assert h._native_abort(timed_out)
+    assert not h._native_abort(worker_error.replace("terminate called without an active exception", timed_out))
 
 
 def test_an_aborting_run_is_started_again_and_its_stacks_are_kept(tmp_path, monkeypatch):
