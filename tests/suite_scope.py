@@ -136,7 +136,8 @@ def skip_what_the_main_run_passed(items) -> None:
                                                     f"({only})"))
         elif path in INTEGRATION and path not in integration:
             item.add_marker(pytest.mark.skip(reason=f"integration test ({INTEGRATION[path]}): passed in CI's main "
-                                                    f"run; run by the cells labelled {INTEGRATION_LABEL}"))
+                                                    f"run; run by the cells labelled {INTEGRATION_LABEL} (on the torch axis: "
+                                                    "TORCH_INTEGRATION only)"))
         elif same_stack and (path.split("/")[0] in STACK_ONLY_DIRS or "stack_only" in item.keywords):
             item.add_marker(pytest.mark.skip(reason=f"passed in CI's main run on {passed_on}; depends on "
                                                     "Python, torch and Triton only"))
