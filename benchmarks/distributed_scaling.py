@@ -16,6 +16,15 @@ as fully_shard units). For each, ``native`` is transformers with liger_compat sw
 (``configure(enabled=False)``: every patch reverted) and ``liger_compat`` is the same model after
 ``liger_compat.apply(model)``. Tokens/s counts the global batch; peak memory is
 ``torch.cuda.max_memory_allocated`` after the warm-up, the largest over ranks.
+
+Tensor parallelism (``--engines tp,fsdp2_tp,tp_trainer``): the model is saved once and loaded with
+transformers' own ``from_pretrained(..., tp_plan="auto")`` (``tp``: every rank one tensor-parallel
+group; ``fsdp2_tp``: a (dp, tp) mesh with tp 2, the loaded model then ``fully_shard``-ed over dp), so
+``lm_head`` is a vocabulary-sharded DTensor and liger_compat takes its vocabulary-parallel loss.
+The ranks of a tensor-parallel group share a batch, so the global batch is dp x batch x seq.
+``tp_trainer`` is the ``tp`` model under ``transformers.Trainer`` (accelerate's tensor parallelism),
+timed between its step callbacks. ``--hidden/--layers/--intermediate`` set the model (Llama-3-8B's
+head is hidden 4096, vocab 128256).
 """
 
 from __future__ import annotations
@@ -56,12 +65,76 @@ def _has_fused_forward_shim() -> bool:
     return any("fused_linear_cross_entropy" in s.kernels for s in REGISTRY.shims())
 
 
-def build(mode: str, engine: str, device, liger_compat):
+TP_ENGINES = ("tp", "fsdp2_tp", "tp_trainer")
+
+
+def model_config(device, args) -> dict:
+    cfg = dict(SMOKE if device.type == "cpu" else CONFIG)
+    for key, arg in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers),
+                     ("intermediate_size", args.intermediate)):
+        if arg:
+            cfg[key] = arg
+    return cfg
+
+
+def save_for_tp(device, args, dist) -> str:
+    """Rank 0 writes the model once (bf16, seed 0); every engine of tensor parallelism loads it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = os.path.join(args.model_dir, "llama")
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**model_config(device, args))).to(torch.bfloat16).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def build_tp(mode: str, engine: str, device, liger_compat, args, dist):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    liger_compat.configure(enabled=(mode == "liger_compat"))
+    path = save_for_tp(device, args, dist)
+    kwargs = dict(tp_plan="auto", dtype=torch.bfloat16, attn_implementation="sdpa")
+    mesh = None
+    dist_config = None
+    if engine == "fsdp2_tp":
+        try:  # transformers' own FSDP2 x TP (newer releases); else a (dp, tp) mesh and fully_shard by hand
+            from transformers.distributed import DistributedConfig
+
+            dist_config = DistributedConfig(tp_size=2, fsdp_size=dist.get_world_size() // 2)
+            kwargs = dict(distributed_config=dist_config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        except ImportError:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+            kwargs["device_mesh"] = mesh["tp"]
+    model = LlamaForCausalLM.from_pretrained(path, **kwargs).train()
+    how = "native"
+    if mode == "liger_compat":
+        liger_compat.apply(model)
+        how = "liger_compat.apply(model)"
+    dp, dp_rank = 1, 0
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    elif dist_config is not None:
+        head_mesh = model.lm_head.weight.device_mesh
+        dp, dp_rank = head_mesh["fsdp"].size(), head_mesh.get_local_rank("fsdp")
+    return model, how, dp, dp_rank
+
+
+def build(mode: str, engine: str, device, liger_compat, args):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     liger_compat.configure(enabled=(mode == "liger_compat"))
-    cfg = LlamaConfig(**(SMOKE if device.type == "cpu" else CONFIG))
+    cfg = LlamaConfig(**model_config(device, args))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -102,30 +175,78 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def trainer_steps(model, device, args, batches, dist):
+    """``transformers.Trainer`` over the tensor-parallel model: step times from its callbacks."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    rows = [{"input_ids": b[i], "labels": b[i]} for b in batches for i in range(b.shape[0])]
+    n = args.warmup + args.steps
+    data = [rows[i % len(rows)] for i in range(n * args.batch)]
+    times, starts = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            _sync(device)
+            starts.append(time.perf_counter())
+
+        def on_step_end(self, a, state, control, **kw):
+            _sync(device)
+            times.append(time.perf_counter() - starts[-1])
+            if state.global_step == args.warmup and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = TrainingArguments(output_dir=tmp, per_device_train_batch_size=args.batch, max_steps=n,
+                                  learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
+                                  bf16=device.type == "cuda", use_cpu=device.type == "cpu",
+                                  dataloader_pin_memory=False)
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Clock()])
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return times[args.warmup:], losses
+
+
 def measure(mode, engine, device, world, rank, args, liger_compat, dist):
     import torch
 
     cuda = device.type == "cuda"
     vocab = (SMOKE if not cuda else CONFIG)["vocab_size"]
-    model, how = build(mode, engine, device, liger_compat)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    dp, dp_rank = world, rank
+    if engine in TP_ENGINES:
+        from liger_compat.shims import _sharded_head
+
+        _sharded_head.tensor_parallel_calls = 0
+        model, how, dp, dp_rank = build_tp(mode, engine, device, liger_compat, args, dist)
+    else:
+        model, how = build(mode, engine, device, liger_compat, args)
+    g = torch.Generator(device=device).manual_seed(1000 + dp_rank)  # a tensor-parallel group shares its batch
     batches = [torch.randint(0, vocab, (args.batch, args.seq), device=device, generator=g)
                for _ in range(2)]
-    for i in range(args.warmup):
-        step_fn(model, opt, batches[i % 2])
-    _sync(device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    if dist is not None:
-        dist.barrier()
-    times = []
-    for i in range(args.steps):
+    losses = []
+    if engine == "tp_trainer":
+        times, losses = trainer_steps(model, device, args, batches, dist)
+        opt = None
+    else:
+        # tp_plan="auto" leaves some parameters plain tensors: foreach cannot mix them with DTensors
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=engine not in TP_ENGINES)
+        for i in range(args.warmup):
+            losses.append(float(step_fn(model, opt, batches[i % 2]).detach()))
         _sync(device)
-        t0 = time.perf_counter()
-        loss = step_fn(model, opt, batches[i % 2])
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        if dist is not None:
+            dist.barrier()
+        times = []
+        for i in range(args.steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = step_fn(model, opt, batches[i % 2])
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     stats = torch.tensor([max(times), peak], device=device)
     if dist is not None:
@@ -135,14 +256,26 @@ def measure(mode, engine, device, world, rank, args, liger_compat, dist):
         med = float(t_med)
     else:
         med = sorted(times)[len(times) // 2]
-    tokens = world * args.batch * args.seq
+    tokens = dp * args.batch * args.seq
     res = {"mode": mode, "engine": engine, "gpus": world, "how": how, "step_ms_median": med * 1e3,
            "tokens_per_s": tokens / med, "tokens_per_s_per_gpu": tokens / med / world,
-           "peak_mem_gib_max_rank": float(stats[1]), "final_loss": float(loss.detach())}
+           "peak_mem_gib_max_rank": float(stats[1]), "final_loss": losses[-1] if losses else float("nan"),
+           "losses": losses, "config": model_config(device, args)}
+    if engine in TP_ENGINES:
+        res["tensor_parallel"] = tp_route(model)
     del model, opt, batches
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def tp_route(model) -> dict:
+    """The head's placement and whether liger_compat's vocabulary-parallel loss ran (its call count)."""
+    from liger_compat.shims import _sharded_head as sd
+
+    w = model.lm_head.weight
+    return {"head_placements": [str(p) for p in getattr(w, "placements", ())],
+            "vocabulary_parallel_calls": int(getattr(sd, "tensor_parallel_calls", 0))}
 
 
 def run(args) -> None:
@@ -164,18 +297,23 @@ def run(args) -> None:
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
-    engines = ["single"] if world == 1 else ["ddp", "fsdp2"]
+    engines = args.engines.split(",") if args.engines else (["single"] if world == 1 else ["ddp", "fsdp2"])
     results = []
     for engine in engines:
         for mode in ("native", "liger_compat"):
-            r = measure(mode, engine, device, world, rank, args, liger_compat, dist)
+            try:
+                r = measure(mode, engine, device, world, rank, args, liger_compat, dist)
+            except Exception as exc:  # one engine's failure is a result; the others still run
+                r = {"mode": mode, "engine": engine, "gpus": world, "error": f"{type(exc).__name__}: {exc}"[:600]}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             if rank == 0:
                 print(json.dumps(r), flush=True)
             results.append(r)
     if rank == 0:
         meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke run)", "torch": torch.__version__,
                 "transformers": __import__("transformers").__version__,
-                "config": CONFIG if device.type == "cuda" else SMOKE,
+                "config": model_config(device, args),
                 "batch_per_gpu": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup}
         with open(args.out, "w") as f:
             json.dump({"regenerate": _results.DISTRIBUTED, "meta": meta, "results": results}, f, indent=1)
@@ -196,15 +334,33 @@ def table(paths: list[str]) -> str:
            f"{meta['config']['vocab_size']}, bf16, {meta['batch_per_gpu']} x {meta['seq']} tokens per GPU, AdamW; "
            f"median of {meta['steps']} steps after {meta['warmup']} warm-up.", "",
            "| GPUs | engine | forward | step ms | tokens/s (global) | tokens/s per GPU | scaling vs 1 GPU | "
-           "peak memory per GPU (GiB) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "speed vs native (same GPUs and engine) | peak memory per GPU (GiB) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    errors = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
+    native = {(r["gpus"], r["engine"]): r["tokens_per_s"] for r in rows if r["mode"] == "native"}
     for r in rows:
-        sc = r["tokens_per_s"] / base[r["mode"]] if r["mode"] in base else float("nan")
+        sc = f"{r['tokens_per_s'] / base[r['mode']]:.2f}x" if r["mode"] in base else "-"
+        vs = native.get((r["gpus"], r["engine"]))
+        vs = f"{r['tokens_per_s'] / vs:.2f}x" if vs else "-"
         out.append(f"| {r['gpus']} | {r['engine']} | {r['mode']} | {r['step_ms_median']:.1f} | "
-                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {sc:.2f}x | "
+                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {sc} | {vs} | "
                    f"{r['peak_mem_gib_max_rank']:.2f} |")
     hows = sorted({r["how"] for r in rows if r["mode"] == "liger_compat"})
     out += ["", "liger_compat forward: " + "; ".join(hows)]
+    tp = [r for r in rows if "tensor_parallel" in r]
+    if tp:
+        out += ["", "Tensor parallelism (model per row; losses of every step, native beside liger_compat):", "",
+                "| GPUs | engine | forward | model | head placements | vocabulary-parallel loss calls | losses |",
+                "|---|---|---|---|---|---|---|"]
+        for r in tp:
+            c = r["config"]
+            out.append(f"| {r['gpus']} | {r['engine']} | {r['mode']} | {c['num_hidden_layers']} layers, hidden "
+                       f"{c['hidden_size']}, vocab {c['vocab_size']} | {', '.join(r['tensor_parallel']['head_placements'])} "
+                       f"| {r['tensor_parallel']['vocabulary_parallel_calls']} | "
+                       f"{', '.join(f'{x:.4f}' for x in r['losses'])} |")
+    for r in errors:
+        out += ["", f"{r['gpus']} GPUs, {r['engine']}, {r['mode']}: failed: `{r['error']}`"]
     return "\n".join(out) + "\n"
 
 
@@ -216,6 +372,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--engines", help="comma-separated: single, ddp, fsdp2, tp, fsdp2_tp, tp_trainer "
+                    "(default: single on one process, ddp,fsdp2 on several)")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--intermediate", type=int)
+    ap.add_argument("--model-dir", default="/tmp/liger_compat_tp_model", help="where the tensor-parallel engines' "
+                    "model is saved once")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo: checks the script, times nothing")
     args = ap.parse_args()
     if args.table:
