@@ -90,6 +90,18 @@ def save_for_tp(device, args, dist) -> str:
     return path
 
 
+def fsdp_tp_via(args) -> str:
+    """How FSDP2 x TP is built: ``DistributedConfig(tp_size, fsdp_size)`` where transformers builds both
+    dimensions itself (5.18 on: 5.17's builds an fsdp-only mesh and fails natively, "Cannot slice a
+    DeviceMesh without mesh_dim_names"), else a 2-D mesh passed as ``device_mesh``."""
+    if args.fsdp_tp_via:
+        return args.fsdp_tp_via
+    from packaging.version import Version
+    import transformers
+
+    return "config" if Version(transformers.__version__) >= Version("5.18") else "mesh"
+
+
 def build_tp(mode: str, engine: str, device, liger_compat, args, dist):
     import torch
     from transformers import LlamaForCausalLM
@@ -100,16 +112,16 @@ def build_tp(mode: str, engine: str, device, liger_compat, args, dist):
     mesh = None
     dist_config = None
     if engine == "fsdp2_tp":
-        try:  # transformers' own FSDP2 x TP (newer releases); else a (dp, tp) mesh and fully_shard by hand
+        if fsdp_tp_via(args) == "config":  # transformers' own FSDP2 x TP
             from transformers.distributed import DistributedConfig
 
             dist_config = DistributedConfig(tp_size=2, fsdp_size=dist.get_world_size() // 2)
             kwargs = dict(distributed_config=dist_config, dtype=torch.bfloat16, attn_implementation="sdpa")
-        except ImportError:
+        else:  # a (dp, tp) mesh: transformers shards over its "tp" dimension, fully_shard over "dp"
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(device.type, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
-            kwargs["device_mesh"] = mesh["tp"]
+            kwargs["device_mesh"] = mesh
     model = LlamaForCausalLM.from_pretrained(path, **kwargs).train()
     how = "native"
     if mode == "liger_compat":
@@ -377,6 +389,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--intermediate", type=int)
+    ap.add_argument("--fsdp-tp-via", choices=("config", "mesh"), help="how fsdp2_tp is built (default: by the "
+                    "transformers release, see fsdp_tp_via)")
     ap.add_argument("--model-dir", default="/tmp/liger_compat_tp_model", help="where the tensor-parallel engines' "
                     "model is saved once")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo: checks the script, times nothing")
