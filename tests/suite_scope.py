@@ -47,6 +47,12 @@ MAIN_RUN_ONLY = {
     "foundation/test_report_cli.py::test_report_shows_the_tuning_settings_in_effect": "the tuning settings' parsing",
     "foundation/test_report_cli.py::test_kernels_env_and_configure": "the kernels setting's parsing",
     "foundation/test_report_cli.py::test_cli_usage_errors_exit_2": "the CLI's usage errors",
+    "foundation/test_settings.py::test_check_shows_every_setting_with_its_value_and_source": "the settings' parsing",
+    # LIGER_COMPAT_DISABLE: nothing is registered, so no pinned library's code is reached
+    "foundation/test_report_cli.py::test_disable_env_turns_everything_off": "the off switch",
+    "foundation/test_report_cli.py::test_disabled_report_says_everything_is_off_and_nothing_waits": "the off switch's report",
+    "distributed/test_context.py::test_a_distributed_run_past_its_time_is_killed_with_every_process_below_it":
+        "the test harness's process handling (a sleeping Python child under a Python parent)",
     # seconds, not work: measured once per CI run; the Python-call count beside it, which no clock
     # moves, guards every cell
     "models/test_host_syncs.py::test_tiny_model_cpu_step_close_to_native": "a CPU step's time against native's",

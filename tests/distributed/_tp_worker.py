@@ -134,6 +134,10 @@ def model(seed: int, out: Path) -> None:
                 local_rows=int(head.to_local().shape[0] if hasattr(head, "to_local") else head.shape[0]))
     opt = torch.optim.SGD(m.parameters(), lr=spec["lr"])
     losses, norms = [], []
+    if tag == "1":
+        from liger_compat import kernels
+
+        kernels.last_backend.clear()  # every kernel the steps below reach records itself here
     for ids, labels in spec["batches"]:
         opt.zero_grad(set_to_none=True)
         o = m(input_ids=ids, labels=labels)
@@ -148,6 +152,7 @@ def model(seed: int, out: Path) -> None:
         from liger_compat.shims import _sharded_head as sd
 
         info["tensor_parallel_calls"] = sd.tensor_parallel_calls
+        info["kernels_run"] = sorted(kernels.last_backend)
         from liger_compat.compat import distributed as cd
 
         for key, d in (("given", cd.detect(model=m)), ("found", cd.detect())):  # check() with and without the model

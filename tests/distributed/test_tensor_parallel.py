@@ -79,6 +79,9 @@ def test_tp_plan_auto_trains_as_natively_with_the_vocabulary_parallel_loss(tmp_p
         if not vocab_sharded:
             continue
         assert nat["local_rows"] == h.TINY["vocab_size"] // 2, msg
+        # the decoder's own kernels keep running under the plan (RMSNorm on replicated activations,
+        # RoPE on each rank's heads, the gated MLP on the column-sharded projections' local outputs)
+        assert {"rms_norm", "rope", "swiglu"} <= set(ours["kernels_run"]), msg
         for key in ("given", "found"):  # check() with the model, and without it (found among live objects)
             d = ours[key]
             assert d["engine"] == "tensor parallel (tp=2)", msg
