@@ -26,6 +26,7 @@ if os.environ.get("LIGER_COMPAT_TP_PATCHED") == "1":
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness  # noqa: E402
@@ -116,6 +117,25 @@ def kernel(seed: int, out: Path) -> None:
     (out / f"kernel{rank}.json").write_text(json.dumps(errs))
 
 
+class _FullVocabTensors(TorchDispatchMode):
+    """Records every op whose output spans the whole vocabulary for every token of the batch (a
+    dimension of ``vocab`` and at least ``tokens * vocab`` elements: the ``[N, V]`` logits or their
+    gradient), as ``[op, shape]`` into ``found``. The model's parameters are far smaller
+    (``V x H`` with ``H`` < ``N``)."""
+
+    def __init__(self, vocab: int, tokens: int, found: list):
+        super().__init__()
+        self.vocab, self.tokens, self.found = vocab, tokens, found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and self.vocab in t.shape
+                    and t.numel() >= self.tokens * self.vocab):
+                self.found.append([str(func), list(t.shape)])
+        return out
+
+
 def model(seed: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -138,10 +158,13 @@ def model(seed: int, out: Path) -> None:
         from liger_compat import kernels
 
         kernels.last_backend.clear()  # every kernel the steps below reach records itself here
+    vocab = m.config.vocab_size
+    logits_like: list[list] = []
     for ids, labels in spec["batches"]:
         opt.zero_grad(set_to_none=True)
-        o = m(input_ids=ids, labels=labels)
-        o.loss.backward()
+        with _FullVocabTensors(vocab, ids.numel(), logits_like):
+            o = m(input_ids=ids, labels=labels)
+            o.loss.backward()
         losses.append(float(o.loss))
         g = m.lm_head.weight.grad
         norms.append(float(g.full_tensor().norm() if hasattr(g, "full_tensor") else g.norm()))
@@ -158,6 +181,7 @@ def model(seed: int, out: Path) -> None:
         for key, d in (("given", cd.detect(model=m)), ("found", cd.detect())):  # check() with and without the model
             info[key] = dict(engine=d.engine, head=d.head, head_gather=d.head_gather,
                              warnings=[w.code for w in d.warnings])
+    info["full_vocab_tensors"] = logits_like[:5]
     (out / f"model_{tag}_{rank}.json").write_text(json.dumps(dict(losses=losses, norms=norms, **info)))
     if rank == 0:
         torch.save(final, out / f"final_{tag}.pt")

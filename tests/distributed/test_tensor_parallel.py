@@ -8,8 +8,10 @@ combine a few floats a row, no rank forms the ``[N, V]`` logits.
 * FSDP2 x TP on four processes (transformers' ``DistributedConfig(tp_size=2, fsdp_size=2)``);
 * a tiny Llama loaded with ``tp_plan="auto"``, three SGD steps, patched on the kernel path
   (``LIGER_COMPAT_CPU_NATIVE=0``, what every GPU runs) against the same run in processes that
-  never import liger_compat: losses, the head's gradient norms, final weights, and what
-  ``check()``'s distributed section says in the patched processes, given the model and not.
+  never import liger_compat: losses, the head's gradient norms, final weights, what
+  ``check()``'s distributed section says in the patched processes, given the model and not, that
+  the decoder's kernels ran, and the tensors each op produced: native's ``[N, V]`` logits on every
+  rank, none spanning the vocabulary for every token with liger_compat.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ def test_tp_plan_auto_trains_as_natively_with_the_vocabulary_parallel_loss(tmp_p
         if not vocab_sharded:
             continue
         assert nat["local_rows"] == h.TINY["vocab_size"] // 2, msg
+        # native gathers the [N, V] logits on every rank (the premise); the vocabulary-parallel loss never
+        # forms a tensor that spans the vocabulary for every token, forward or backward
+        assert nat["full_vocab_tensors"], msg
+        assert ours["full_vocab_tensors"] == [], msg
         # the decoder's own kernels keep running under the plan (RMSNorm on replicated activations,
         # RoPE on each rank's heads, the gated MLP on the column-sharded projections' local outputs)
         assert {"rms_norm", "rope", "swiglu"} <= set(ours["kernels_run"]), msg
