@@ -77,6 +77,31 @@ INTEGRATION = {
     "launcher/test_run.py": "training scripts under the launcher, against the same script run natively",
 }
 
+#: Tests that start a fresh Python process for what happens at import time or in a whole CLI run:
+#: the import orders of liger_compat, transformers, trl and a modeling module; a modeling module
+#: imported under another default device; when wrapt is imported; the CLI's report; the host reads
+#: of a step under Triton's interpreter. Each costs a fresh interpreter importing torch and
+#: transformers (3-6 s of CPU; together about half of a cell's CPU time beside its in-process tests
+#: on transformers 5.23, once the tiny models ran at full speed). Their outcome turns on the pinned
+#: libraries' import structure and module layout, which change with their major lines, not with each
+#: release: after a passed main run (the newest releases), a CI cell runs them where the grid labels it
+#: ``ci-fresh-process``: the oldest pair (transformers 4.45, trl 0.11), the last 4.x pair in CI (4.51,
+#: trl 0.16) and the first 5.x pair in CI (5.20, trl 1.14).
+FRESH_PROCESS_LABEL = "ci-fresh-process"
+FRESH_PROCESS = {
+    "foundation/test_hook_order.py": "a shim applies in any import order",
+    "trainers/test_import_order.py": "a trainer module is patched in any import order",
+    "foundation/test_import_hooks.py::test_wrapt_is_imported_when_a_target_library_is_imported_not_before":
+        "wrapt is imported with a target library, not before",
+    "models/test_modules.py::test_modeling_module_imported_under_another_default_device_is_patched":
+        "a modeling module imported under another default device",
+    "models/test_scenarios_and_report.py::test_hooks_patch_modeling_modules_imported_before_and_after_liger_compat":
+        "modeling modules imported before and after liger_compat",
+    "foundation/test_report_truth.py::test_cli_prints_the_table_once_and_shows_waiting_shims": "the CLI's report",
+    "foundation/test_report_cli.py::test_deep_report_fits_a_screen_and_cuts_nothing": "the CLI's deep report",
+    "models/test_host_syncs.py::test_no_more_host_reads_than_native": "host reads under Triton's interpreter",
+}
+
 #: The integration modules whose outcome turns on torch's own machinery (torch.compile's graphs and
 #: guards; DDP, FSDP2 and DTensor in torch.distributed): the only ones a cell of the torch axis (a cell
 #: that installs its own torch) runs, when it is labelled ``ci-integration``. The trainers under
@@ -107,18 +132,32 @@ def _suite_path(item) -> str:
     return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
 
 
+def _cell(cell: str | None):
+    """The grid's cell of that tox environment name, or None (outside tox, or not a cell of the grid)."""
+    if not cell:
+        return None
+    from liger_compat.matrix import grid
+
+    try:
+        return grid.load().cell(cell)
+    except (KeyError, grid.GridError):
+        return None
+
+
+def runs_fresh_process_tests(cell: str | None) -> bool:
+    """Whether the grid cell ``cell`` runs the :data:`FRESH_PROCESS` tests after a passed main run:
+    a cell labelled :data:`FRESH_PROCESS_LABEL`, or any run that is not a known cell of the grid."""
+    c = _cell(cell)
+    return c is None or FRESH_PROCESS_LABEL in c.labels
+
+
 def integration_modules(cell: str | None) -> set[str]:
     """The :data:`INTEGRATION` modules the grid cell ``cell`` (tox's ``TOX_ENV_NAME``; None outside
     tox) runs after a passed main run: every one in a cell labelled :data:`INTEGRATION_LABEL` or in
     any run that is not a known cell of the grid, :data:`TORCH_INTEGRATION` in a labelled cell of
     the torch axis, none in the other cells."""
-    if not cell:
-        return set(INTEGRATION)
-    from liger_compat.matrix import grid
-
-    try:
-        c = grid.load().cell(cell)
-    except (KeyError, grid.GridError):
+    c = _cell(cell)
+    if c is None:
         return set(INTEGRATION)
     if INTEGRATION_LABEL not in c.labels:
         return set()
@@ -133,13 +172,18 @@ def skip_what_the_main_run_passed(items) -> None:
         return
     same_stack = passed_on == stack_id()
     integration = integration_modules(os.environ.get("TOX_ENV_NAME"))
+    fresh = runs_fresh_process_tests(os.environ.get("TOX_ENV_NAME"))
     for item in items:
         path = _suite_path(item)
         test = f"{path}::{getattr(item, 'originalname', None) or item.name.split('[')[0]}"
         only = MAIN_RUN_ONLY.get(path) or MAIN_RUN_ONLY.get(test)
+        at_import = FRESH_PROCESS.get(path) or FRESH_PROCESS.get(test)
         if only:
             item.add_marker(pytest.mark.skip(reason=f"passed in CI's main run; depends on no pinned library "
                                                     f"({only})"))
+        elif at_import and not fresh:
+            item.add_marker(pytest.mark.skip(reason=f"fresh-process test ({at_import}): passed in CI's main run; "
+                                                    f"run by the cells labelled {FRESH_PROCESS_LABEL}"))
         elif path in INTEGRATION and path not in integration:
             item.add_marker(pytest.mark.skip(reason=f"integration test ({INTEGRATION[path]}): passed in CI's main "
                                                     f"run; run by the cells labelled {INTEGRATION_LABEL} (on the torch axis: "

@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from suite_scope import (INTEGRATION, INTEGRATION_LABEL, MAIN_RUN_ENV, MAIN_RUN_ONLY, STACK_ONLY_DIRS,  # noqa: E402
-                         TORCH_INTEGRATION, skip_what_the_main_run_passed, stack_id)
+from suite_scope import (FRESH_PROCESS, FRESH_PROCESS_LABEL, INTEGRATION, INTEGRATION_LABEL, MAIN_RUN_ENV,  # noqa: E402
+                         MAIN_RUN_ONLY, STACK_ONLY_DIRS, TORCH_INTEGRATION, skip_what_the_main_run_passed, stack_id)
 
 sys.path.pop(0)
 
@@ -127,6 +127,38 @@ def test_integration_tests_run_in_the_cells_labelled_for_them_and_outside_the_gr
     assert _skipped(nodes, monkeypatch, "my-own-env") == {main_only}
     assert _skipped(nodes, monkeypatch, None) == {main_only}
     assert _skipped(nodes, monkeypatch, others[0], passed_on=None) == set()
+
+
+def test_fresh_process_tests_run_in_the_cells_labelled_for_them_and_outside_the_grid(monkeypatch):
+    from liger_compat.matrix import grid
+
+    g = grid.load()
+    labelled = [c.name for c in g.labelled("ci") if FRESH_PROCESS_LABEL in c.labels]
+    others = [c.name for c in g.labelled("ci") if FRESH_PROCESS_LABEL not in c.labels]
+    assert len(labelled) >= 2 and others
+    # the oldest pair, a 4.x and a 5.x pair carry the label
+    assert {grid.load().cell(c).transformers.split(".")[0] for c in labelled} == {"4", "5"}
+    fresh = [f"{node}::test_x" if "::" not in node else f"{node}[case]" for node in sorted(FRESH_PROCESS)]
+    in_process = ["models/test_modules.py::test_patched_model_imports_nothing[llama]",
+                  "foundation/test_import_hooks.py::test_some_other_hook_test"]
+    nodes = [*fresh, *in_process]
+    for cell in labelled:
+        assert _skipped(nodes, monkeypatch, cell) == set(), cell
+    for cell in others:
+        assert _skipped(nodes, monkeypatch, cell) == set(fresh), cell
+    assert _skipped(nodes, monkeypatch, "my-own-env") == set()  # outside the grid, and before a passed main run
+    assert _skipped(nodes, monkeypatch, others[0], passed_on=None) == set()
+
+
+@pytest.mark.parametrize("node", sorted(n for n in FRESH_PROCESS if "::" in n))
+def test_every_fresh_process_test_exists(node):
+    path, name = node.split("::")
+    assert f"def {name}(" in (ROOT / "tests" / path).read_text(), f"FRESH_PROCESS names a missing test: {node}"
+
+
+@pytest.mark.parametrize("path", sorted({n.split("::")[0] for n in FRESH_PROCESS}))
+def test_every_fresh_process_module_exists(path):
+    assert (ROOT / "tests" / path).is_file(), f"tests/suite_scope.py FRESH_PROCESS names a missing module: {path}"
 
 
 @pytest.mark.parametrize("node", sorted(n for n in MAIN_RUN_ONLY if "::" in n))
