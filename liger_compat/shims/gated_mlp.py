@@ -73,6 +73,8 @@ def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
 
 
 def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if compiling():  # Inductor fuses the native ops with their neighbours; our op would stop that
+        return wrapped(*args, **kwargs)  # (a small compiled step: docs/torch-compile.md)
     if len(args) != 1 or kwargs or instance is None or native_call(args[0]):
         return wrapped(*args, **kwargs)
     found = mlp_layout(instance)

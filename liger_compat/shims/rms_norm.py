@@ -96,6 +96,8 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
 
 
 def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if compiling():  # Inductor fuses the native ops with their neighbours; our op would stop that
+        return wrapped(*args, **kwargs)  # (a small compiled step: docs/torch-compile.md)
     if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
         return wrapped(*args, **kwargs)
     x = args[0]

@@ -53,6 +53,8 @@ def _bind(names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> dict[s
 
 
 def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if compiling():  # Inductor fuses the native ops with their neighbours; our op would stop that
+        return wrapped(*args, **kwargs)  # (a small compiled step: docs/torch-compile.md)
     # cos ([batch, positions, dim] or [positions, dim]) has the positions, whatever q's layout
     if not _config.kernel_enabled(_ROPE) or native_call(args[2] if len(args) > 2 else kwargs.get("cos")):
         return wrapped(*args, **kwargs)

@@ -184,8 +184,9 @@ def test_fullgraph_training_step_matches_native(family):
         _assert_matches(out.loss, model, ref_loss, ref_grads)
         model.zero_grad(set_to_none=True)
     assert len(rec.graphs) == 1
-    assert {"flce_with_grads", "rms_norm_fwd", "rope"} <= expected  # every family: at least these
-    assert rec.ops() == expected, (rec.ops(), expected)
+    assert {"flce_with_grads", "rms_norm_fwd", "rope"} <= expected  # every family's eager step: at least these
+    # compiled, the layer kernels step aside (Inductor fuses the native ops); the fused loss stays
+    assert rec.ops() == {"flce_with_grads"}, (rec.ops(), expected)
 
 
 @pytest.mark.cpu_native
@@ -401,7 +402,7 @@ def test_inductor_training_on_cuda_bf16_matches_native(family):
             assert rel_err(got.float(), ref.float()) < 16 * eps, name
         model.zero_grad(set_to_none=True)
     assert len(rec.graphs) == 1
-    assert {"flce_with_grads", "rms_norm_fwd", "rope", "gated_fwd"} <= rec.ops()
+    assert rec.ops() == {"flce_with_grads"}  # the layer kernels step aside under compile
     assert set(_dispatch.last_backend.values()) == {"triton"}
 
 

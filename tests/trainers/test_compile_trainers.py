@@ -18,8 +18,9 @@ from trainer_helpers import (assert_logs_close, fresh_model, make_config, native
 
 class _OpsOnly:
     """Counts the real implementations' calls of the fused loss's chunked pass and the RMSNorm
-    forward; the eager ``autograd.Function`` s must not run (under compile the kernels go through
-    the custom ops, whose real implementations run the same code)."""
+    forward; the eager ``autograd.Function`` s must not run (under compile the fused loss goes
+    through its custom op, whose real implementation runs the same code, and the layer shims call
+    the native code, which Inductor fuses: no RMSNorm kernel runs)."""
 
     def __init__(self, monkeypatch):
         from liger_compat.kernels import loss, norm
@@ -96,7 +97,7 @@ def test_trainer_torch_compile_matches_native(tokenizer, tmp_path, monkeypatch):
     assert len(patched_logs) == 3
     assert_logs_close(native_logs, patched_logs, ["loss"])
     assert ops.loss_passes == 3  # one fused pass per step, through the op
-    assert ops.norms == 3 * 5  # two layers x two norms + the final norm, per step
+    assert ops.norms == 0  # the norms are Inductor's (the layer shims step aside under compile)
     native_graphs, ours = built[1] - built[0], _graphs() - built[1]
     assert native_graphs >= 1 and ours == native_graphs, (native_graphs, ours)  # one each on 5.x: no recompile
     assert _breaks() == 0, dict(torch._dynamo.utils.counters["graph_break"])
@@ -106,7 +107,8 @@ def test_trainer_torch_compile_matches_native(tokenizer, tmp_path, monkeypatch):
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_sft_trainer_torch_compile_matches_native(family, tokenizer, tmp_path, monkeypatch):
     """trl >= 1.15 scores the labels with its own fused head (``add_fused_lm_head``), so our loss is
-    not on this path there; the decoder's kernels are, as ops. Where the unpatched trl's head runs
+    not on this path there; under compile the decoder's layers are Inductor's, so what runs of ours
+    there is the shims' compiled paths, checked against native's. Where the unpatched trl's head runs
     through Triton's interpreter (trl 1.15.0 on CPU, which cannot run it otherwise), the native
     reference trains eagerly."""
     monkeypatch.setattr(_config.settings, "cpu_native", False)  # the kernels' ops on CPU tensors too
@@ -129,5 +131,5 @@ def test_sft_trainer_torch_compile_matches_native(family, tokenizer, tmp_path, m
     assert len(patched_logs) == 3
     keys = [k for k in ("loss", "mean_token_accuracy", "entropy") if k in native_logs[0]]
     assert_logs_close(native_logs, patched_logs, keys)
-    assert ops.norms >= 3 * 5
+    assert ops.norms == 0  # the layer shims step aside under compile
     assert _graphs() >= (1 if native_head_interpreted() else 2)
