@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .._log import log
 from .. import _config
 from ..compat import families
-from ._module_shims import (UPSTREAM, ModuleShim, classes, close, compiling, foreign_replacements,
+from ._module_shims import (UPSTREAM, ModuleShim, classes, close, foreign_replacements,
                             guarded, kernels_module, patch_instances, kernel_refusal, replaced_classes,
                             native_call, verdict_key)
 from ._patching import PatchSet, ShimPatches
@@ -73,8 +73,6 @@ def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
 
 
 def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    if compiling():  # Inductor fuses the native ops with their neighbours; our op would stop that
-        return wrapped(*args, **kwargs)  # (a small compiled step: docs/torch-compile.md)
     if len(args) != 1 or kwargs or instance is None or native_call(args[0]):
         return wrapped(*args, **kwargs)
     found = mlp_layout(instance)
@@ -124,14 +122,11 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
 #: as refused by the probe); (class, None) -> False for an ``*MLP`` class that is no gated MLP of
 #: ours (gpt-oss's router and experts, Nemotron's relu^2 MLP): recorded for the report
 _mlp_verdicts: dict[tuple[Any, ...], bool | str] = {}
-#: class -> False once a probe of one of its instances failed: the answer under ``torch.compile``
-#: for an instance no eager call has probed
-_class_verdicts: dict[Any, bool] = {}
 
 
 def _not_gated(m: Any) -> None:
     key = (type(m), None)
-    if key not in _mlp_verdicts and not compiling():
+    if key not in _mlp_verdicts:
         _mlp_verdicts[key] = False
 
 
@@ -152,8 +147,6 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     hit = None if key is None else _mlp_verdicts.get(key)
     if hit is not None:
         return hit is True
-    if compiling():  # no eager call probed this instance: what the probes of its class found
-        return _class_verdicts.get(type(m), True)
 
     from .. import kernels
 
@@ -175,7 +168,6 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     ok = isinstance(ref, torch.Tensor) and close(got, ref, autocast or x.dtype)
     if not ok:
         log.warning("liger_compat: %s keeps its native forward: it is not down(%s(gate) * up)", type(m).__name__, kind)
-        _class_verdicts[type(m)] = False
     _mlp_verdicts[key] = ok
     return ok
 

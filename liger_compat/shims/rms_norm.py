@@ -17,7 +17,7 @@ from typing import Any, Callable
 from .._log import log
 from .. import _config
 from ..compat import families
-from ._module_shims import (UPSTREAM, ModuleShim, classes, compiling, foreign_replacements,
+from ._module_shims import (UPSTREAM, ModuleShim, classes, foreign_replacements,
                             guarded, kernel_refusal, kernels_module, patch_instances, replaced_classes, native_call,
                             verdict_key)
 from ._patching import PatchSet, ShimPatches
@@ -52,7 +52,7 @@ def _rms_shape_ok(m: Any, x: Any) -> bool:
 def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str] | str:
     """Which kernel mode reproduces ``native``; probed once per class, instance fingerprint
     (:func:`~._module_shims.verdict_key`: the attributes and config its forward can read), training
-    mode and dtypes. Under ``torch.compile`` the mode an eager call found, else the family table's."""
+    mode and dtypes."""
     key = verdict_key(m, x.dtype, m.weight.dtype)
     hit = None if key is None else _rms_modes.get(key)
     if hit is not None:
@@ -60,9 +60,6 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
     import torch
 
     from .. import kernels
-    if compiling():
-        fam = families.BY_MODULE.get(type(m).__module__)
-        return (fam.rms_offset, fam.rms_casting) if fam else "no eager call probed it"
     fam = families.BY_MODULE.get(type(m).__module__)
     offset = fam.rms_offset if fam else 0.0
     first = fam.rms_casting if fam else "llama"
@@ -96,8 +93,6 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
 
 
 def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    if compiling():  # Inductor fuses the native ops with their neighbours; our op would stop that
-        return wrapped(*args, **kwargs)  # (a small compiled step: docs/torch-compile.md)
     if len(args) != 1 or kwargs or instance is None or not _config.kernel_enabled(_RMS):
         return wrapped(*args, **kwargs)
     x = args[0]

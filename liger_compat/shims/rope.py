@@ -17,7 +17,7 @@ from typing import Any
 from .._log import log
 from .. import _config
 from ..compat import conflicts, families
-from ._module_shims import (UPSTREAM, ModuleShim, close, compiling, guarded, kernel_refusal, kernels_module,
+from ._module_shims import (UPSTREAM, ModuleShim, close, guarded, kernel_refusal, kernels_module,
                             native_call)
 from ._patching import ShimPatches, is_ours, signature, unwrap
 from ._registry import register
@@ -53,8 +53,6 @@ def _bind(names: tuple[str, ...], args: tuple, kwargs: dict[str, Any]) -> dict[s
 
 
 def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    if compiling():  # Inductor fuses the native ops with their neighbours; our op would stop that
-        return wrapped(*args, **kwargs)  # (a small compiled step: docs/torch-compile.md)
     # cos ([batch, positions, dim] or [positions, dim]) has the positions, whatever q's layout
     if not _config.kernel_enabled(_ROPE) or native_call(args[2] if len(args) > 2 else kwargs.get("cos")):
         return wrapped(*args, **kwargs)
@@ -97,12 +95,9 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
             q_out, k_out = q_out.to(want[0]), k_out.to(want[1])
         return q_out, k_out
 
-    if verdict is None and compiling() and _rope_fn_verdicts.get(fn) is False:
-        # no eager call probed these shapes, and the function failed the probe of its patch time
-        return wrapped(*args, **kwargs)
     if verdict is None and (q.numel() == 0 or k.numel() == 0):  # no values to judge the kernel on
         return wrapped(*args, **kwargs)
-    if verdict is None and refusal is None and not compiling():
+    if verdict is None and refusal is None:
         # the structural probe: the native function and the kernel on this call's inputs, once per
         # function and shapes. gpt-oss rotates halves with a half-width cos, GLM-4 / Cohere / DeepSeek
         # rotate interleaved pairs: those fail it and keep the native function.
@@ -123,39 +118,6 @@ def rope_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any
 
 #: (native function, head dim, rotary dim, cos rank, unsqueeze_dim, dtypes) -> kernel reproduces it
 _rope_verdicts: dict[tuple[Any, ...], bool] = {}
-#: native function -> whether it reproduces the kernel on a synthetic full-width call, probed when
-#: its module is patched: the answer torch.compile uses when it traces shapes no eager call probed
-_rope_fn_verdicts: dict[Any, bool] = {}
-
-
-def _probe_rope_function(fn: Any) -> None:
-    import torch
-
-    from .. import kernels
-
-    # on the CPU whatever the default device: a modeling module is often first imported inside
-    # ``with torch.device("cuda" / "meta")`` (model construction), where tensors made without a
-    # device would land there and the probe, and with it the module's patch, would fail
-    g = torch.Generator(device="cpu").manual_seed(7)
-    q = torch.randn(1, 2, 3, 8, generator=g, device="cpu")
-    k = torch.randn(1, 1, 3, 8, generator=g, device="cpu")
-    angles = torch.randn(1, 3, 4, generator=g, device="cpu")
-    results = []
-    # a full-width cos (Llama's layout) and a half-width one (partial rotary, or gpt-oss's halves)
-    for cos, sin in ((torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)),
-                     (torch.cat([angles[..., :2].cos()] * 2, -1), torch.cat([angles[..., :2].sin()] * 2, -1)),
-                     (angles.cos(), angles.sin())):
-        try:
-            with torch.no_grad():
-                ref = fn(q, k, cos, sin)
-                got = kernels.apply_rotary_pos_emb(q, k, cos, sin)
-        except Exception:  # a call this function does not take (4.x position_ids lookups): no answer
-            continue
-        results.append(all(close(a, b, torch.float32) for a, b in zip(got, ref)))
-    if results:
-        _rope_fn_verdicts[fn] = all(results)
-
-
 _rope_dtypes: dict[tuple[Any, Any, Any], tuple[Any, Any]] = {}
 
 
@@ -176,9 +138,7 @@ def _rope_out_dtype(native: Any, fn: Any, q: Any, cos: Any, a: dict[str, Any], u
             cp = torch.ones(1, 1, rot, dtype=cos.dtype, device=cos.device)
         with torch.no_grad():
             qo, ko = native(qp, qp.clone(), cp, cp.clone(), **kw)
-        hit = (qo.dtype, ko.dtype)
-        if not compiling():  # a cache filled while tracing would make the next call recompile
-            _rope_dtypes[key] = hit
+        hit = _rope_dtypes[key] = (qo.dtype, ko.dtype)
     return hit
 
 
@@ -192,9 +152,7 @@ def _patch_rope(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
     if not {"q", "k", "cos", "sin"} <= set(params):
         self.left_alone[module.__name__] = f"{_ROPE_FN} has an unknown signature {tuple(params)}"
         return
-    _rope_params(unwrap(current))  # cached now, not while torch.compile traces the first call
-    if unwrap(current) not in _rope_fn_verdicts:
-        _probe_rope_function(unwrap(current))
+    _rope_params(unwrap(current))  # read once here, not on the first call
     patches.wrap(module, _ROPE_FN, rope_forward, traceable=True)
     self.patched.setdefault(module.__name__, []).append(f"{module.__name__.rsplit('.', 1)[-1]}.{_ROPE_FN}")
 

@@ -179,24 +179,21 @@ def test_structural_probes_keep_what_the_kernels_do_not_reproduce_native(family,
 def test_layer_kernels_step_aside_while_torch_compile_traces(family, monkeypatch):
     """Under torch.compile the rotary, RMSNorm and gated-MLP shims call the native code, which
     Inductor fuses with its neighbours (our custom ops would stop that: docs/torch-compile.md); the
-    fused loss stays. Simulated here: the tracer flag forced on in the three shims."""
-    from liger_compat.shims import gated_mlp, rms_norm, rope
+    fused loss stays. Simulated here: the tracer flag the module shims read (``native_call``) forced on."""
+    from liger_compat.shims import _module_shims
 
     model, kw, labels = _model_and_batch(family, seed=36)
     with native(), torch.no_grad():
         ref = model(**kw, labels=labels).loss
-    shims = (rope, rms_norm, gated_mlp)
-    eager = [shim.compiling for shim in shims]
-    for shim in shims:
-        monkeypatch.setattr(shim, "compiling", lambda: True)
+    eager = _module_shims.compiling
+    monkeypatch.setattr(_module_shims, "compiling", lambda: True)
     kernels.last_backend.clear()
     with torch.no_grad():
         out = model(**kw, labels=labels)
     assert set(kernels.last_backend) == {"fused_linear_cross_entropy"}, sorted(kernels.last_backend)
     assert out.logits is None  # the fused forward ran
     torch.testing.assert_close(out.loss, ref, **LOSS_TOL)
-    for shim, flag in zip(shims, eager):
-        monkeypatch.setattr(shim, "compiling", flag)
+    monkeypatch.setattr(_module_shims, "compiling", eager)
     kernels.last_backend.clear()
     with torch.no_grad():
         model(**kw, labels=labels)

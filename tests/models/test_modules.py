@@ -248,7 +248,6 @@ def test_a_gated_mlp_whose_first_call_has_no_rows_is_judged_on_its_first_call_wi
     structural probe has nothing to compare: the call runs native (an empty result) and the
     verdict waits for rows (seen: mixtral's experts on transformers 4.48 with a one-token batch)."""
     monkeypatch.setattr(gated_mlp, "_mlp_verdicts", {})
-    monkeypatch.setattr(gated_mlp, "_class_verdicts", {})
     model = tiny("llama")
     mlp = model.model.layers[0].mlp
     hdim = model.config.hidden_size
