@@ -187,7 +187,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def trainer_steps(model, device, args, batches, dist):
+def trainer_steps(model, device, args, batches):
     """``transformers.Trainer`` over the tensor-parallel model: step times from its callbacks."""
     import tempfile
 
@@ -225,7 +225,7 @@ def measure(mode, engine, device, world, rank, args, liger_compat, dist):
     import torch
 
     cuda = device.type == "cuda"
-    vocab = (SMOKE if not cuda else CONFIG)["vocab_size"]
+    vocab = model_config(device, args)["vocab_size"]
     dp, dp_rank = world, rank
     if engine in TP_ENGINES:
         from liger_compat.shims import _sharded_head
@@ -239,7 +239,7 @@ def measure(mode, engine, device, world, rank, args, liger_compat, dist):
                for _ in range(2)]
     losses = []
     if engine == "tp_trainer":
-        times, losses = trainer_steps(model, device, args, batches, dist)
+        times, losses = trainer_steps(model, device, args, batches)
         opt = None
     else:
         # tp_plan="auto" leaves some parameters plain tensors: foreach cannot mix them with DTensors
