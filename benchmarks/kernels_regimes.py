@@ -1,6 +1,6 @@
-"""GPU benchmark of the fused linear cross-entropy in three logit regimes (``benchmarks/regimes.py``):
-every implementation at every head in the near-uniform (``init``), ``spread`` and ``trained``-like
-regimes: forward+backward ms, extra MiB, grad_hidden and grad_weight error against an fp32 head.
+"""GPU benchmark of the fused linear cross-entropy in four logit regimes (``benchmarks/regimes.py``):
+every implementation at every head in the near-uniform (``init``), ``spread``, ``trained``-like and
+``peaked`` regimes: forward+backward ms, extra MiB, grad_hidden and grad_weight error against an fp32 head.
 
     python -m benchmarks.kernels_regimes [--heads llama3-8b,...] [--regimes init,spread,trained]
         [--impls ...] [--reps 3] [--budget-s 230] [--name kernels_regimes] [--out DIR]
@@ -35,9 +35,9 @@ HEADS = {
     "llama3-8b-32k": (32768, 4096, 128256, None),
 }
 #: implementation names, in the order measured
-IMPLS = ("liger_compat", "liger_compat lowmem", "liger_compat lowmem dense", "torch eager", "torch.compile",
+IMPLS = ("liger_compat", "liger_compat fp32 grad_weight", "liger_compat lowmem", "liger_compat lowmem dense", "torch eager", "torch.compile",
          "liger-kernel", "cce", "cce_kahan_full_c", "cce_exact", "cce filter_eps=None")
-REGIMES = ("init", "spread", "trained")
+REGIMES = ("init", "spread", "trained", "peaked")
 MATMUL_TFLOPS = 790.0  # used for the floor where the run measures none
 
 
@@ -68,8 +68,20 @@ def _impls(softcap):
     from benchmarks.kernels_flce import _eager_loss
     from liger_compat.kernels import _lowmem_triton, fused_linear_cross_entropy
 
+    from liger_compat import _config
+
+    def fp32_grad_weight(h, w, t):
+        # LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT=1 for this call (forward and backward here)
+        old, _config.settings.flce_fp32_grad_weight = _config.settings.flce_fp32_grad_weight, True
+        try:
+            loss = fused_linear_cross_entropy(h, w, t, softcap=softcap)
+            return torch.autograd.grad(loss, (h, w)), loss
+        finally:
+            _config.settings.flce_fp32_grad_weight = old
+
     out = {
         "liger_compat": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap),
+        "liger_compat fp32 grad_weight": fp32_grad_weight,
         "liger_compat lowmem": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem"),
     }
 
@@ -239,11 +251,12 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
 
 def report(data: dict) -> str:
     rows = [r for r in data["rows"] if r.get("section") == "flce_regimes"]
-    lines = [f"regenerate: `{data.get('regenerate', '')}`", "", "# Fused linear cross-entropy in three logit regimes", "",
+    lines = [f"regenerate: `{data.get('regenerate', '')}`", "", "# Fused linear cross-entropy in four logit regimes", "",
              f"device: {data['meta'].get('device', '?')}; {data['meta'].get('versions', '')}", "",
              "Regimes (benchmarks/regimes.py): init = h ~ 0.5 N(0,1), w ~ 0.02 N(0,1); spread = h ~ N(0,1), "
              "w ~ N(0, 4/H); trained = Zipf(1.1) targets over a permuted vocabulary, a log-prior weight column, "
-             "h = noise + alpha W[target] with mean entropy 2.5 nats. 10 % of targets ignored; bf16 inputs; "
+             "h = noise + alpha W[target] with mean entropy 2.5 nats; peaked = the same at 0.05 nats (most rows' "
+             "target probability above 0.99). 10 % of targets ignored; bf16 inputs; "
              "errors against an all-fp32 head.", ""]
     for r in rows:
         r.setdefault("shape", r.get("head", "?"))

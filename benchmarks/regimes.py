@@ -1,7 +1,7 @@
-"""Inputs of a language-model head in three logit regimes, for the fused-loss benchmarks.
+"""Inputs of a language-model head in four logit regimes, for the fused-loss benchmarks.
 
 A fused loss's speed and error depend on the softmax it sees (a gradient filter skips tiles of
-near-zero probabilities), so every head is measured in three regimes:
+near-zero probabilities), so every head is measured in these regimes:
 
 * ``init``: ``h ~ 0.5 N(0, 1)``, ``w ~ 0.02 N(0, 1)``: a near-uniform softmax, as at initialisation.
 * ``spread``: ``h ~ N(0, 1)``, ``w ~ N(0, 4 / H)``: Gaussian logits of standard deviation 2.
@@ -10,6 +10,9 @@ near-zero probabilities), so every head is measured in three regimes:
   matching hidden feature is the constant 1 (a bias through the matmul); every hidden state is
   Gaussian noise plus ``alpha`` times its target's weight row, ``alpha`` found by bisection so that
   the mean softmax entropy is :data:`TRAINED_ENTROPY` nats.
+* ``peaked``: the trained-like construction at :data:`PEAKED_ENTROPY` nats, where most rows give
+  their target a probability above 0.99 (a model that has learnt most of its text): the rows whose
+  ``p_t - 1`` is tiny, where the rounding of a stored target logit moves the whole gradient.
 
 In every regime :data:`IGNORED` of the targets are ``-100``. :func:`make_inputs` returns bf16
 ``h [N, H]``, ``w [V, H]`` and int64 targets, and :func:`softmax_stats` the mean entropy and loss
@@ -22,9 +25,11 @@ import math
 
 import torch
 
-REGIMES = ("init", "spread", "trained")
+REGIMES = ("init", "spread", "trained", "peaked")
 #: mean softmax entropy (nats) of the trained-like regime
 TRAINED_ENTROPY = 2.5
+#: mean softmax entropy (nats) of the peaked regime
+PEAKED_ENTROPY = 0.05
 #: exponent of the trained-like regime's unigram
 ZIPF_EXPONENT = 1.1
 #: share of targets set to the ignore index
@@ -81,7 +86,8 @@ def make_inputs(regime: str, n: int, hdim: int, v: int, *, softcap: float | None
                 seed: int = 0, dtype=torch.bfloat16, entropy: float = TRAINED_ENTROPY,
                 tol: float = 0.02) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """``(h, w, target, info)`` of one regime of :data:`REGIMES`; ``info`` holds the regime's
-    parameters (``alpha`` for the trained-like one) and its measured mean entropy and loss."""
+    parameters (``alpha`` for the trained-like and peaked ones) and its measured mean entropy and loss
+    (``entropy``: the trained-like regime's target; the peaked one takes :data:`PEAKED_ENTROPY`)."""
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
     dev = torch.device(device)
@@ -96,6 +102,8 @@ def make_inputs(regime: str, n: int, hdim: int, v: int, *, softcap: float | None
         w = (torch.randn(v, hdim, generator=g, device=dev) * (2.0 / math.sqrt(hdim))).to(dtype)
         t = _with_ignored(torch.randint(0, v, (n,), generator=g, device=dev), g)
     else:
+        if regime == "peaked" and entropy == TRAINED_ENTROPY:
+            entropy = PEAKED_ENTROPY
         prior = zipf_prior(v, g, dev)
         t = torch.multinomial(prior.float(), n, replacement=True, generator=g)
         w32 = torch.randn(v, hdim, generator=g, device=dev) * (2.0 / math.sqrt(hdim))

@@ -30,7 +30,8 @@ from .shims import load_all as _load_all
 
 def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
               return_logits: bool | None = None, decode_native: bool | None = None,
-              cpu_native: bool | None = None, flce_sparse: bool | None = None) -> None:
+              cpu_native: bool | None = None, flce_sparse: bool | None = None,
+              flce_fp32_grad_weight: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -49,8 +50,14 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     ``flce_sparse=False`` makes the low-memory fused loss compute every vocabulary tile in its
     backward (``LIGER_COMPAT_FLCE_SPARSE``: by default it leaves out the tiles whose softmax
     entries are all below 2^-10, which adds ~2e-3 to grad_hidden's error on trained-like logits).
+    ``flce_fp32_grad_weight=True`` makes the chunked fused loss on a GPU sum grad_weight over its
+    chunks in fp32 (``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: by default in the weight's dtype, one
+    rounding a chunk); it costs a buffer of twice the weight's size while the loss runs.
     """
     s = _config.settings
+    if flce_fp32_grad_weight is not None:
+        s.flce_fp32_grad_weight = _config.parse_bool(flce_fp32_grad_weight, "flce_fp32_grad_weight")
+        s.source["flce_fp32_grad_weight"] = "configure()"
     if flce_sparse is not None:
         s.flce_sparse = _config.parse_bool(flce_sparse, "flce_sparse")
         s.source["flce_sparse"] = "configure()"

@@ -48,17 +48,48 @@ def _row_target(target_ptr, row, ignore_index, V):
 
 
 @triton.jit
-def _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
+def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, softcap,
+                  HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The row's target logit in fp32 from its hidden row and the target's weight row (and bias),
+    and the row's lse with that value in place of the stored (rounded) one: ``s`` is the row's
+    sum of ``exp(z - m)`` over the stored logits. Returns ``(raw target logit, lse)``.
+
+    In a peaked row (``p_t`` near 1) the target's term is nearly all of ``s``, so the rounding of
+    the stored target logit (up to 2^-9 of it in bf16: 0.06 at a logit of 20) moved the lse, and
+    with it every other ``p_j`` and the target's ``p_t - 1``, by several per cent."""
+    offs = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in range(0, H, BLOCK_H):
+        ks = k + offs
+        km = ks < H
+        a = tl.load(h_ptr + row * stride_h + ks, mask=km, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + tgt_safe * stride_w + ks, mask=km, other=0.0).to(tl.float32)
+        acc += a * b
+    zt = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        zt += tl.load(b_ptr + tgt_safe).to(tl.float32)
+    zr = tl.load(row_ptr + tgt_safe).to(tl.float32)
+    zc = zt
+    if HAS_SOFTCAP:
+        zc = softcap * _tanh(zt / softcap)
+        zr = softcap * _tanh(zr / softcap)
+    e = tl.exp(zc - m)
+    s = tl.maximum(s - tl.exp(zr - m) + e, e)  # the other terms are >= 0
+    return zt, m + tl.log(s)
+
+
+@triton.jit
+def _store_row_stats(row, zt, lse, zsum, best_idx, tgt, valid, in_range,
                      loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing, lse_square_scale,
                      softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """From the row's lse (row sum ``zsum``, argmax ``best_idx``): loss (with z-loss; 0 when
-    ignored, NaN for an out-of-range target), z-loss, lse and the argmax hit; an out-of-range
-    target is also recorded in ``bad_ptr[0:3]`` (count, max target >= V, min negative target)."""
+    """From the row's lse (raw target logit ``zt``, row sum ``zsum``, argmax ``best_idx``): loss
+    (with z-loss; 0 when ignored, NaN for an out-of-range target), z-loss, lse and the argmax hit;
+    an out-of-range target is also recorded in ``bad_ptr[0:3]`` (count, max target >= V, min
+    negative target)."""
     if valid & (~in_range):  # a branch, so good rows skip the atomics' barriers entirely
         tl.atomic_add(bad_ptr, 1, sem="relaxed")
         tl.atomic_max(bad_ptr + 1, tgt, mask=tgt >= V, sem="relaxed")
         tl.atomic_min(bad_ptr + 2, tgt, mask=tgt < 0, sem="relaxed")
-    zt = tl.load(row_ptr + tgt_safe).to(tl.float32)
     if HAS_SOFTCAP:
         zt = softcap * _tanh(zt / softcap)
     loss = lse - (1.0 - label_smoothing) * zt
@@ -110,8 +141,10 @@ def _ce_row_kernel(
     logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, scale_ptr, stride_scale,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
+    h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
     STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
@@ -140,8 +173,12 @@ def _ce_row_kernel(
             m = m_new
             if HAS_SMOOTHING:
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        lse = m + tl.log(s)
-        _store_row_stats(row, row_ptr, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
+        if HAS_HEAD:
+            zt, lse = _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
+                                    softcap, HAS_SOFTCAP, HAS_BIAS, BLOCK_H)
+        else:
+            zt, lse = tl.load(row_ptr + tgt_safe).to(tl.float32), m + tl.log(s)
+        _store_row_stats(row, zt, lse, zsum, best_idx, tgt, valid, in_range,
                          loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing,
                          lse_square_scale, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
     else:
@@ -194,7 +231,9 @@ def _ce_combine_kernel(
     logits_ptr, stride_l, target_ptr, loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr,
     part_m, part_s, part_z, part_i, NB,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
+    h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_NB: tl.constexpr,
+    HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Split variant, step 2: one program per row folds the row's ``NB`` partials (from step 1
     or from the logits GEMM's epilogue) into lse, loss, z-loss and the argmax hit."""
@@ -221,9 +260,14 @@ def _ce_combine_kernel(
         m = m_new
         if HAS_SMOOTHING:
             zsum += tl.sum(tl.load(part_z + base + nbs, mask=nmask, other=0.0), axis=0)
-    lse = m + tl.log(s)
+    row_ptr = logits_ptr + row * stride_l
+    if HAS_HEAD:
+        zt, lse = _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
+                                softcap, HAS_SOFTCAP, HAS_BIAS, BLOCK_H)
+    else:
+        zt, lse = tl.load(row_ptr + tgt_safe).to(tl.float32), m + tl.log(s)
     best_idx = tl.load(part_i + base + best_blk).to(tl.int64)
-    _store_row_stats(row, logits_ptr + row * stride_l, lse, zsum, best_idx, tgt, valid, in_range, tgt_safe,
+    _store_row_stats(row, zt, lse, zsum, best_idx, tgt, valid, in_range,
                      loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing, lse_square_scale,
                      softcap, HAS_SOFTCAP, HAS_SMOOTHING)
 
@@ -284,10 +328,13 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
     return min(next_pow2(v), 8192), 16
 
 
-def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None):
+def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None,
+                   head=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
     tensor of :func:`liger_compat.kernels._device_errors.new_flag` that the statistics pass
-    adds out-of-range targets to; a scratch one when not given).
+    adds out-of-range targets to; a scratch one when not given; ``head``: the rows' hidden states,
+    the weight and the bias or None, from which the statistics pass takes each target logit in
+    fp32, :func:`_exact_target`).
 
     ``partials`` = ``(max, sum-exp, argmax, row-sum)`` per (row, block of V), as written by
     :func:`liger_compat.kernels._logits_triton.logits_with_partials`: the statistics then come
@@ -324,13 +371,21 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     softcap = opt.softcap if opt.softcap is not None else 1.0
     g = grad if grad is not None else logits
     sg = grad.stride(0) if grad is not None else 0
+    if stats and head is not None:
+        hh, hw, hb = head
+        assert hh.shape[0] == c and hw.shape[0] == v and hh.stride(-1) == 1 and hw.stride(-1) == 1
+        head_args = (hh, hh.stride(0), hw, hw.stride(0), hb if hb is not None else hw, hh.shape[1])
+        head_common = dict(HAS_HEAD=True, HAS_BIAS=hb is not None, BLOCK_H=min(next_pow2(hh.shape[1]), 512))
+    else:
+        head_args = (logits, 0, logits, 0, logits, 0)
+        head_common = dict(HAS_HEAD=False, HAS_BIAS=False, BLOCK_H=16)
     if variant == "row":
         block, warps = _block_v(v, dev)
         _ce_row_kernel[(c,)](
             logits, logits.stride(0), target, g, sg,
             loss, zl, lse, correct, bad, scale, stride_scale,
-            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
-            STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common,
+            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args,
+            STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common, **head_common,
         )
     else:
         block = SPLIT_BLOCK_V if dev.type == "cuda" else 256
@@ -352,9 +407,9 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
             npart = pm.shape[1]
             _ce_combine_kernel[(c,)](
                 logits, logits.stride(0), target, loss, zl, lse, correct, bad, pm, ps, pz, pi, npart,
-                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args,
                 BLOCK_NB=min(next_pow2(npart), 1024), num_warps=4 if dev.type == "cuda" else 1,
-                **common,
+                **common, **head_common,
             )
         if grad is not None:
             rest = torch.zeros((2, c), dtype=f32, device=dev)  # mass outside the target; target logit

@@ -94,6 +94,7 @@ def ce_rows_torch(
     grad: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     bad: torch.Tensor | None = None,
+    head: tuple | None = None,
 ):
     """Reference for the row kernel on ``logits[C, V]``.
 
@@ -101,23 +102,36 @@ def ce_rows_torch(
     z-loss; ignored rows give 0, rows whose target is outside ``[0, V)`` and not ignored NaN) and
     adds those targets to ``bad`` (``_device_errors.new_flag``) when given. With ``grad``: writes
     ``scale * d loss_row / d logits`` into ``grad`` (which may be ``logits`` itself; zero for
-    ignored and out-of-range rows); ``scale`` is a 0-d or ``[C]`` fp32 tensor.
+    ignored and out-of-range rows); ``scale`` is a 0-d or ``[C]`` fp32 tensor. ``head`` =
+    ``(hidden rows, weight, bias or None)`` of the fused loss: the statistics then take each target
+    logit in fp32 from them instead of its stored (rounded) value, which sets the lse of a row
+    whose target has nearly all the probability (``_ce_triton._exact_target``).
     """
     C, V = logits.shape
+    valid = target != opt.ignore_index
+    in_range = (target >= 0) & (target < V)
+    tgt = torch.where(valid & in_range, target, torch.zeros_like(target)).long()
     z = logits.float()
     t = None
     if opt.softcap is not None:
         t = torch.tanh(z / opt.softcap)
         z = t * opt.softcap
-    valid = target != opt.ignore_index
-    in_range = (target >= 0) & (target < V)
-    tgt = torch.where(valid & in_range, target, torch.zeros_like(target)).long()
+    z_exact = None
+    if lse is None and head is not None:
+        hh, hw, hb = head
+        zt_raw = (hh.float() * hw.index_select(0, tgt).float()).sum(-1)
+        if hb is not None:
+            zt_raw = zt_raw + hb.index_select(0, tgt).float()
+        if opt.softcap is not None:
+            zt_raw = opt.softcap * torch.tanh(zt_raw / opt.softcap)
+        z_exact = z.scatter(1, tgt[:, None], zt_raw[:, None])  # out of place: z may be logits itself
     eps = opt.label_smoothing
     s = opt.lse_square_scale
     stats = None
     if lse is None:
-        lse = torch.logsumexp(z, dim=-1)
-        zt = z.gather(1, tgt[:, None]).squeeze(1)
+        ze = z if z_exact is None else z_exact
+        lse = torch.logsumexp(ze, dim=-1)
+        zt = ze.gather(1, tgt[:, None]).squeeze(1)
         loss = lse - (1.0 - eps) * zt
         if eps:
             loss = loss - eps * z.mean(dim=-1)
@@ -330,6 +344,24 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+_FP32_ACCUMULATE: dict[str, bool] = {}
+
+
+def _fp32_accumulate_supported(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` takes 16-bit operands into an fp32
+    result on ``device`` (CUDA in torch >= 2.8; not on CPU)."""
+    if device.type not in _FP32_ACCUMULATE:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            c = torch.zeros(2, 2, dtype=torch.float32, device=device)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)  # no host sync: may run in a CUDA graph capture
+            ok = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _FP32_ACCUMULATE[device.type] = ok
+    return _FP32_ACCUMULATE[device.type]
+
+
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
     ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
@@ -358,11 +390,16 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     zl = new(n, dtype=f32, device=dev) if gather else None
     correct = new(n, dtype=torch.bool, device=dev) if gather else None
     gh = new(h.shape, dtype=h.dtype, device=dev) if need_gh else None
-    # the torch reference accumulates grad_weight in fp32; the GPU path in the weight's dtype
-    # (an fp32 copy would cost 2x the weight in memory, over the extra-memory target)
+    # grad_weight summed over the chunks: in fp32 by the torch reference; on the GPU in the weight's
+    # dtype (one rounding a chunk), or with LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT in an fp32 buffer that
+    # cuBLAS adds each chunk's product to (one rounding in all, for 2x the weight's memory)
     acc_dtype = f32 if backend == "torch" else w.dtype
+    mixed = (need_gw and backend == "triton" and m > rows and w.element_size() < 4
+             and _config.settings.flce_fp32_grad_weight and _fp32_accumulate_supported(dev))
+    if mixed:
+        acc_dtype = f32
     if need_gw:
-        make = torch.zeros if (acc_dtype != w.dtype or m == 0) else torch.empty  # chunk 0 overwrites
+        make = torch.zeros if ((acc_dtype != w.dtype and not mixed) or m == 0) else torch.empty  # chunk 0 overwrites
         gw = make(w.shape, dtype=acc_dtype, device=dev)
     else:
         gw = None
@@ -395,6 +432,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             torch.mm(hc, wt, out=logits)
         if want_stats:
             extra["bad"] = bad
+        if logits.element_size() < 4:  # each target logit in fp32, not as stored (peaked rows' lse)
+            extra["head"] = (hc, w, b)
         if backend == "triton":
             extra["variant"] = knobs.ce_variant
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
@@ -408,7 +447,12 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         if any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
             if need_gw:
-                if acc_dtype != d.dtype:
+                if mixed:  # bf16 operands, fp32 product and sum (cuBLAS)
+                    if start == 0:
+                        torch.mm(d.t(), hc, out_dtype=f32, out=gw)
+                    else:
+                        torch.addmm(gw, d.t(), hc, out_dtype=f32, out=gw)
+                elif acc_dtype != d.dtype:
                     gw += (d.t() @ hc).to(acc_dtype)
                 elif start == 0:  # first chunk: write, no read-modify-write of a zeroed buffer
                     torch.mm(d.t(), hc, out=gw)

@@ -41,6 +41,20 @@ def test_trained_like_regime_hits_its_entropy(softcap):
     assert float(w[:, 0].float().max()) < 0 < float(w[:, 0].float().std())
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_peaked_regime_gives_most_targets_nearly_all_the_probability(softcap):
+    h, w, t, info = regimes.make_inputs("peaked", N, H, V, softcap=softcap, device="cpu", seed=5)
+    ent, _ = _entropy64(h, w, t, softcap)
+    assert abs(ent - regimes.PEAKED_ENTROPY) < 0.04, ent
+    keep = t != regimes.IGNORE_INDEX
+    z = h[keep].double() @ w.double().t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    pt = torch.softmax(z, -1).gather(1, t[keep][:, None]).squeeze(1)
+    assert float((pt > 0.99).double().mean()) > 0.75
+    assert info["alpha"] > regimes.make_inputs("trained", N, H, V, softcap=softcap, device="cpu", seed=5)[3]["alpha"]
+
+
 def test_trained_like_targets_follow_the_permuted_zipf_prior():
     g = torch.Generator().manual_seed(0)
     prior = regimes.zipf_prior(V, g, "cpu")
@@ -71,13 +85,13 @@ def test_init_and_spread_regimes_are_near_uniform_and_spread():
 
 def test_unknown_regime_is_refused():
     with pytest.raises(ValueError, match="regime"):
-        regimes.make_inputs("peaked", 4, 4, 4, device="cpu")
+        regimes.make_inputs("saturated", 4, 4, 4, device="cpu")
 
 
 def test_regime_benchmark_refuses_bad_arguments_and_reports_rows(tmp_path, capsys):
     from benchmarks import kernels_regimes as kr
 
-    for argv, msg in ((["--heads", "llama3-9b"], "--heads"), (["--regimes", "peaked"], "--regimes"),
+    for argv, msg in ((["--heads", "llama3-9b"], "--heads"), (["--regimes", "saturated"], "--regimes"),
                       (["--reps", "0"], "--reps")):
         with pytest.raises(SystemExit):
             kr.main(argv + ["--out", str(tmp_path)])

@@ -348,3 +348,60 @@ def test_flce_auto_mode_takes_lowmem_when_the_chunk_does_not_fit(monkeypatch):
     monkeypatch.setattr(loss_mod, "_auto_modes", {})
     fused_linear_cross_entropy(hid, w, t)
     assert loss_mod.last_flce_mode == "lowmem"
+
+
+@pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
+def test_flce_fp32_grad_weight_rounds_once_on_gpu(logits_impl, monkeypatch):
+    """``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: grad_weight summed over 16 chunks in fp32 has about
+    the error of one rounding to bf16, well under the default's (one rounding a chunk), against
+    float64 on the same bf16 inputs; the loss and grad_hidden are the default's, bit for bit."""
+    hid, w, t = _flce_inputs(8192, 1024, 16384, torch.bfloat16, int(torch.randint(0, 2**16, ())))
+    monkeypatch.setattr(_config.settings, "flce_chunk_mb", "16")  # 512 rows of V=16384 a chunk
+    out = {}
+    for fp32 in (False, True):
+        monkeypatch.setattr(_config.settings, "flce_fp32_grad_weight", fp32)
+        a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = fused_linear_cross_entropy(a, b, t, logits_impl=logits_impl)
+        out[fp32] = (loss.detach(), *torch.autograd.grad(loss, (a, b)))
+    b64 = w.double().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(hid.double() @ b64.t(), t, ignore_index=-100)
+    (gw64,) = torch.autograd.grad(ref, b64)
+    assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1])
+    assert out[True][2].dtype == torch.bfloat16
+    one_rounding = rel_err(gw64.to(torch.bfloat16), gw64)
+    assert rel_err(out[True][2], gw64) <= 1.5 * one_rounding
+    assert rel_err(out[True][2], gw64) <= 0.5 * rel_err(out[False][2], gw64)
+
+
+@pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_flce_bf16_peaked_rows_past_the_rounding_of_their_logits_on_gpu(logits_impl, softcap):
+    """bf16 peaked rows at a real vocabulary (``test_peaked_rows._peaked_apart`` scaled up): the
+    chunked loss takes each target logit in fp32, so grad_hidden's error against float64 is at
+    most half of a head that stores its logits in bf16."""
+    import math
+
+    n, h, v = 512, 1024, 32000
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**16, ())))
+    w = torch.randn(v, h, device="cuda", generator=g) * 0.3 / h**0.5
+    x = torch.randn(n, h, device="cuda", generator=g) * 0.3
+    t = torch.randperm(v, device="cuda", generator=g)[:n]
+    tgt_feat = torch.arange(n, device="cuda")  # row i's own hidden feature, read by its target's row only
+    w[:, :n] = 0.0
+    x[:, :n] = 0.0
+    w[t, tgt_feat] = 1.0
+    rest = torch.logsumexp((x.double() @ w.double().t()).scatter(1, t[:, None], float("-inf")), -1)
+    u = torch.empty(n, dtype=torch.float64, device="cuda").uniform_(3.0, 3.5, generator=g)
+    x[torch.arange(n, device="cuda"), tgt_feat] = (rest + u * math.log(10.0)).float()
+    x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    a = x16.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(a, w16, t, reduction="sum", softcap=softcap, logits_impl=logits_impl,
+                                      mode="chunked")
+    (gh,) = torch.autograd.grad(loss, a)
+    x64 = x16.double().requires_grad_(True)
+    z = x64 @ w16.double().t()
+    cap = (lambda y: y) if softcap is None else (lambda y: softcap * torch.tanh(y / softcap))
+    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(cap(z), t, reduction="sum"), x64)
+    zr = z.detach().to(torch.bfloat16).double().requires_grad_(True)
+    (gzr,) = torch.autograd.grad(torch.nn.functional.cross_entropy(cap(zr), t, reduction="sum"), zr)
+    assert rel_err(gh, g64) <= 0.5 * rel_err(gzr @ w16.double(), g64)
