@@ -98,15 +98,17 @@ def test_regime_benchmark_refuses_bad_arguments_and_reports_rows(tmp_path, capsy
         assert msg in capsys.readouterr().err
     rows = [dict(section="flce_regimes", shape="h N=1", regime="trained", entropy=2.5, regime_loss=1.5, floor_ms=10.0,
                  impl="liger_compat lowmem", status="ok", ms=12.0, x_floor=1.2, extra_mib=15.0, gh_err_vs_fp32=3e-3,
-                 gw_err_vs_fp32=4e-3, tiles_skipped=5, tiles_skipped_share=0.25),
+                 gw_err_vs_fp32=4e-3, tiles_skipped=5, tiles_skipped_share=0.25, gh_peaked_rows_err_vs_fp32=2e-3,
+                 peaked_rows=7),
             dict(section="flce_regimes", shape="h N=1", regime="trained", impl="cce", status="error", error="OOM")]
     kr._append(tmp_path / "r.json", rows[0])
     kr._append(tmp_path / "r.json", rows[1])
     kr.main(["--report", "--out", str(tmp_path), "--name", "r"])
     md = (tmp_path / "r.md").read_text()
     assert "### trained: entropy 2.50 nats, loss 1.50; dense 3-matmul floor 10.0 ms" in md
-    assert "| liger_compat lowmem | 12.00 | 1.20 | 15 | 3.0e-03 | 4.0e-03 | 25.0 % of tiles skipped |" in md
-    assert "| cce | | | | | | error OOM |" in md
+    assert ("| liger_compat lowmem | 12.00 | 1.20 | 15 | 3.0e-03 | 4.0e-03 | 2.0e-03 (7 rows) "
+            "| 25.0 % of tiles skipped |") in md
+    assert "| cce | | | | | | | error OOM |" in md
 
 
 def test_regime_benchmark_appends_a_second_call_and_stops_at_its_budget(tmp_path, capsys):
