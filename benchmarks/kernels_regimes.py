@@ -279,6 +279,7 @@ def report(data: dict) -> str:
     rows = [r for r in data["rows"] if r.get("section") == "flce_regimes"]
     lines = [f"regenerate: `{data.get('regenerate', '')}`", "", "# Fused linear cross-entropy in four logit regimes", "",
              f"device: {data['meta'].get('device', '?')}; {data['meta'].get('versions', '')}", "",
+             *([data["meta"]["note"], ""] if data["meta"].get("note") else []),
              "Regimes (benchmarks/regimes.py): init = h ~ 0.5 N(0,1), w ~ 0.02 N(0,1); spread = h ~ N(0,1), "
              "w ~ N(0, 4/H); trained = Zipf(1.1) targets over a permuted vocabulary, a log-prior weight column, "
              "h = noise + alpha W[target] with mean entropy 2.5 nats; peaked = the same at 0.05 nats (most rows' "

@@ -181,3 +181,18 @@ def test_flce_sparse_from_the_environment_and_configure(monkeypatch):
     assert _config.settings.flce_sparse is False and row["value"] == "0" and row["source"] == "configure()"
     with pytest.raises(ValueError, match="flce_sparse must be on or off"):
         liger_compat.configure(flce_sparse="sometimes")
+
+
+def test_flce_fp32_grad_weight_from_the_environment_and_configure(monkeypatch):
+    """``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: off by default, on with 1; ``configure(...)`` sets it
+    and the report says where it came from; a bad value is refused by name."""
+    assert _config._from_env({}).flce_fp32_grad_weight is False
+    on = _config._from_env({"LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT": "1"})
+    assert on.flce_fp32_grad_weight is True and on.source["flce_fp32_grad_weight"] == "LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT"
+    monkeypatch.setattr(_config.settings, "flce_fp32_grad_weight", False)
+    monkeypatch.setitem(_config.settings.source, "flce_fp32_grad_weight", "test")
+    liger_compat.configure(flce_fp32_grad_weight=True)
+    row = next(x for x in _config.describe() if x["variable"] == "LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT")
+    assert _config.settings.flce_fp32_grad_weight is True and row["value"] == "1" and row["source"] == "configure()"
+    with pytest.raises(ValueError, match="flce_fp32_grad_weight must be on or off"):
+        liger_compat.configure(flce_fp32_grad_weight="sometimes")
