@@ -50,8 +50,9 @@ def foreign_replacements(module: Any, test: Callable[[str], bool]) -> list[tuple
 def decode_step(x: Any) -> bool:
     """Whether a module call on ``x`` is a decode step that runs transformers' own code
     (``LIGER_COMPAT_DECODE_NATIVE``, on by default): no autograd graph is being built
-    (``no_grad`` / ``inference_mode``, as in ``generate``), and one position per sequence (``x.shape[-2] == 1``: hidden states ``[batch, 1, hidden]``, or the
-    rotary ``cos`` ``[batch, 1, dim]``). There each kernel gets a handful of rows, where its launch
+    (``no_grad`` / ``inference_mode``, as in ``generate``), and one position per sequence
+    (``x.shape[-2] == 1``: hidden states ``[batch, 1, hidden]``, or the rotary ``cos``
+    ``[batch, 1, dim]``). There each kernel gets a handful of rows, where its launch
     costs more than the native ops it replaces, and with no backward there is no memory to save.
     Calls over whole sequences (prefill, evaluation, a reference model's forward) keep the kernels,
     so a policy and its reference model still compute the same way."""
