@@ -21,9 +21,11 @@ LOWMEM_CONFIGS: tuple[str, ...] = ()
 LOWMEM_PAIRS = ("m128n128k64w8s3/m128n256k32w8s4", "m128n128k64w8s3/m128n64k64w4s4", "m128n64k64w4s4/m128n128k64w8s3")
 
 
-def _ref_grads_fp32(h, w, t, softcap, rows=4096):
+def _ref_grads_fp32(h, w, t, softcap, rows=4096, peaked_p=None):
     """grad_hidden, grad_weight and loss of the all-fp32 LM head (mean over non-ignored rows),
-    in chunks of ``rows`` so that the 32k-token head's fp32 logits need not exist at once."""
+    in chunks of ``rows`` so that the 32k-token head's fp32 logits need not exist at once. With
+    ``peaked_p``, also the indices of the kept rows whose target has fp32 softmax probability
+    ``>= peaked_p`` (``exp(-row loss)``)."""
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -32,17 +34,25 @@ def _ref_grads_fp32(h, w, t, softcap, rows=4096):
         gh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         gw = torch.zeros_like(w32)
         total = 0.0
+        peaked = []
         for s in range(0, h.shape[0], rows):
             hc = h[s:s + rows].detach().float().requires_grad_(True)
+            tc = t[s:s + rows]
             z = hc @ w32.t()
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
-            loss = F.cross_entropy(z, t[s:s + rows], ignore_index=-100, reduction="sum") / n_valid
+            row_loss = F.cross_entropy(z, tc, ignore_index=-100, reduction="none")
+            loss = row_loss.sum() / n_valid
             a, b = torch.autograd.grad(loss, (hc, w32))
             gh[s:s + rows] = a
             gw += b
             total += loss.item()
-            del z, loss, a, b, hc
+            if peaked_p is not None:
+                hit = (tc != -100) & (torch.exp(-row_loss.detach()) >= peaked_p)
+                peaked.append(hit.nonzero().squeeze(1) + s)
+            del z, loss, row_loss, a, b, hc
+        if peaked_p is not None:
+            return gh, gw, total, torch.cat(peaked)
         return gh, gw, total
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev

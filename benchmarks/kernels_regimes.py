@@ -71,31 +71,27 @@ def _impls(softcap):
 
     from liger_compat import _config
 
-    def fp32_grad_weight(h, w, t):
-        # LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT=1 for this call (forward and backward here)
-        old, _config.settings.flce_fp32_grad_weight = _config.settings.flce_fp32_grad_weight, True
-        try:
-            loss = fused_linear_cross_entropy(h, w, t, softcap=softcap)
-            return torch.autograd.grad(loss, (h, w)), loss
-        finally:
-            _config.settings.flce_fp32_grad_weight = old
+    def step_with(obj, attr, value, **kw):
+        """fused_linear_cross_entropy's forward and backward with ``obj.attr = value`` for the call."""
+        def step(h, w, t):
+            old = getattr(obj, attr)
+            setattr(obj, attr, value)
+            try:
+                loss = fused_linear_cross_entropy(h, w, t, softcap=softcap, **kw)
+                return torch.autograd.grad(loss, (h, w)), loss
+            finally:
+                setattr(obj, attr, old)
+        return step
 
     out = {
         "liger_compat": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap),
-        "liger_compat fp32 grad_weight": fp32_grad_weight,
+        # LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT=1
+        "liger_compat fp32 grad_weight": step_with(_config.settings, "flce_fp32_grad_weight", True),
         "liger_compat lowmem": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem"),
     }
 
-    def lowmem_dense_step(h, w, t):
-        # the low-memory backward leaving no tile out, as before it could (forward and backward here)
-        old, _lowmem_triton.SKIP_EPS = _lowmem_triton.SKIP_EPS, 0.0
-        try:
-            loss = fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem")
-            return torch.autograd.grad(loss, (h, w)), loss
-        finally:
-            _lowmem_triton.SKIP_EPS = old
-
-    out["liger_compat lowmem dense"] = lowmem_dense_step
+    # the low-memory backward leaving no tile out, as before it could
+    out["liger_compat lowmem dense"] = step_with(_lowmem_triton, "SKIP_EPS", 0.0, mode="lowmem")
     out["torch eager"] = lambda h, w, t: _eager_loss(h, w, t, softcap)
     comp = torch.compile(lambda h, w, t: _eager_loss(h, w, t, softcap), dynamic=False)
     out["torch.compile"] = comp
@@ -161,24 +157,6 @@ def _matmul_tflops() -> float:
 PEAKED_P = 0.99
 
 
-def _peaked_rows(h, w, t, softcap, rows=4096):
-    """Indices of the rows whose target has fp32 softmax probability >= :data:`PEAKED_P` (their
-    gradient is tiny, so the whole-matrix error does not show how precise it is)."""
-    import torch
-
-    out = []
-    for s in range(0, h.shape[0], rows):
-        z = h[s:s + rows].float() @ w.float().t()
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        tc = t[s:s + rows]
-        ok = tc != -100
-        pt = torch.exp(z.gather(1, tc.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(z, -1))
-        out.append((ok & (pt >= PEAKED_P)).nonzero().squeeze(1) + s)
-        del z
-    return torch.cat(out)
-
-
 def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) -> None:
     import torch
 
@@ -200,8 +178,7 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
             _append(path, dict(base, status="not run (budget)"))
             continue
         h0, w0, t, info = make_inputs(regime, n, hd, v, softcap=softcap, device="cuda", seed=0)
-        rh, rw, rl = _ref_grads_fp32(h0, w0, t, softcap)
-        peaked = _peaked_rows(h0, w0, t, softcap)
+        rh, rw, rl, peaked = _ref_grads_fp32(h0, w0, t, softcap, peaked_p=PEAKED_P)
         base.update(entropy=info["entropy"], regime_loss=info["loss"], alpha=info.get("alpha"))
         log(f"## {shape} {regime}: entropy {info['entropy']:.2f}, loss {info['loss']:.2f}")
         for impl in impls:

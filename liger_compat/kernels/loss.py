@@ -393,16 +393,12 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     # grad_weight summed over the chunks: in fp32 by the torch reference; on the GPU in the weight's
     # dtype (one rounding a chunk), or with LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT in an fp32 buffer that
     # cuBLAS adds each chunk's product to (one rounding in all, for 2x the weight's memory)
-    acc_dtype = f32 if backend == "torch" else w.dtype
     mixed = (need_gw and backend == "triton" and m > rows and w.element_size() < 4
              and _config.settings.flce_fp32_grad_weight and _fp32_accumulate_supported(dev))
-    if mixed:
-        acc_dtype = f32
-    if need_gw:
-        make = torch.zeros if ((acc_dtype != w.dtype and not mixed) or m == 0) else torch.empty  # chunk 0 overwrites
-        gw = make(w.shape, dtype=acc_dtype, device=dev)
-    else:
-        gw = None
+    acc_dtype = f32 if backend == "torch" or mixed else w.dtype
+    # the first chunk writes the buffer (mixed, or in the weight's dtype); the others add to it
+    first_writes = m > 0 and (mixed or acc_dtype == w.dtype)
+    gw = (torch.empty if first_writes else torch.zeros)(w.shape, dtype=acc_dtype, device=dev) if need_gw else None
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
     buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
     wt = w.t()

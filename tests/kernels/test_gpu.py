@@ -379,32 +379,19 @@ def test_flce_fp32_grad_weight_rounds_once_on_gpu(logits_impl, monkeypatch):
 @pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_flce_bf16_peaked_rows_past_the_rounding_of_their_logits_on_gpu(logits_impl, softcap):
-    """bf16 peaked rows at a real vocabulary (``test_peaked_rows._peaked_apart`` scaled up): the
-    chunked loss takes each target logit in fp32, so grad_hidden's error against float64 is at
-    most half of a head that stores its logits in bf16."""
-    import math
+    """bf16 peaked rows at a real vocabulary (``test_peaked_rows``'s construction at 512 rows, hidden
+    1024, 32000 columns): the chunked loss takes each target logit in fp32, so grad_hidden's error
+    against float64 is at most half of a head that stores its logits in bf16."""
+    from test_peaked_rows import _peaked_apart, _rounded_head_grad64
 
-    n, h, v = 512, 1024, 32000
-    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**16, ())))
-    w = torch.randn(v, h, device="cuda", generator=g) * 0.3 / h**0.5
-    x = torch.randn(n, h, device="cuda", generator=g) * 0.3
-    t = torch.randperm(v, device="cuda", generator=g)[:n]
-    tgt_feat = torch.arange(n, device="cuda")  # row i's own hidden feature, read by its target's row only
-    w[:, :n] = 0.0
-    x[:, :n] = 0.0
-    w[t, tgt_feat] = 1.0
-    rest = torch.logsumexp((x.double() @ w.double().t()).scatter(1, t[:, None], float("-inf")), -1)
-    u = torch.empty(n, dtype=torch.float64, device="cuda").uniform_(3.0, 3.5, generator=g)
-    x[torch.arange(n, device="cuda"), tgt_feat] = (rest + u * math.log(10.0)).float()
-    x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    x16, w16, t = _peaked_apart(int(torch.randint(0, 2**16, ())), torch.bfloat16, n=512, h=1024, v=32000,
+                                device="cuda")
     a = x16.clone().requires_grad_(True)
     loss = fused_linear_cross_entropy(a, w16, t, reduction="sum", softcap=softcap, logits_impl=logits_impl,
                                       mode="chunked")
     (gh,) = torch.autograd.grad(loss, a)
     x64 = x16.double().requires_grad_(True)
     z = x64 @ w16.double().t()
-    cap = (lambda y: y) if softcap is None else (lambda y: softcap * torch.tanh(y / softcap))
-    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(cap(z), t, reduction="sum"), x64)
-    zr = z.detach().to(torch.bfloat16).double().requires_grad_(True)
-    (gzr,) = torch.autograd.grad(torch.nn.functional.cross_entropy(cap(zr), t, reduction="sum"), zr)
-    assert rel_err(gh, g64) <= 0.5 * rel_err(gzr @ w16.double(), g64)
+    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
+    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t, reduction="sum"), x64)
+    assert rel_err(gh, g64) <= 0.5 * rel_err(_rounded_head_grad64(x16, w16, t, softcap), g64)

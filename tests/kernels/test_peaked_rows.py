@@ -100,23 +100,26 @@ def test_logprob_head_keeps_the_target_gradient_of_peaked_rows(lo, hi, opts):
 
 
 
-def _peaked_apart(seed, dtype):
+def _peaked_apart(seed, dtype, n=N, h=H, v=V, device="cpu"):
     """16-bit hidden states and weight whose rows peak on distinct targets through a hidden feature
     of their own: row i's feature i is ``c_i`` and only its target's weight row reads that feature,
     so the target logit is ~``c_i`` (about 13: odds p_t / (1 - p_t) of about 10^u, u in [3, 3.5]) and
-    every other logit of the row stays below ~1, where 16-bit rounding is small: the row's gradient
-    error is then the target logit's rounding's by construction."""
+    every other logit of the row stays below ~1 (the weight's scale keeps their spread whatever
+    ``h - n``), where 16-bit rounding is small: the row's gradient error is then the target logit's
+    rounding's by construction. Drawn on the CPU, then on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(V, H, generator=g) * 0.3
-    h = torch.randn(N, H, generator=g) * 0.3
-    t = torch.randperm(V, generator=g)[:N]
-    w[:, :N] = 0.0
-    h[:, :N] = 0.0
-    w[t, torch.arange(N)] = 1.0
-    rest = torch.logsumexp((h.double() @ w.double().t()).index_fill(1, t, float("-inf")), -1)
-    u = torch.empty(N, dtype=torch.float64).uniform_(3.0, 3.5, generator=g)
-    h[torch.arange(N), torch.arange(N)] = (rest + u * math.log(10.0)).float()  # p_t / (1 - p_t) = 10^u
-    return h.to(dtype), w.to(dtype), t
+    w = torch.randn(v, h, generator=g) * (0.3 * (24 / (h - n)) ** 0.5)
+    x = torch.randn(n, h, generator=g) * 0.3
+    t = torch.randperm(v, generator=g)[:n]
+    u = torch.empty(n, dtype=torch.float64).uniform_(3.0, 3.5, generator=g)
+    w, x, t, u = w.to(device), x.to(device), t.to(device), u.to(device)
+    rows = torch.arange(n, device=device)
+    w[:, :n] = 0.0
+    x[:, :n] = 0.0
+    w[t, rows] = 1.0
+    rest = torch.logsumexp((x.double() @ w.double().t()).index_fill(1, t, float("-inf")), -1)
+    x[rows, rows] = (rest + u * math.log(10.0)).float()  # p_t / (1 - p_t) = 10^u
+    return x.to(dtype), w.to(dtype), t
 
 
 def _rounded_head_grad64(h16, w16, t, softcap):
