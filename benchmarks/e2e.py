@@ -77,9 +77,11 @@ VARIANTS = {
 #: patched one through the kernels' custom ops: compiled liger_compat against compiled native
 COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat",
             "liger_compat_flce_compiled": "liger_compat_flce", "liger_compat_shims_compiled": "liger_compat_shims",
-            "native_compiled_ro": "native", "liger_compat_compiled_ro": "liger_compat"}
+            "native_compiled_ro": "native", "liger_compat_compiled_ro": "liger_compat",
+            # the MLP as transformers writes it (no gated linear op keeping gate / up only)
+            "liger_compat_keep_compiled": "liger_compat_keep", "liger_compat_keep_compiled_ro": "liger_compat_keep"}
 #: compiled with ``mode="reduce-overhead"`` (CUDA graphs): what a host-bound small step is run with
-REDUCE_OVERHEAD = ("native_compiled_ro", "liger_compat_compiled_ro")
+REDUCE_OVERHEAD = ("native_compiled_ro", "liger_compat_compiled_ro", "liger_compat_keep_compiled_ro")
 IMPLS = ("native", "liger_kernel", "liger_compat", *VARIANTS, *COMPILED)
 DEFAULT_IMPLS = ("native", "liger_kernel", "liger_compat", "liger_compat_62mib")
 

@@ -208,6 +208,56 @@ def _gated_backward(ctx, dy):
 gated_fwd.register_autograd(_gated_backward, setup_context=_gated_setup)
 
 
+@torch.library.custom_op(f"{_NS}::gated_linear_fwd", mutates_args=())
+def gated_linear_fwd(gate: Tensor, up: Tensor, weight: Tensor, bias: Optional[Tensor], kind: str,
+                     backend: str) -> Tensor:
+    """``linear(act(gate) * up, weight, bias)`` whose autograd keeps ``gate``, ``up`` and ``weight``
+    only (``gated_mlp.gated_linear``): as one opaque node, the partitioner cannot keep the
+    activation for the weight gradient, as it does for ``linear(gated_fwd(...))``."""
+    from . import gated_mlp
+
+    be = _backend(_gated_kernel(kind), backend, gate.device)
+    return gated_mlp.gated_linear_forward(gate, up, weight, bias, kind, be)
+
+
+@gated_linear_fwd.register_fake
+def _(gate, up, weight, bias, kind, backend):
+    return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(f"{_NS}::gated_linear_bwd", mutates_args=())
+def gated_linear_bwd(dout: Tensor, gate: Tensor, up: Tensor, weight: Tensor, kind: str, backend: str, need_w: bool,
+                     need_b: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from . import gated_mlp
+
+    be = _backend(_gated_kernel(kind), backend, gate.device)
+    # not in place: gate / up are inputs of the op
+    dg, du, dw, db = gated_mlp.gated_linear_backward(dout, gate, up, weight, kind, be, False, need_w, need_b)
+    return dg, du, dw if need_w else _empty(weight), db if need_b else _empty(weight)
+
+
+@gated_linear_bwd.register_fake
+def _(dout, gate, up, weight, kind, backend, need_w, need_b):
+    return (torch.empty_like(gate), torch.empty_like(up), torch.empty_like(weight) if need_w else weight.new_empty(0),
+            dout.new_empty(weight.shape[0]) if need_b else weight.new_empty(0))
+
+
+def _gated_linear_setup(ctx, inputs, output):
+    gate, up, weight, bias, kind, backend = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.kind, ctx.backend, ctx.has_bias = kind, backend, bias is not None
+
+
+def _gated_linear_backward(ctx, dout):
+    gate, up, weight = ctx.saved_tensors
+    need_w, need_b = ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3]
+    dg, du, dw, db = gated_linear_bwd(dout, gate, up, weight, ctx.kind, ctx.backend, need_w, need_b)
+    return dg, du, _if_needed(dw, need_w), _if_needed(db, need_b), None, None
+
+
+gated_linear_fwd.register_autograd(_gated_linear_backward, setup_context=_gated_linear_setup)
+
+
 # --------------------------------------------------------------------------------------------
 # fused linear cross-entropy
 # --------------------------------------------------------------------------------------------

@@ -107,46 +107,59 @@ class _Gated(torch.autograd.Function):
         return dg, du, None, None, None
 
 
-class _GatedLinear(torch.autograd.Function):
-    """``linear(act(gate) * up, weight, bias)`` saving ``gate``, ``up`` and ``weight`` only.
+def gated_linear_forward(gate, up, weight, bias, kind: str, backend: str) -> torch.Tensor:
+    """``linear(act(gate) * up, weight, bias)``; the activation is a temporary of this call."""
+    return torch.nn.functional.linear(_forward_fn(backend)(gate, up, kind), weight, bias)
 
-    The backward computes ``d(act*up) = dout @ weight``, then one elementwise kernel reads it with
-    ``gate`` and ``up``, writes their gradients and, over ``d(act*up)``, the activation again, which
-    the weight gradient ``dout^T @ act*up`` reads: the activation costs one extra write instead of
-    being kept from the forward to the backward.
-    """
+
+def gated_linear_backward(dout, gate, up, weight, kind: str, backend: str, inplace: bool, need_w: bool,
+                          need_b: bool):
+    """Gradients of :func:`gated_linear_forward` for ``gate``, ``up``, ``weight`` and ``bias``
+    (``None`` where not needed): ``d(act*up) = dout @ weight``, then one elementwise kernel reads it
+    with ``gate`` and ``up``, writes their gradients and, over ``d(act*up)``, the activation again,
+    which the weight gradient ``dout^T @ act*up`` reads. ``inplace`` writes the gate / up gradients
+    over ``gate`` and ``up`` (Triton only)."""
+    d2 = dout.reshape(-1, dout.shape[-1])
+    dh = (d2 @ weight).view(gate.shape)
+    h = None
+    if backend == "triton":
+        from ._gated_mlp_triton import gated_backward_triton, gated_forward_triton
+
+        if need_w and dh.dtype == gate.dtype:
+            dg, du, h = gated_backward_triton(dh, gate, up, kind, inplace=inplace, output_over_dy=True)
+        else:  # the activation first: an in-place backward overwrites gate / up
+            h = gated_forward_triton(gate, up, kind) if need_w else None
+            dg, du = gated_backward_triton(dh, gate, up, kind, inplace=inplace)
+    else:
+        h = gated_forward_torch(gate, up, kind) if need_w else None
+        dg, du = gated_backward_torch(dh, gate, up, kind)
+    dw = d2.t() @ h.reshape(-1, h.shape[-1]) if need_w else None
+    db = d2.sum(0) if need_b else None
+    return dg, du, dw, db
+
+
+class _GatedLinear(torch.autograd.Function):
+    """``linear(act(gate) * up, weight, bias)`` saving ``gate``, ``up`` and ``weight`` only: the
+    activation costs one extra write in the backward (:func:`gated_linear_backward`) instead of
+    being kept from the forward to the backward. Under ``torch.compile`` the custom op
+    ``gated_linear_fwd`` of ``_ops.py`` does the same (never in place)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, kind, backend, inplace_backward):
-        h = _forward_fn(backend)(gate, up, kind)
         ctx.save_for_backward(gate, up, weight)
         ctx.kind, ctx.backend, ctx.has_bias = kind, backend, bias is not None
         ctx.consumed, ctx.inplace = False, inplace_backward
-        return torch.nn.functional.linear(h, weight, bias)
+        return gated_linear_forward(gate, up, weight, bias, kind, backend)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up, weight = ctx.saved_tensors
         if ctx.consumed:
             raise RuntimeError(_TWICE)
-        d2 = dout.reshape(-1, dout.shape[-1])
-        dh = (d2 @ weight).view(gate.shape)
-        need_w = ctx.needs_input_grad[2]
-        h = None
-        if ctx.backend == "triton":
-            from ._gated_mlp_triton import gated_backward_triton, gated_forward_triton
-
-            ctx.consumed = ctx.inplace  # see _Gated.backward
-            if need_w and dh.dtype == gate.dtype:
-                dg, du, h = gated_backward_triton(dh, gate, up, ctx.kind, inplace=ctx.inplace, output_over_dy=True)
-            else:  # the activation first: an in-place backward overwrites gate / up
-                h = gated_forward_triton(gate, up, ctx.kind) if need_w else None
-                dg, du = gated_backward_triton(dh, gate, up, ctx.kind, inplace=ctx.inplace)
-        else:
-            h = gated_forward_torch(gate, up, ctx.kind) if need_w else None
-            dg, du = gated_backward_torch(dh, gate, up, ctx.kind)
-        dw = d2.t() @ h.reshape(-1, h.shape[-1]) if need_w else None
-        db = d2.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        inplace = ctx.backend == "triton" and ctx.inplace
+        ctx.consumed = inplace  # see _Gated.backward
+        dg, du, dw, db = gated_linear_backward(dout, gate, up, weight, ctx.kind, ctx.backend, inplace,
+                                               ctx.needs_input_grad[2], ctx.has_bias and ctx.needs_input_grad[3])
         return dg, du, dw, db, None, None, None
 
 
@@ -278,7 +291,7 @@ def gated_project_checked(gate: torch.Tensor, up: torch.Tensor, project, activat
     rebuild = "activation" in recompute_parts()
     if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and _plain_linear(project, g)
             and (g.requires_grad or u.requires_grad or project.weight.requires_grad)):
-        return _GatedLinear.apply(g, u, project.weight, project.bias, activation, backend, inplace)
+        return gated_linear(g, u, project.weight, project.bias, activation, backend, inplace)
     h = _apply_gated(g, u, activation, backend, inplace)
     try:
         if not rebuild or not _recompute.applies(h):
@@ -289,3 +302,18 @@ def gated_project_checked(gate: torch.Tensor, up: torch.Tensor, project, activat
         # native code on a refusal (the MLP shim) pass it on instead
         exc.liger_compat_passed_on = True
         raise
+
+
+def gated_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias, activation: str,
+                 backend: str = "auto", inplace: bool = False) -> torch.Tensor:
+    """``linear(act(gate) * up, weight, bias)`` as one autograd node that keeps ``gate``, ``up`` and
+    ``weight`` (the activation is written again in the backward), for callers that checked the
+    inputs (:func:`check_args`; contiguous, one dtype with ``weight``) and that the layer is a plain
+    linear one. While TorchDynamo traces it is the custom op ``gated_linear_fwd`` (one opaque node,
+    so the partitioner cannot keep the activation; its backward never works in place); else
+    :class:`_GatedLinear` (``inplace`` as for :func:`swiglu`)."""
+    if _dispatch.compiling():
+        return _dispatch.OPS.gated_linear_fwd.default(gate, up, weight, bias, activation, backend)
+    if backend == "auto":
+        backend = _dispatch.choose(KERNEL_OF_ACTIVATION[activation], gate.device)
+    return _GatedLinear.apply(gate, up, weight, bias, activation, backend, bool(inplace))

@@ -19,8 +19,8 @@ from .._log import log
 from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, close, foreign_replacements,
-                            guarded, kernels_module, patch_instances, kernel_refusal, replaced_classes,
-                            native_call, verdict_key)
+                            compiling, guarded, kernels_module, patch_instances, kernel_refusal,
+                            replaced_classes, native_call, verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
 
@@ -73,6 +73,8 @@ def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
 
 
 def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    if len(args) == 1 and not kwargs and instance is not None and compiling():
+        return _compiled_mlp_forward(wrapped, instance, args[0])
     if len(args) != 1 or kwargs or instance is None or native_call(args[0]):
         return wrapped(*args, **kwargs)
     found = mlp_layout(instance)
@@ -131,7 +133,7 @@ def _not_gated(m: Any) -> None:
 
 
 def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[Any, Any]], down_proj: Any,
-                 kind: str, layout: str, first_proj: Any) -> bool:
+                 kind: str, layout: str, first_proj: Any, force_key: bool = False) -> bool:
     """The structural probe of a gated MLP: its native forward and the gated kernel on this input,
     once per instance fingerprint (:func:`~._module_shims.verdict_key`: the attributes and config
     its forward can read), training mode and dtypes. A forward that does more than
@@ -143,7 +145,7 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     # own, so one autocast call never turns the kernel off for the plain dtype or the other way round
     autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
     weight = getattr(first_proj, "weight", None)
-    key = verdict_key(m, x.dtype, autocast, layout, kind, getattr(weight, "dtype", None))
+    key = verdict_key(m, x.dtype, autocast, layout, kind, getattr(weight, "dtype", None), force=force_key)
     hit = None if key is None else _mlp_verdicts.get(key)
     if hit is not None:
         return hit is True
@@ -170,6 +172,82 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
         log.warning("liger_compat: %s keeps its native forward: it is not down(%s(gate) * up)", type(m).__name__, kind)
     _mlp_verdicts[key] = ok
     return ok
+
+
+def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
+    """The MLP while TorchDynamo traces a training step: ``down(act(gate(x)) * up(x))`` with the
+    activation and ``down_proj`` as one custom op that keeps ``gate``, ``up`` and the weight
+    (``kernels.gated_mlp.gated_linear``), where :func:`_compiled_route` found the module to be
+    exactly that; the native forward otherwise, and without grad (Inductor fuses the activation
+    then, with nothing to keep). Natively the compiled step keeps ``act(gate) * up`` for
+    ``down_proj``'s weight gradient: one ``[tokens, intermediate]`` buffer a layer."""
+    import torch
+
+    if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor)):
+        return wrapped(x)
+    found = mlp_layout(m)
+    if found is None or found[0] != "gate_up_down":
+        return wrapped(x)
+    gate_proj, up_proj, down_proj = found[1]
+    # hooks on down_proj would not run (its forward is the op's): read here so that a hook added
+    # later is a guard that fails, and the step compiles again (native then)
+    if down_proj._forward_hooks or down_proj._forward_pre_hooks:
+        return wrapped(x)
+    kind = _compiled_route(m, getattr(wrapped, "func", None), str(x.dtype).split(".")[-1], str(x.device))
+    if not kind:
+        return wrapped(x)
+    return kernels_module().gated_mlp.gated_linear(gate_proj(x), up_proj(x), down_proj.weight, down_proj.bias, kind)
+
+
+def _constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly while TorchDynamo traces, its result a constant of the graph
+    (``torch._dynamo.assume_constant_result``); ``fn`` itself where torch has no such decorator."""
+    import torch
+
+    deco = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    return fn if deco is None else deco(fn)
+
+
+def _compiled_route_eager(m: Any, native_fn: Any, dtype_name: str, device: str) -> str:
+    """The activation kind (``"silu"`` / ``"gelu_tanh"``) when module ``m`` may run as one gated
+    linear op under compile, else ``""``: the eager path's conditions (kernel selected, a device
+    with Triton kernels or ``LIGER_COMPAT_CPU_NATIVE=0``, ``LIGER_COMPAT_MLP_RECOMPUTE`` naming
+    ``activation``, the family's activation, three plain ``nn.Linear`` projections of the input's
+    dtype) and the structural probe of :func:`_mlp_matches` on a random input of the step's dtype
+    and device (the verdict is kept with the eager ones, keyed the same way). Runs eagerly while
+    dynamo traces (:data:`_compiled_route`), once per graph."""
+    import functools
+
+    import torch
+
+    kernels = kernels_module()
+    found = mlp_layout(m)
+    if found is None or found[0] != "gate_up_down" or native_fn is None:
+        return ""
+    projs, act = found[1], found[2]
+    kind = activation_kind(act)
+    fam = families.BY_MODULE.get(type(m).__module__)
+    if kind is None or (fam is not None and fam.mlp_act != kind):
+        return ""
+    if not _config.kernel_enabled(kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind]):
+        return ""
+    dev, dtype = torch.device(device), getattr(torch, dtype_name)
+    if _config.settings.cpu_native and kernels._dispatch.reference_only(dev):
+        return ""
+    if "activation" not in kernels.gated_mlp.recompute_parts():
+        return ""
+    width = getattr(projs[0], "in_features", None)
+    if not isinstance(width, int):
+        return ""
+    probe = torch.randn(1, 8, width, generator=torch.Generator().manual_seed(0)).to(device=dev, dtype=dtype)
+    if not all(kernels.gated_mlp._plain_linear(p, probe) for p in projs):
+        return ""
+    ok = _mlp_matches(functools.partial(native_fn, m), m, probe, lambda t: (projs[0](t), projs[1](t)), projs[2],
+                      kind, "gate_up_down", projs[0], force_key=True)
+    return kind if ok else ""
+
+
+_compiled_route = _constant_result(_compiled_route_eager)
 
 
 def _patch_mlps(self: ModuleShim, module: Any, patches: ShimPatches) -> None:

@@ -10,6 +10,7 @@ CPU); Inductor itself runs in the ``slow`` test.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 
@@ -96,6 +97,15 @@ def _ops_of_eager_kernels(model, ids, labels) -> set[str]:
     _step(model, ids, labels)
     model.zero_grad(set_to_none=True)
     return {_OP_OF_KERNEL[k] for k in _dispatch.last_backend}
+
+
+def _gated_linear_op(model, eager_ops: set[str]) -> set[str]:
+    """``{"gated_linear_fwd"}`` where the compiled step should hold that op: the eager step ran the
+    gated kernel and the model's MLPs have separate gate / up / down projections (the layout the
+    compiled route takes; fused ``gate_up_proj`` and Mixtral 4.x's w1 / w3 / w2 stay native)."""
+    split = any(all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+                for m in model.modules() if "MLP" in type(m).__name__)
+    return {"gated_linear_fwd"} if "gated_fwd" in eager_ops and split else set()
 
 
 def _native_step(model, ids, labels):
@@ -185,8 +195,9 @@ def test_fullgraph_training_step_matches_native(family):
         model.zero_grad(set_to_none=True)
     assert len(rec.graphs) == 1
     assert {"flce_with_grads", "rms_norm_fwd", "rope"} <= expected  # every family's eager step: at least these
-    # compiled, the layer kernels step aside (Inductor fuses the native ops); the fused loss stays
-    assert rec.ops() == {"flce_with_grads"}, (rec.ops(), expected)
+    # compiled, the layer kernels step aside (Inductor fuses the native ops); the fused loss stays,
+    # and a gate / up / down MLP is one op that keeps no activation
+    assert rec.ops() == {"flce_with_grads"} | _gated_linear_op(model, expected), (rec.ops(), expected)
 
 
 @pytest.mark.cpu_native
@@ -354,6 +365,99 @@ def test_elementwise_kernels_compiled_match_float64(dtype):
         assert rel_err(t.grad, r.grad) < tol
 
 
+@pytest.mark.stack_only
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_linear_compiled_matches_float64(activation):
+    """``kernels.gated_mlp.gated_linear`` traced: one ``gated_linear_fwd`` op whose values and four
+    gradients (gate, up, weight, bias) are float64's within float32 rounding."""
+    from liger_compat.kernels import gated_mlp
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**16, ())))
+    gate = torch.randn(2, 7, 24, generator=g).requires_grad_()
+    up = torch.randn(2, 7, 24, generator=g).requires_grad_()
+    w = (torch.randn(16, 24, generator=g) / 24**0.5).requires_grad_()
+    b = torch.randn(16, generator=g).requires_grad_()
+    dy = torch.randn(2, 7, 16, generator=g)
+    rec = Recorder()
+    out = torch.compile(lambda a, u, w, b: gated_mlp.gated_linear(a, u, w, b, activation), fullgraph=True,
+                        backend=rec)(gate, up, w, b)
+    assert rec.ops() == {"gated_linear_fwd"}
+    (out * dy).sum().backward()
+    leaves = [t.detach().double().requires_grad_() for t in (gate, up, w, b)]
+    act64 = swiglu64 if activation == "silu" else geglu64
+    ref = torch.nn.functional.linear(act64(leaves[0], leaves[1]), leaves[2], leaves[3])
+    (ref * dy.double()).sum().backward()
+    tol = 16 * torch.finfo(torch.float32).eps
+    assert rel_err(out, ref) < tol
+    for t, r in zip((gate, up, w, b), leaves):
+        assert rel_err(t.grad, r.grad) < tol
+
+
+def test_compiled_step_keeps_no_mlp_activation(monkeypatch):
+    """What the compiled training step keeps for its backward (the forward graph's saved outputs
+    under the default partitioner): natively (``LIGER_COMPAT_MLP_RECOMPUTE=0``) three ``[tokens,
+    intermediate]`` tensors a layer, gate, up and ``act(gate) * up``; with the MLP as one
+    ``gated_linear_fwd`` op two, gate and up (the activation is written again in the backward)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from liger_compat import _config
+
+    inter = 56  # no other dimension of the model: the saved tensors of that width are the MLP's
+    counts = {}
+    for recompute in ("1", "0"):
+        monkeypatch.setattr(_config.settings, "mlp_recompute", recompute)
+        torch._dynamo.reset()
+        model = _tiny("llama", intermediate_size=inter)
+        ids, labels = _batch(model, seed=3)
+        saved: list[tuple[int, ...]] = []
+
+        def keep_saved(gm, example_inputs):
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            saved.extend(tuple(a.meta["val"].shape) for a in out.args[0]
+                         if hasattr(a, "meta") and hasattr(a.meta.get("val"), "shape"))
+            return gm
+
+        be = aot_autograd(fw_compiler=keep_saved, bw_compiler=lambda gm, ex: gm,
+                          partition_fn=min_cut_rematerialization_partition)
+        _step(torch.compile(model, fullgraph=True, backend=be), ids, labels)
+        # [tokens, intermediate] activations (the down projection's [hidden, intermediate] weight is kept too)
+        counts[recompute] = sum(1 for shape in saved if shape and shape[-1] == inter
+                                and math.prod(shape[:-1]) == ids.numel())
+    layers = model.config.num_hidden_layers
+    assert counts == {"1": 2 * layers, "0": 3 * layers}, counts
+
+
+def test_compiled_mlp_route_is_the_probes_verdict(monkeypatch):
+    """Under compile the MLP takes the gated linear op only where the eager probe's check holds on
+    the module: its native forward must be ``down(act(gate) * up)``; a forward that scales it (as
+    Falcon-H1's multipliers do) keeps its native code, as do a kernel left out of
+    ``LIGER_COMPAT_KERNELS`` and a down projection that is no plain ``nn.Linear``."""
+    from liger_compat import _config
+    from liger_compat.shims import gated_mlp as shim
+
+    model = _tiny("llama")
+    mlp = model.model.layers[0].mlp
+    native = type(mlp).forward.__wrapped__  # the forward transformers defines
+
+    def scaled(self, x):
+        return 2.0 * native(self, x)
+
+    # verdicts are kept per class (one native forward a class): each check starts with none
+    monkeypatch.setattr(shim, "_mlp_verdicts", {})
+    assert shim._compiled_route_eager(mlp, scaled, "float32", "cpu") == ""
+    monkeypatch.setattr(shim, "_mlp_verdicts", {})
+    assert shim._compiled_route_eager(mlp, native, "float32", "cpu") == "silu"
+    saved = _config.settings.kernels
+    _config.settings.kernels = frozenset(_config.ALL_KERNELS) - {"swiglu"}
+    try:
+        assert shim._compiled_route_eager(mlp, native, "float32", "cpu") == ""
+    finally:
+        _config.settings.kernels = saved
+    mlp.down_proj = torch.nn.Sequential(mlp.down_proj)
+    assert shim._compiled_route_eager(mlp, native, "float32", "cpu") == ""
+
+
 def test_eager_calls_keep_their_autograd_functions():
     """Outside compile nothing changes: the eager nodes (which the MLP recompute reads) are built."""
     x = torch.randn(3, 8, requires_grad=True)
@@ -377,7 +481,7 @@ def test_compiled_kernels_under_interpreter():
     )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
-    assert "9 passed" in proc.stdout, tail
+    assert "11 passed" in proc.stdout, tail
 
 
 @pytest.mark.gpu
@@ -402,7 +506,7 @@ def test_inductor_training_on_cuda_bf16_matches_native(family):
             assert rel_err(got.float(), ref.float()) < 16 * eps, name
         model.zero_grad(set_to_none=True)
     assert len(rec.graphs) == 1
-    assert rec.ops() == {"flce_with_grads"}  # the layer kernels step aside under compile
+    assert rec.ops() == {"flce_with_grads", "gated_linear_fwd"}  # the other layer kernels step aside under compile
     assert set(_dispatch.last_backend.values()) == {"triton"}
 
 
@@ -447,7 +551,11 @@ import torch, liger_compat
 from liger_compat.compat.tiny_models import build
 model = build("llama", dtype=torch.float32)
 model.train()
-compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+rec = []
+def backend(gm, example_inputs):
+    rec.append(gm)
+    return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+compiled = torch.compile(model, fullgraph=True, backend=backend)
 g = torch.Generator().manual_seed(0)
 for i in range(2):
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
@@ -455,14 +563,21 @@ for i in range(2):
         out = compiled(input_ids=ids, labels=ids)
     out.loss.backward()
     assert out.logits is None
+native = liger_compat._config.settings.cpu_native
+ops = {str(n.target) for gm in rec for n in gm.graph.nodes if "gated_linear" in str(n.target)}
+assert len(rec) == 1 and bool(ops) is not native, (len(rec), ops)
 print("ok")
 """
 
 
-def test_a_first_call_under_compile_fills_no_cache_the_next_call_guards_on():
+@pytest.mark.parametrize("cpu_native", ["1", "0"])
+def test_a_first_call_under_compile_fills_no_cache_the_next_call_guards_on(cpu_native):
     """In a fresh process whose first patched call is compiled (no eager call before it), the second
     call of the same shape reuses the graph: nothing the wrappers cache per setting is written while
-    the first call is traced (a cache entry made then fails the next call's guards)."""
+    the first call is traced (a cache entry made then fails the next call's guards). With
+    ``LIGER_COMPAT_CPU_NATIVE=0`` the MLP's route (its probe, run eagerly during the trace, keeps its
+    verdict) is taken as on a GPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LIGER_COMPAT_CPU_NATIVE": cpu_native}
     proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_COMPILED], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                          timeout=600, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
