@@ -241,7 +241,7 @@ def _autocast_on(device: torch.device) -> bool:
         return bool(torch.is_autocast_enabled())
 
 
-def _plain_linear(m, x: torch.Tensor) -> bool:
+def plain_linear(m, x: torch.Tensor) -> bool:
     """``m`` is an ``nn.Linear`` whose call is exactly ``F.linear(x, weight, bias)``: no hooks, plain
     same-dtype parameters (no DTensor, no DeepSpeed ZeRO-3 partition), no autocast."""
     if type(m) is not torch.nn.Linear or "forward" in vars(m):
@@ -289,7 +289,7 @@ def gated_project_checked(gate: torch.Tensor, up: torch.Tensor, project, activat
     :data:`KERNEL_OF_ACTIVATION`, ``device`` the one it returned)."""
     g, u, backend = _contiguous(KERNEL_OF_ACTIVATION[activation], gate, up, device)
     rebuild = "activation" in recompute_parts()
-    if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and _plain_linear(project, g)
+    if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and plain_linear(project, g)
             and (g.requires_grad or u.requires_grad or project.weight.requires_grad)):
         return gated_linear(g, u, project.weight, project.bias, activation, backend, inplace)
     h = _apply_gated(g, u, activation, backend, inplace)

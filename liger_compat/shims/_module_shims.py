@@ -169,17 +169,15 @@ def _public_attrs(obj: Any, depth: int) -> tuple[Any, ...]:
 _PER_CALL = frozenset({"forward", "training"})
 
 
-def instance_key(m: Any, force: bool = False) -> Any:
+def instance_key(m: Any) -> Any:
     """What a module's native forward can read besides its parameters, buffers and submodules: its
     public attributes (``gate_multiplier``, ``variance_epsilon``, ``with_scale``) and one level of
     its ``config``, as a fingerprint (a number standing for it). A probe verdict is keyed on it, so
     two instances of one class that differ there are probed separately. Computed on an instance's
-    first call and kept on it (under ``torch.compile``: None where no eager call computed it, unless
-    ``force``: code that runs eagerly while dynamo traces, ``torch._dynamo.assume_constant_result``);
-    private names (torch's, accelerate's and peft's bookkeeping) and an instance-level ``forward`` are
-    left out."""
+    first call and kept on it (under ``torch.compile``: None where no eager call computed it); private names
+    (torch's, accelerate's and peft's bookkeeping) and an instance-level ``forward`` are left out."""
     key = getattr(m, _KEY_ATTR, None)
-    if key is None and (force or not compiling()):
+    if key is None and not compiling():
         # a small int stands for the fingerprint in the verdict keys: hashed on every call
         key = _fingerprints.setdefault(_public_attrs(m, 0), len(_fingerprints) + 1)
         object.__setattr__(m, _KEY_ATTR, key)
@@ -190,11 +188,10 @@ def instance_key(m: Any, force: bool = False) -> Any:
 _fingerprints: dict[tuple[Any, ...], int] = {}
 
 
-def verdict_key(m: Any, *rest: Any, force: bool = False) -> tuple[Any, ...] | None:
+def verdict_key(m: Any, *rest: Any) -> tuple[Any, ...] | None:
     """``(class, instance fingerprint, training, *rest)``: the key of a probe verdict on module
-    ``m``; None under ``torch.compile`` for an instance no eager call has seen (``force``: as for
-    :func:`instance_key`)."""
-    key = instance_key(m, force)
+    ``m``; None under ``torch.compile`` for an instance no eager call has seen."""
+    key = instance_key(m)
     return None if key is None else (type(m), key, bool(m.training), *rest)
 
 

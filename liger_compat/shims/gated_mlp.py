@@ -133,7 +133,7 @@ def _not_gated(m: Any) -> None:
 
 
 def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[Any, Any]], down_proj: Any,
-                 kind: str, layout: str, first_proj: Any, force_key: bool = False) -> bool:
+                 kind: str, layout: str, first_proj: Any) -> bool:
     """The structural probe of a gated MLP: its native forward and the gated kernel on this input,
     once per instance fingerprint (:func:`~._module_shims.verdict_key`: the attributes and config
     its forward can read), training mode and dtypes. A forward that does more than
@@ -145,7 +145,7 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     # own, so one autocast call never turns the kernel off for the plain dtype or the other way round
     autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
     weight = getattr(first_proj, "weight", None)
-    key = verdict_key(m, x.dtype, autocast, layout, kind, getattr(weight, "dtype", None), force=force_key)
+    key = verdict_key(m, x.dtype, autocast, layout, kind, getattr(weight, "dtype", None))
     hit = None if key is None else _mlp_verdicts.get(key)
     if hit is not None:
         return hit is True
@@ -177,9 +177,10 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
 def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     """The MLP while TorchDynamo traces a training step: ``down(act(gate(x)) * up(x))`` with the
     activation and ``down_proj`` as one custom op that keeps ``gate``, ``up`` and the weight
-    (``kernels.gated_mlp.gated_linear``), where :func:`_compiled_route` found the module to be
-    exactly that; the native forward otherwise, and without grad (Inductor fuses the activation
-    then, with nothing to keep). Natively the compiled step keeps ``act(gate) * up`` for
+    (``kernels.gated_mlp.gated_linear``), where the module's native forward is exactly that
+    (:func:`plain_gated_forward`), its activation one of our kernels' and its projections plain
+    ``nn.Linear`` layers; the native forward otherwise, and without grad (Inductor fuses the
+    activation then, with nothing to keep). Natively the compiled step keeps ``act(gate) * up`` for
     ``down_proj``'s weight gradient: one ``[tokens, intermediate]`` buffer a layer."""
     import torch
 
@@ -189,65 +190,125 @@ def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     if found is None or found[0] != "gate_up_down":
         return wrapped(x)
     gate_proj, up_proj, down_proj = found[1]
-    # hooks on down_proj would not run (its forward is the op's): read here so that a hook added
-    # later is a guard that fails, and the step compiles again (native then)
-    if down_proj._forward_hooks or down_proj._forward_pre_hooks:
+    act_name = _compiled_route(getattr(wrapped, "func", None), str(x.device))
+    kind = activation_kind(getattr(m, act_name)) if act_name else None  # the activation the forward calls
+    fam = families.BY_MODULE.get(type(m).__module__)
+    if kind is None or (fam is not None and fam.mlp_act != kind):
         return wrapped(x)
-    kind = _compiled_route(m, getattr(wrapped, "func", None), str(x.dtype).split(".")[-1], str(x.device))
-    if not kind:
+    gated = kernels_module().gated_mlp
+    # down_proj's own forward and hooks would not run (the op computes it): plain layers only; a
+    # hook added later fails a guard on what is read here, and the step compiles again
+    if not all(gated.plain_linear(p, x) for p in (gate_proj, up_proj, down_proj)):
         return wrapped(x)
-    return kernels_module().gated_mlp.gated_linear(gate_proj(x), up_proj(x), down_proj.weight, down_proj.bias, kind)
+    if not _config.kernel_enabled(gated.KERNEL_OF_ACTIVATION[kind]):
+        return wrapped(x)
+    return gated.gated_linear(gate_proj(x), up_proj(x), down_proj.weight, down_proj.bias, kind)
 
 
 def _constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run eagerly while TorchDynamo traces, its result a constant of the graph
-    (``torch._dynamo.assume_constant_result``); ``fn`` itself where torch has no such decorator."""
+    (``torch._dynamo.assume_constant_result``; its arguments must be constants: functions, strings,
+    not modules); ``fn`` itself where torch has no such decorator."""
     import torch
 
     deco = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
     return fn if deco is None else deco(fn)
 
 
-def _compiled_route_eager(m: Any, native_fn: Any, dtype_name: str, device: str) -> str:
-    """The activation kind (``"silu"`` / ``"gelu_tanh"``) when module ``m`` may run as one gated
-    linear op under compile, else ``""``: the eager path's conditions (kernel selected, a device
-    with Triton kernels or ``LIGER_COMPAT_CPU_NATIVE=0``, ``LIGER_COMPAT_MLP_RECOMPUTE`` naming
-    ``activation``, the family's activation, three plain ``nn.Linear`` projections of the input's
-    dtype) and the structural probe of :func:`_mlp_matches` on a random input of the step's dtype
-    and device (the verdict is kept with the eager ones, keyed the same way). Runs eagerly while
-    dynamo traces (:data:`_compiled_route`), once per graph."""
-    import functools
-
+def _compiled_route_eager(native_fn: Any, device: str) -> str:
+    """The name of the activation attribute when an MLP whose native forward is ``native_fn`` may
+    run as one gated linear op under compile on ``device``, else ``""``: the forward is exactly
+    ``down(act(gate(x)) * up(x))`` (:func:`plain_gated_forward`), the device runs the Triton kernels
+    (or ``LIGER_COMPAT_CPU_NATIVE=0``) and ``LIGER_COMPAT_MLP_RECOMPUTE`` names ``activation``. Runs
+    eagerly while dynamo traces (:data:`_compiled_route`)."""
     import torch
 
     kernels = kernels_module()
-    found = mlp_layout(m)
-    if found is None or found[0] != "gate_up_down" or native_fn is None:
-        return ""
-    projs, act = found[1], found[2]
-    kind = activation_kind(act)
-    fam = families.BY_MODULE.get(type(m).__module__)
-    if kind is None or (fam is not None and fam.mlp_act != kind):
-        return ""
-    if not _config.kernel_enabled(kernels.gated_mlp.KERNEL_OF_ACTIVATION[kind]):
-        return ""
-    dev, dtype = torch.device(device), getattr(torch, dtype_name)
-    if _config.settings.cpu_native and kernels._dispatch.reference_only(dev):
+    if native_fn is None or (_config.settings.cpu_native and kernels._dispatch.reference_only(torch.device(device))):
         return ""
     if "activation" not in kernels.gated_mlp.recompute_parts():
         return ""
-    width = getattr(projs[0], "in_features", None)
-    if not isinstance(width, int):
-        return ""
-    probe = torch.randn(1, 8, width, generator=torch.Generator().manual_seed(0)).to(device=dev, dtype=dtype)
-    if not all(kernels.gated_mlp._plain_linear(p, probe) for p in projs):
-        return ""
-    ok = _mlp_matches(functools.partial(native_fn, m), m, probe, lambda t: (projs[0](t), projs[1](t)), projs[2],
-                      kind, "gate_up_down", projs[0], force_key=True)
-    return kind if ok else ""
+    return plain_gated_forward(native_fn) or ""
 
 
 _compiled_route = _constant_result(_compiled_route_eager)
+
+#: MLP forward function -> its activation attribute, or None (:func:`plain_gated_forward`)
+_plain_forwards: dict[Any, str | None] = {}
+
+_ACT_ATTRS = ("act_fn", "activation_fn", "act")
+
+
+def plain_gated_forward(fn: Any) -> str | None:
+    """The activation attribute's name when the source of ``fn`` (an MLP's ``forward(self, x)``) is
+    exactly ``self.down_proj(self.<act>(self.gate_proj(x)) * self.up_proj(x))``, written in one
+    expression or through local names, the product either way round; else None. Read from the
+    source, not probed, so it holds for every instance: the forward reads nothing else (no config
+    branch, as transformers 4.45's ``pretraining_tp``; no multiplier, as Falcon-H1's). Kept per
+    function."""
+    if fn in _plain_forwards:
+        return _plain_forwards[fn]
+    import ast
+    import inspect
+    import textwrap
+
+    found = None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        tree = None
+    fdef = tree.body[0] if tree is not None and tree.body else None
+    if isinstance(fdef, ast.FunctionDef):
+        found = _plain_gated_body(fdef)
+    _plain_forwards[fn] = found
+    return found
+
+
+def _plain_gated_body(fdef: Any) -> str | None:
+    import ast
+
+    a = fdef.args
+    if (len(a.args) != 2 or a.vararg or a.kwarg or a.kwonlyargs or a.defaults or getattr(a, "posonlyargs", None)
+            or fdef.decorator_list):
+        return None
+    this, param = a.args[0].arg, a.args[1].arg
+    body = list(fdef.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]  # the docstring
+    names: dict[str, Any] = {}
+
+    def canon(node: Any) -> Any:
+        if isinstance(node, ast.Name):
+            if node.id in names:
+                return names[node.id]
+            return ("x",) if node.id == param else None
+        if (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+                and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == this):
+            inner = canon(node.args[0])
+            return None if inner is None else ("call", node.func.attr, inner)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            left, right = canon(node.left), canon(node.right)
+            return None if left is None or right is None else ("mul", left, right)
+        return None
+
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    for stmt in body[:-1]:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            return None
+        value = canon(stmt.value)
+        if value is None:
+            return None
+        names[stmt.targets[0].id] = value
+    out = canon(body[-1].value)
+    x = ("x",)
+    up = ("call", "up_proj", x)
+    for act in _ACT_ATTRS:
+        gate = ("call", act, ("call", "gate_proj", x))
+        if out in (("call", "down_proj", ("mul", gate, up)), ("call", "down_proj", ("mul", up, gate))):
+            return act
+    return None
 
 
 def _patch_mlps(self: ModuleShim, module: Any, patches: ShimPatches) -> None:

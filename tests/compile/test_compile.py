@@ -428,34 +428,51 @@ def test_compiled_step_keeps_no_mlp_activation(monkeypatch):
     assert counts == {"1": 2 * layers, "0": 3 * layers}, counts
 
 
-def test_compiled_mlp_route_is_the_probes_verdict(monkeypatch):
-    """Under compile the MLP takes the gated linear op only where the eager probe's check holds on
-    the module: its native forward must be ``down(act(gate) * up)``; a forward that scales it (as
-    Falcon-H1's multipliers do) keeps its native code, as do a kernel left out of
-    ``LIGER_COMPAT_KERNELS`` and a down projection that is no plain ``nn.Linear``."""
+def test_compiled_mlp_route_reads_the_forwards_source():
+    """Under compile the MLP takes the gated linear op only where its native forward's source is
+    exactly ``down_proj(act(gate_proj(x)) * up_proj(x))`` (any spelling through local names, the
+    product either way round): a forward that reads anything else keeps its native code, as does a
+    device without Triton kernels while ``LIGER_COMPAT_CPU_NATIVE`` is on."""
     from liger_compat import _config
     from liger_compat.shims import gated_mlp as shim
 
     model = _tiny("llama")
-    mlp = model.model.layers[0].mlp
-    native = type(mlp).forward.__wrapped__  # the forward transformers defines
+    native = type(model.model.layers[0].mlp).forward.__wrapped__  # the forward transformers defines
+    assert shim.plain_gated_forward(native) == "act_fn"
+    assert shim._compiled_route_eager(native, "cpu") == "act_fn"  # this suite runs with CPU_NATIVE off
+    _config.settings.cpu_native = True
+    try:
+        assert shim._compiled_route_eager(native, "cpu") == ""
+    finally:
+        _config.settings.cpu_native = False
+
+    def spelled_out(self, x):
+        """A docstring."""
+        up = self.up_proj(x)
+        gated = self.activation_fn(self.gate_proj(x))
+        return self.down_proj(up * gated)
 
     def scaled(self, x):
-        return 2.0 * native(self, x)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.multiplier
 
-    # verdicts are kept per class (one native forward a class): each check starts with none
-    monkeypatch.setattr(shim, "_mlp_verdicts", {})
-    assert shim._compiled_route_eager(mlp, scaled, "float32", "cpu") == ""
-    monkeypatch.setattr(shim, "_mlp_verdicts", {})
-    assert shim._compiled_route_eager(mlp, native, "float32", "cpu") == "silu"
-    saved = _config.settings.kernels
-    _config.settings.kernels = frozenset(_config.ALL_KERNELS) - {"swiglu"}
-    try:
-        assert shim._compiled_route_eager(mlp, native, "float32", "cpu") == ""
-    finally:
-        _config.settings.kernels = saved
-    mlp.down_proj = torch.nn.Sequential(mlp.down_proj)
-    assert shim._compiled_route_eager(mlp, native, "float32", "cpu") == ""
+    def branch(self, x):
+        if self.config.pretraining_tp > 1:
+            x = x * 2
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def other_input(self, x, y=None):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def swapped(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    def gate_twice(self, x):
+        x = self.gate_proj(x)
+        return self.down_proj(self.act_fn(x) * self.up_proj(x))
+
+    assert shim.plain_gated_forward(spelled_out) == "activation_fn"
+    for fn in (scaled, branch, other_input, swapped, gate_twice):
+        assert shim.plain_gated_forward(fn) is None, fn.__name__
 
 
 def test_eager_calls_keep_their_autograd_functions():
