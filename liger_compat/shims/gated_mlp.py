@@ -220,10 +220,12 @@ def _compiled_route_eager(native_fn: Any, device: str) -> str:
     run as one gated linear op under compile on ``device``, else ``""``: the forward is exactly
     ``down(act(gate(x)) * up(x))`` (:func:`plain_gated_forward`), the device runs the Triton kernels
     (or ``LIGER_COMPAT_CPU_NATIVE=0``) and ``LIGER_COMPAT_MLP_RECOMPUTE`` names ``activation``. Runs
-    eagerly while dynamo traces (:data:`_compiled_route`)."""
+    eagerly while dynamo traces (:data:`_compiled_route`): it writes no global that traced code
+    reads (``kernels_module`` and ``_config.compiling`` keep their answers in globals, and the
+    trace's guards on them would fail to build), so it imports the kernels itself."""
     import torch
 
-    kernels = kernels_module()
+    from .. import kernels
     if native_fn is None or (_config.settings.cpu_native and kernels._dispatch.reference_only(torch.device(device))):
         return ""
     if "activation" not in kernels.gated_mlp.recompute_parts():

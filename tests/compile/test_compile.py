@@ -475,6 +475,23 @@ def test_compiled_mlp_route_reads_the_forwards_source():
         assert shim.plain_gated_forward(fn) is None, fn.__name__
 
 
+def test_compiled_mlp_route_writes_no_global_the_trace_reads(monkeypatch):
+    """The route runs eagerly in the middle of a trace (on torch 2.11, with ``is_compiling()``
+    answering False there): had it filled the globals that traced code reads (``_config``'s
+    ``is_compiling`` lookup, the shims' kept kernels module), dynamo could not build the guards
+    on them and the compile failed (a first compiled call in a process)."""
+    from liger_compat import _config
+    from liger_compat.shims import _module_shims
+    from liger_compat.shims import gated_mlp as shim
+
+    model = _tiny("llama")
+    native = type(model.model.layers[0].mlp).forward.__wrapped__
+    monkeypatch.setattr(_config, "_is_compiling", None)
+    monkeypatch.setattr(_module_shims, "_kernels", None)
+    assert shim._compiled_route_eager(native, "cpu") == "act_fn"
+    assert _config._is_compiling is None and _module_shims._kernels is None
+
+
 def test_eager_calls_keep_their_autograd_functions():
     """Outside compile nothing changes: the eager nodes (which the MLP recompute reads) are built."""
     x = torch.randn(3, 8, requires_grad=True)
