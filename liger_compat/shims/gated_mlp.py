@@ -174,13 +174,21 @@ def _mlp_matches(native: Any, m: Any, x: Any, project_in: Callable[[Any], tuple[
     return ok
 
 
+#: the compiled MLP takes the gated linear op where the activation it would keep is at least this
+#: large (a layer): below it the op's host cost is not worth the buffer (a 2 x 1024-token step of
+#: a 1024-wide model keeps 16 MiB a layer and is host-bound; an 8-layer 2048-wide Llama at 4 x 2048
+#: tokens 128 MiB, 1.0 GiB in all, at the same step time with the op)
+COMPILED_ROUTE_MIN_BYTES = 64 * 2**20
+
+
 def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     """The MLP while TorchDynamo traces a training step: ``down(act(gate(x)) * up(x))`` with the
     activation and ``down_proj`` as one custom op that keeps ``gate``, ``up`` and the weight
     (``kernels.gated_mlp.gated_linear``), where the module's native forward is exactly that
     (:func:`plain_gated_forward`), its activation one of our kernels' and its projections plain
-    ``nn.Linear`` layers; the native forward otherwise, and without grad (Inductor fuses the
-    activation then, with nothing to keep). Natively the compiled step keeps ``act(gate) * up`` for
+    ``nn.Linear`` layers, and the activation would take at least :data:`COMPILED_ROUTE_MIN_BYTES`;
+    the native forward otherwise, and without grad (Inductor fuses the activation then, with
+    nothing to keep). Natively the compiled step keeps ``act(gate) * up`` for
     ``down_proj``'s weight gradient: one ``[tokens, intermediate]`` buffer a layer."""
     import torch
 
@@ -201,6 +209,8 @@ def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     if not all(gated.plain_linear(p, x) for p in (gate_proj, up_proj, down_proj)):
         return wrapped(x)
     if not _config.kernel_enabled(gated.KERNEL_OF_ACTIVATION[kind]):
+        return wrapped(x)
+    if x.numel() // max(x.shape[-1], 1) * gate_proj.out_features * x.element_size() < COMPILED_ROUTE_MIN_BYTES:
         return wrapped(x)
     return gated.gated_linear(gate_proj(x), up_proj(x), down_proj.weight, down_proj.bias, kind)
 

@@ -170,8 +170,16 @@ def _skip_if_native_breaks_too(model, ids, labels, family):
         pytest.skip(f"native {family} on transformers {transformers.__version__} breaks the graph too: {reason}")
 
 
+@pytest.fixture
+def route_tiny_mlps(monkeypatch):
+    """The compiled MLP route taken at the tiny models' sizes too (below its size bound otherwise)."""
+    from liger_compat.shims import gated_mlp as shim
+
+    monkeypatch.setattr(shim, "COMPILED_ROUTE_MIN_BYTES", 0)
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_fullgraph_training_step_matches_native(family):
+def test_fullgraph_training_step_matches_native(family, route_tiny_mlps):
     model = _tiny(family)
     batches = [_batch(model, seed=1), _batch(model, seed=2)]
     # native references first: reverting and re-applying the patches between compiled steps would
@@ -395,9 +403,12 @@ def test_gated_linear_compiled_matches_float64(activation):
 
 def test_compiled_step_keeps_no_mlp_activation(monkeypatch):
     """What the compiled training step keeps for its backward (the forward graph's saved outputs
-    under the default partitioner): natively (``LIGER_COMPAT_MLP_RECOMPUTE=0``) three ``[tokens,
-    intermediate]`` tensors a layer, gate, up and ``act(gate) * up``; with the MLP as one
-    ``gated_linear_fwd`` op two, gate and up (the activation is written again in the backward)."""
+    under the default partitioner): natively (``LIGER_COMPAT_MLP_RECOMPUTE=0``, or an activation
+    below the route's size bound) three ``[tokens, intermediate]`` tensors a layer, gate, up and
+    ``act(gate) * up``; with the MLP as one ``gated_linear_fwd`` op two, gate and up (the activation
+    is written again in the backward)."""
+    from liger_compat.shims import gated_mlp as shim
+
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -405,8 +416,9 @@ def test_compiled_step_keeps_no_mlp_activation(monkeypatch):
 
     inter = 56  # no other dimension of the model: the saved tensors of that width are the MLP's
     counts = {}
-    for recompute in ("1", "0"):
+    for case, recompute, bound in (("op", "1", 0), ("setting off", "0", 0), ("small", "1", 2**40)):
         monkeypatch.setattr(_config.settings, "mlp_recompute", recompute)
+        monkeypatch.setattr(shim, "COMPILED_ROUTE_MIN_BYTES", bound)
         torch._dynamo.reset()
         model = _tiny("llama", intermediate_size=inter)
         ids, labels = _batch(model, seed=3)
@@ -422,10 +434,10 @@ def test_compiled_step_keeps_no_mlp_activation(monkeypatch):
                           partition_fn=min_cut_rematerialization_partition)
         _step(torch.compile(model, fullgraph=True, backend=be), ids, labels)
         # [tokens, intermediate] activations (the down projection's [hidden, intermediate] weight is kept too)
-        counts[recompute] = sum(1 for shape in saved if shape and shape[-1] == inter
+        counts[case] = sum(1 for shape in saved if shape and shape[-1] == inter
                                 and math.prod(shape[:-1]) == ids.numel())
     layers = model.config.num_hidden_layers
-    assert counts == {"1": 2 * layers, "0": 3 * layers}, counts
+    assert counts == {"op": 2 * layers, "setting off": 3 * layers, "small": 3 * layers}, counts
 
 
 def test_compiled_mlp_route_reads_the_forwards_source():
@@ -520,7 +532,7 @@ def test_compiled_kernels_under_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_inductor_training_on_cuda_bf16_matches_native(family):
+def test_inductor_training_on_cuda_bf16_matches_native(family, route_tiny_mlps):
     """On the GPU the ops run the Triton kernels (row compaction and the out-of-range flag inside
     the fused loss's op) inside an Inductor graph: one graph, no recompile over three steps, and
     the loss and gradients of native eager bf16 within bf16 rounding of a 2-layer model."""
@@ -583,6 +595,8 @@ def test_patched_forwards_are_plain_functions_with_the_native_signature():
 _FIRST_CALL_COMPILED = r"""
 import torch, liger_compat
 from liger_compat.compat.tiny_models import build
+from liger_compat.shims import gated_mlp
+gated_mlp.COMPILED_ROUTE_MIN_BYTES = 0  # the route at the tiny model's size
 model = build("llama", dtype=torch.float32)
 model.train()
 rec = []
