@@ -198,7 +198,10 @@ def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     if found is None or found[0] != "gate_up_down":
         return wrapped(x)
     gate_proj, up_proj, down_proj = found[1]
-    act_name = _compiled_route(getattr(wrapped, "func", None), str(x.device))
+    route = _compiled_route
+    if route is None:  # no module patched yet (not reached: a patched forward is what calls this)
+        return wrapped(x)
+    act_name = route(getattr(wrapped, "func", None), str(x.device))
     kind = activation_kind(getattr(m, act_name)) if act_name else None  # the activation the forward calls
     fam = families.BY_MODULE.get(type(m).__module__)
     if kind is None or (fam is not None and fam.mlp_act != kind):
@@ -243,7 +246,15 @@ def _compiled_route_eager(native_fn: Any, device: str) -> str:
     return plain_gated_forward(native_fn) or ""
 
 
-_compiled_route = _constant_result(_compiled_route_eager)
+#: :func:`_compiled_route_eager` marked for dynamo (:func:`_constant_result`), set when the shim
+#: first patches a module (torch is imported then; ``import liger_compat`` imports no torch)
+_compiled_route: Callable[..., str] | None = None
+
+
+def _mark_compiled_route() -> None:
+    global _compiled_route
+    if _compiled_route is None:
+        _compiled_route = _constant_result(_compiled_route_eager)
 
 #: MLP forward function -> its activation attribute, or None (:func:`plain_gated_forward`)
 _plain_forwards: dict[Any, str | None] = {}
@@ -324,6 +335,7 @@ def _plain_gated_body(fdef: Any) -> str | None:
 
 
 def _patch_mlps(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
+    _mark_compiled_route()
     for name, owner in foreign_replacements(module, _is_mlp_name):
         self.conflict(module, f"{module.__name__}.{name}", owner)
     for cls in classes(module, _is_mlp_name):
@@ -340,6 +352,7 @@ STATE = ModuleShim("transformers.gated_mlp", "gated_mlp", _patch_mlps, replaced_
 
 
 def _mlp_instances(model: Any, patches: PatchSet) -> bool:
+    _mark_compiled_route()
     def ok(m: Any) -> bool:
         found = mlp_layout(m)
         return found is not None and activation_kind(found[2]) is not None
