@@ -239,6 +239,7 @@ def _compiled_route_eager(native_fn: Any, device: str) -> str:
     import torch
 
     from .. import kernels
+
     if native_fn is None or (_config.settings.cpu_native and kernels._dispatch.reference_only(torch.device(device))):
         return ""
     if "activation" not in kernels.gated_mlp.recompute_parts():
@@ -255,6 +256,7 @@ def _mark_compiled_route() -> None:
     global _compiled_route
     if _compiled_route is None:
         _compiled_route = _constant_result(_compiled_route_eager)
+
 
 #: MLP forward function -> its activation attribute, or None (:func:`plain_gated_forward`)
 _plain_forwards: dict[Any, str | None] = {}
