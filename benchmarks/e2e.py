@@ -72,11 +72,14 @@ VARIANTS = {
     "liger_compat_flce": {"LIGER_COMPAT_KERNELS": "fused_linear_cross_entropy"},
     # no kernel at all: only the shims (under compile, the causal-mask skip that keeps flash attention)
     "liger_compat_shims": {"LIGER_COMPAT_KERNELS": "none"},
+    # every kernel but the fused loss: the loss left to transformers (or to Inductor)
+    "liger_compat_noflce": {"LIGER_COMPAT_KERNELS": "rms_norm,rope,swiglu,geglu"},
 }
 #: the same step on the model wrapped in ``torch.compile(model)`` (Inductor, default mode), the
 #: patched one through the kernels' custom ops: compiled liger_compat against compiled native
 COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat",
             "liger_compat_flce_compiled": "liger_compat_flce", "liger_compat_shims_compiled": "liger_compat_shims",
+            "liger_compat_noflce_compiled": "liger_compat_noflce",
             "native_compiled_ro": "native", "liger_compat_compiled_ro": "liger_compat",
             # the MLP as transformers writes it (no gated linear op keeping gate / up only)
             "liger_compat_keep_compiled": "liger_compat_keep", "liger_compat_keep_compiled_ro": "liger_compat_keep"}
