@@ -44,6 +44,82 @@ def _step(run, opt, ids, labels, cudagraphs=False):
     return out
 
 
+def _phases(run, opt, ids, labels, cg, steps):
+    """Median host time of the forward call, the backward call and the optimizer step, the GPU
+    drained before each step and nothing synchronised inside it."""
+    import torch
+
+    out: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        if cg:
+            torch.compiler.cudagraph_mark_step_begin()
+        t0 = time.perf_counter()
+        res = run(input_ids=ids, labels=labels)
+        t1 = time.perf_counter()
+        res.loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        for k, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3)):
+            out[k].append((b - a) * 1e3)
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _syncs(run, opt, ids, labels, cg) -> list[str]:
+    """The host syncs of one step (``torch.cuda.set_sync_debug_mode``), each with the innermost
+    frames of the stack that made it."""
+    import traceback
+    import warnings
+
+    import torch
+
+    found: list[str] = []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        old = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            frames = [f"{fs.filename.split('site-packages/')[-1]}:{fs.lineno} {fs.name}"
+                      for fs in traceback.extract_stack()[:-1] if not fs.filename.endswith("warnings.py")]
+            found.append(f"{str(message)[:80]} <- " + " <- ".join(reversed(frames[-8:])))
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _step(run, opt, ids, labels, cg)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+    torch.cuda.synchronize()
+    return found
+
+
+def _cprofile(run, opt, ids, labels, cg, steps: int) -> list[dict]:
+    """The functions with the most own host time over ``steps`` steps (cProfile)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        _step(run, opt, ids, labels, cg)
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    rows = []
+    for (fn, line, name), (cc, nc, tt, ct, _callers) in st.stats.items():
+        rows.append({"function": f"{fn.split('site-packages/')[-1]}:{line} {name}", "calls_per_step": nc / steps,
+                     "own_ms_per_step": tt / steps * 1e3, "cum_ms_per_step": ct / steps * 1e3})
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:25]
+
+
 def _kernel_name(name: str) -> str:
     return name if len(name) <= 90 else name[:87] + "..."
 
@@ -80,12 +156,16 @@ def one(model: str, shape: str, impl: str, steps: int, warmup: int, prof_steps: 
     per_kernel: dict[str, float] = defaultdict(float)
     launches = 0
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
+        # kernels, copies and sets on the GPU; not the GPU-side ranges of record_function annotations
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             per_kernel[_kernel_name(e.name)] += e.time_range.elapsed_us()
             launches += 1
     busy = sum(per_kernel.values()) / prof_steps / 1e3
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    return {"model": model, "shape": shape, "impl": impl, "status": "ok",
+    phases = _phases(run, opt, ids, labels, cg, steps)
+    syncs = _syncs(run, opt, ids, labels, cg)
+    hot = _cprofile(run, opt, ids, labels, cg, steps=10)
+    return {"phases_ms": phases, "syncs": syncs, "cprofile": hot, "model": model, "shape": shape, "impl": impl, "status": "ok",
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
             "step_ms": statistics.median(walls) * 1e3, "host_ms": statistics.median(hosts) * 1e3,
             "gpu_busy_ms": busy, "launches_per_step": launches / prof_steps,
@@ -112,6 +192,14 @@ def _markdown(rows: list[dict], cmd: str) -> str:
     for r in ok:
         lines += ["", f"## {r['impl']}: kernels taking the most GPU time", "", "| kernel | ms / step |", "|---|---:|"]
         lines += [f"| `{k['kernel']}` | {k['ms_per_step']:.3f} |" for k in r["top_kernels"]]
+        ph = r["phases_ms"]
+        lines += ["", f"host ms per step: forward call {ph['forward']:.2f}, backward call {ph['backward']:.2f}, "
+                  f"optimizer {ph['optimizer']:.2f}; host syncs in one step: {len(r['syncs'])}"]
+        lines += [f"- sync: `{x}`" for x in r["syncs"]]
+        lines += ["", "| function (cProfile, most own time) | calls / step | own ms / step | cum ms / step |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| `{c['function']}` | {c['calls_per_step']:.0f} | {c['own_ms_per_step']:.3f} | "
+                  f"{c['cum_ms_per_step']:.3f} |" for c in r["cprofile"]]
     return "\n".join(lines) + "\n"
 
 
