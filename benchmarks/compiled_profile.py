@@ -83,6 +83,8 @@ def _syncs(run, opt, ids, labels, cg) -> list[str]:
         old = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
+            if "prototype feature" in str(message):  # torch's notice on turning the mode on, not a sync
+                return
             frames = [f"{fs.filename.split('site-packages/')[-1]}:{fs.lineno} {fs.name}"
                       for fs in traceback.extract_stack()[:-1] if not fs.filename.endswith("warnings.py")]
             found.append(f"{str(message)[:80]} <- " + " <- ".join(reversed(frames[-8:])))
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         f"--{k.replace('_', '-')} {v}" for k, v in (("model", a.model), ("shape", a.shape), ("impls", a.impls),
                                                      ("steps", a.steps), ("warmup", a.warmup),
                                                      ("prof_steps", a.prof_steps)))
+    if a.name != "compiled_profile":
+        cmd += f" --name {a.name}"
     rows = []
     for impl in impls:
         t0 = time.time()
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('gpu_busy_ms', 0):.2f} ms GPU ({time.time() - t0:.0f} s)", flush=True)
         if row.get("status") != "ok":
             print(row.get("stderr", ""), flush=True)
-        (out / f"{a.name}.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+        (out / f"{a.name}.json").write_text(json.dumps({"regenerate": cmd, "rows": rows}, indent=1))
         (out / f"{a.name}.md").write_text(_markdown(rows, cmd))
     return 0
 

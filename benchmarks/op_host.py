@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         rows.append((name, _host_ms(fn, a.calls)))
     lines = [f"regenerate: `python -m benchmarks.op_host --rows {a.rows} --hidden {a.hidden} --vocab {a.vocab} "
-             f"--calls {a.calls}`", "", f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", "",
+             f"--calls {a.calls} --name {a.name}`", "", f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", "",
              "host ms per call (GPU drained before, no sync inside), median:"]
     lines += [f"  {n:32s} {ms:8.3f}" for n, ms in rows]
     torch.cuda.synchronize()
