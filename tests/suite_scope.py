@@ -85,8 +85,8 @@ INTEGRATION = {
 #: on transformers 5.23, once the tiny models ran at full speed). Their outcome turns on the pinned
 #: libraries' import structure and module layout, which change with their major lines, not with each
 #: release: after a passed main run (the newest releases), a CI cell runs them where the grid labels it
-#: ``ci-fresh-process``: the oldest pair (transformers 4.45, trl 0.11), the last 4.x pair in CI (4.51,
-#: trl 0.16) and the first 5.x pair in CI (5.20, trl 1.14).
+#: ``ci-fresh-process``: the oldest pair (transformers 4.45, trl 0.11) and the first 5.x pair in CI
+#: (5.20, trl 1.14); the main run is the newest releases.
 FRESH_PROCESS_LABEL = "ci-fresh-process"
 FRESH_PROCESS = {
     "foundation/test_hook_order.py": "a shim applies in any import order",
@@ -108,6 +108,20 @@ FRESH_PROCESS = {
 #: compile or gloo, trl's command line and the launcher's scripts reach the same torch machinery
 #: through the pinned libraries' code, which the oldest cell and the main run cover.
 TORCH_INTEGRATION = {"compile/test_compile.py", "distributed/test_gloo.py", "distributed/test_tensor_parallel.py"}
+
+#: Interpreter re-runs of kernel modules that are studies of the kernels' numbers at chosen inputs
+#: (which tiles the sparse backward leaves out against a float64 simulation; peaked rows' target
+#: gradient), not of their code paths: the same kernels, with the same code paths (the sparse
+#: backward, the fp32 target logit), run under the interpreter in ``test_lowmem.py`` and
+#: ``test_cross_entropy.py``, which every run of the stack-only tests keeps. A cell of the torch axis
+#: (its own torch and Triton) skips these after a passed main run, which ran them on the newest Triton;
+#: about a third of that cell's interpreter time. Node ids relative to tests/.
+TORCH_AXIS_SKIP = {
+    "kernels/test_interpret.py::test_triton_kernels_under_interpreter[test_lowmem_sparsity.py]":
+        "the sparse backward's skip rule against its float64 simulation",
+    "kernels/test_interpret.py::test_triton_kernels_under_interpreter[test_peaked_rows.py]":
+        "peaked rows' target gradient against a float64 head",
+}
 
 #: Directories whose tests depend on Python, torch and Triton only (the kernels import no other
 #: library; ``foundation/test_layers.py`` checks it for the package and these test modules): a cell
@@ -173,9 +187,12 @@ def skip_what_the_main_run_passed(items) -> None:
     same_stack = passed_on == stack_id()
     integration = integration_modules(os.environ.get("TOX_ENV_NAME"))
     fresh = runs_fresh_process_tests(os.environ.get("TOX_ENV_NAME"))
+    cell = _cell(os.environ.get("TOX_ENV_NAME"))
+    torch_axis = cell is not None and cell.own_torch
     for item in items:
         path = _suite_path(item)
         test = f"{path}::{getattr(item, 'originalname', None) or item.name.split('[')[0]}"
+        study = TORCH_AXIS_SKIP.get(f"{path}::{item.name}")
         only = MAIN_RUN_ONLY.get(path) or MAIN_RUN_ONLY.get(test)
         at_import = FRESH_PROCESS.get(path) or FRESH_PROCESS.get(test)
         if only:
@@ -188,6 +205,9 @@ def skip_what_the_main_run_passed(items) -> None:
             item.add_marker(pytest.mark.skip(reason=f"integration test ({INTEGRATION[path]}): passed in CI's main "
                                                     f"run; run by the cells labelled {INTEGRATION_LABEL} (on the torch axis: "
                                                     "TORCH_INTEGRATION only)"))
+        elif study and torch_axis:
+            item.add_marker(pytest.mark.skip(reason=f"interpreter study ({study}): passed in CI's main run; its kernels "
+                                                    "run under the interpreter in this cell's other modules"))
         elif same_stack and (path.split("/")[0] in STACK_ONLY_DIRS or "stack_only" in item.keywords):
             item.add_marker(pytest.mark.skip(reason=f"passed in CI's main run on {passed_on}; depends on "
                                                     "Python, torch and Triton only"))

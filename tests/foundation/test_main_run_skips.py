@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from suite_scope import (FRESH_PROCESS, FRESH_PROCESS_LABEL, INTEGRATION, INTEGRATION_LABEL, MAIN_RUN_ENV,  # noqa: E402
-                         MAIN_RUN_ONLY, STACK_ONLY_DIRS, TORCH_INTEGRATION, skip_what_the_main_run_passed, stack_id)
+                         MAIN_RUN_ONLY, STACK_ONLY_DIRS, TORCH_AXIS_SKIP, TORCH_INTEGRATION,
+                         skip_what_the_main_run_passed, stack_id)
 
 sys.path.pop(0)
 
@@ -174,3 +175,33 @@ def test_every_integration_module_exists(path):
 
 def test_the_torch_axis_integration_modules_are_integration_modules():
     assert TORCH_INTEGRATION and TORCH_INTEGRATION < set(INTEGRATION)
+
+
+def test_the_torch_axis_skips_the_interpreter_studies_and_keeps_the_other_interpreter_runs(monkeypatch):
+    """A cell of the torch axis after a passed main run on another stack runs the kernel tests, the
+    interpreter re-runs among them, except the numeric studies of TORCH_AXIS_SKIP; a cell on the main
+    run's stack skips every kernel test anyway, and without a passed main run everything runs."""
+    from liger_compat.matrix import grid
+
+    g = grid.load()
+    torch_axis = [c.name for c in g.labelled("ci") if c.own_torch]
+    same_torch = [c.name for c in g.labelled("ci") if not c.own_torch]
+    assert torch_axis and same_torch
+    studies = sorted(TORCH_AXIS_SKIP)
+    kept = ["kernels/test_interpret.py::test_triton_kernels_under_interpreter[test_lowmem.py]",
+            "kernels/test_interpret.py::test_triton_kernels_under_interpreter[test_cross_entropy.py]"]
+    nodes = [*studies, *kept]
+    for cell in torch_axis:
+        assert _skipped(nodes, monkeypatch, cell) == set(studies), cell
+        assert _skipped(nodes, monkeypatch, cell, passed_on=None) == set(), cell
+    for cell in same_torch:
+        assert _skipped(nodes, monkeypatch, cell, passed_on=stack_id()) == set(nodes), cell
+    assert _skipped(nodes, monkeypatch, "my-own-env") == set()  # outside the grid: all of them
+
+
+@pytest.mark.parametrize("node", sorted(TORCH_AXIS_SKIP))
+def test_every_torch_axis_study_is_an_interpreter_run_of_an_existing_module(node):
+    path, name = node.split("::")
+    module = name.split("[")[1].rstrip("]")
+    assert f"\"{module}\"" in (ROOT / "tests" / path).read_text(), node
+    assert (ROOT / "tests" / "kernels" / module).is_file(), node
