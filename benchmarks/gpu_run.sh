@@ -8,7 +8,8 @@
 # e2e_small (the host-bound llama-small 2x1024 step; E2E_SMALL_ARGS), trl_step (TRL_ARGS), models_gpu
 # (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes),
 # compiled_profile (PROFILE_ARGS: a compiled step's GPU-busy and host time per implementation), op_host
-# (OP_HOST_ARGS: one fused-loss call's host time, layer by layer),
+# (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), gh_gemm (GH_GEMM_ARGS: the loss's
+# grad_hidden product to a bf16 against an fp32 result),
 # module_host (host time per module call, native and patched), skip_analysis (SKIP_ARGS: the
 # sparse backward's rule in exact fp32 at GPU sizes), pytest:<args> (a pytest selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
@@ -48,6 +49,7 @@ for step in "$@"; do
     trl_step) python3 -m benchmarks.trl_step --out "$OUT" ${TRL_ARGS:-} >"$OUT/trl_step.log" 2>&1 ;;
     models_gpu) python3 -m benchmarks.models_gpu --out "$OUT" ${MODELS_ARGS:-} >"$OUT/models_gpu.log" 2>&1 ;;
     compiled_profile) python3 -m benchmarks.compiled_profile --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/compiled_profile.log" 2>&1 ;;
+    gh_gemm) python3 -m benchmarks.gh_gemm --out "$OUT" ${GH_GEMM_ARGS:-} >"$OUT/gh_gemm.log" 2>&1 ;;
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
     host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;

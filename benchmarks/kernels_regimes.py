@@ -36,7 +36,8 @@ HEADS = {
     "llama3-8b-32k": (32768, 4096, 128256, None),
 }
 #: implementation names, in the order measured
-IMPLS = ("liger_compat", "liger_compat fp32 grad_weight", "liger_compat lowmem", "liger_compat lowmem dense", "torch eager", "torch.compile",
+IMPLS = ("liger_compat", "liger_compat rounded target", "liger_compat fp32 grad_weight", "liger_compat lowmem",
+         "liger_compat lowmem dense", "torch eager", "torch.compile",
          "liger-kernel", "cce", "cce_kahan_full_c", "cce_exact", "cce filter_eps=None")
 REGIMES = ("init", "spread", "trained", "peaked")
 MATMUL_TFLOPS = 790.0  # used for the floor where the run measures none
@@ -68,6 +69,7 @@ def _impls(softcap):
 
     from benchmarks.kernels_flce import _eager_loss
     from liger_compat.kernels import _lowmem_triton, fused_linear_cross_entropy
+    from liger_compat.kernels import loss as loss_mod
 
     from liger_compat import _config
 
@@ -88,6 +90,9 @@ def _impls(softcap):
         # LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT=1
         "liger_compat fp32 grad_weight": step_with(_config.settings, "flce_fp32_grad_weight", True),
         "liger_compat lowmem": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem"),
+        # the chunked mode with each target entry of grad_hidden's product as stored in bf16 (no
+        # exact-target correction), as before the correction
+        "liger_compat rounded target": step_with(loss_mod, "_target_fix_mode", lambda *a: None),
     }
 
     # the low-memory backward leaving no tile out, as before it could

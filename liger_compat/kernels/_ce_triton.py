@@ -10,7 +10,9 @@ Per row of ``logits[C, V]`` (read in blocks of ``BLOCK_V``, computed in fp32):
   ``(softmax * (1 + 2 s lse) - eps / V - (1 - eps) * onehot) * (1 - tanh^2 if softcap)``,
   stored in the gradient's dtype (bf16 in the fused loss, over the logits themselves); the
   target's own entry ``p_t - 1`` is formed as minus the row's softmax mass outside the target,
-  which keeps its precision in rows where ``p_t`` is close to 1.
+  which keeps its precision in rows where ``p_t`` is close to 1; on request the part of that entry
+  its bf16 rounding loses is written out, times the target's weight row, in fp32 (the fused loss
+  adds it to grad_hidden before that is rounded: the exact-target correction).
 
 The "split" variant (default on CUDA) does the same in three launches over (row, block of V)
 programs: per-block partials (max, sum-exp, argmax, row sum), a per-row combine into the
@@ -137,14 +139,33 @@ def _target_grad(rest, x_t, lse, scale, V, label_smoothing, lse_square_scale, so
 
 
 @triton.jit
+def _store_target_fix(fix_ptr, stride_fix, row, d_t, stored, ok, fw_ptr, stride_fw, tgt_safe, H,
+                      BLOCK_H: tl.constexpr):
+    """Row ``row`` of the exact-target correction: ``(d_t - stored) * W[target]`` in fp32, the part of
+    the target's gradient entry that its stored (rounded) value ``stored`` lost, times the target's
+    weight row (zeros where the row has no target). Added to the fp32 sum of ``d @ W``, it makes each
+    row's grad_hidden the rounding of one fp32 value whose target term is exact: in a peaked row that
+    term is nearly all of the row, and its bf16 rounding (up to 2^-9 of it) was most of the error."""
+    r = tl.where(ok, d_t - stored, 0.0)
+    offs = tl.arange(0, BLOCK_H)
+    for k in range(0, H, BLOCK_H):
+        ks = k + offs
+        km = ks < H
+        wv = tl.load(fw_ptr + tgt_safe * stride_fw + ks, mask=km, other=0.0).to(tl.float32)
+        tl.store(fix_ptr + row * stride_fix + ks, r * wv, mask=km)
+
+
+@triton.jit
 def _ce_row_kernel(
     logits_ptr, stride_l, target_ptr, grad_ptr, stride_g,
     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, scale_ptr, stride_scale,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
     h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
+    fix_ptr, stride_fix, fw_ptr, stride_fw, FH,
     STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
@@ -201,7 +222,11 @@ def _ce_row_kernel(
             rest += part
             tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
         d_t = _target_grad(rest, x_t, lse, scale, V, label_smoothing, lse_square_scale, softcap, HAS_SOFTCAP)
-        tl.store(g_row + tgt_safe, d_t.to(grad_ptr.dtype.element_ty), mask=valid & in_range)
+        stored = d_t.to(grad_ptr.dtype.element_ty)
+        tl.store(g_row + tgt_safe, stored, mask=valid & in_range)
+        if HAS_FIX:
+            _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr,
+                              stride_fw, tgt_safe, FH, BLOCK_FH)
 
 
 @triton.jit
@@ -302,16 +327,23 @@ def _ce_grad_kernel(
 @triton.jit
 def _ce_target_grad_kernel(
     target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
-    V, ignore_index, label_smoothing, lse_square_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap,
+    fix_ptr, stride_fix, fw_ptr, stride_fw, FH,
+    HAS_SOFTCAP: tl.constexpr, HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr,
 ):
-    """Split variant, step 4: the target's entry of each row's gradient (:func:`_target_grad`)."""
+    """Split variant, step 4: the target's entry of each row's gradient (:func:`_target_grad`), and
+    with ``HAS_FIX`` the row's exact-target correction (:func:`_store_target_fix`)."""
     row = tl.program_id(0).to(tl.int64)
     _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
     d_t = _target_grad(tl.load(rest_ptr + row), tl.load(xt_ptr + row), lse, scale, V, label_smoothing,
                        lse_square_scale, softcap, HAS_SOFTCAP)
-    tl.store(grad_ptr + row * stride_g + tgt_safe, d_t.to(grad_ptr.dtype.element_ty), mask=valid & in_range)
+    stored = d_t.to(grad_ptr.dtype.element_ty)
+    tl.store(grad_ptr + row * stride_g + tgt_safe, stored, mask=valid & in_range)
+    if HAS_FIX:
+        _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr, stride_fw,
+                          tgt_safe, FH, BLOCK_FH)
 
 
 #: Values of ``variant``: "split" (the default): rows are cut into blocks of V spread over
@@ -329,7 +361,7 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
 
 
 def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None,
-                   head=None):
+                   head=None, target_fix=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
     tensor of :func:`liger_compat.kernels._device_errors.new_flag` that the statistics pass
     adds out-of-range targets to; a scratch one when not given; ``head``: the rows' hidden states,
@@ -338,7 +370,11 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
 
     ``partials`` = ``(max, sum-exp, argmax, row-sum)`` per (row, block of V), as written by
     :func:`liger_compat.kernels._logits_triton.logits_with_partials`: the statistics then come
-    from them instead of a pass over the logits (split variant)."""
+    from them instead of a pass over the logits (split variant).
+
+    ``target_fix`` = ``(fix, weight)``, with ``grad``: ``fix`` (fp32 ``[C, H]``) receives each row's
+    exact-target correction, ``(d_t - stored d_t) * weight[target]`` (:func:`_store_target_fix`), for
+    the caller to add to the fp32 sum of ``grad @ weight``."""
     c, v = logits.shape
     if c == 0:
         return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
@@ -379,13 +415,22 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     else:
         head_args = (logits, 0, logits, 0, logits, 0)
         head_common = dict(HAS_HEAD=False, HAS_BIAS=False, BLOCK_H=16)
+    if target_fix is not None:
+        fix, fw = target_fix
+        assert grad is not None and fix.shape == (c, fw.shape[1]) and fix.dtype == f32 and fix.stride(-1) == 1
+        assert fw.shape[0] == v and fw.stride(-1) == 1
+        fix_args = (fix, fix.stride(0), fw, fw.stride(0), fw.shape[1])
+        fix_common = dict(HAS_FIX=True, BLOCK_FH=min(next_pow2(fw.shape[1]), 1024))
+    else:
+        fix_args = (logits, 0, logits, 0, 0)
+        fix_common = dict(HAS_FIX=False, BLOCK_FH=16)
     if variant == "row":
         block, warps = _block_v(v, dev)
         _ce_row_kernel[(c,)](
             logits, logits.stride(0), target, g, sg,
             loss, zl, lse, correct, bad, scale, stride_scale,
-            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args,
-            STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common, **head_common,
+            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args, *fix_args,
+            STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common, **head_common, **fix_common,
         )
     else:
         block = SPLIT_BLOCK_V if dev.type == "cuda" else 256
@@ -420,8 +465,9 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
             )
             _ce_target_grad_kernel[(c,)](
                 target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
-                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
-                HAS_SOFTCAP=common["HAS_SOFTCAP"], num_warps=1,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *fix_args,
+                HAS_SOFTCAP=common["HAS_SOFTCAP"], num_warps=4 if target_fix is not None and dev.type == "cuda" else 1,
+                **fix_common,
             )
     if not stats:
         return None

@@ -362,6 +362,21 @@ def _fp32_accumulate_supported(device: torch.device) -> bool:
     return _FP32_ACCUMULATE[device.type]
 
 
+def _target_fix_mode(backend: str, h: torch.Tensor, device: torch.device) -> str | None:
+    """How the chunked pass adds the exact-target correction to grad_hidden (``_ce_triton``'s
+    ``target_fix``): ``"out_dtype"`` (cuBLAS sums ``d @ W`` in fp32 onto it, torch >= 2.8 on CUDA; as
+    fast as the bf16 product at the 8B, Qwen2-7B, Gemma-2 and small heads, ``benchmarks/results/
+    gh_gemm.md``), ``"float"`` (the Triton interpreter on CPU: the same sum from fp32 copies), or None
+    (the torch reference, whose gradient is fp32 anyway; fp32 inputs; a GPU without the fp32-output
+    product: the target entry stays as stored). In a peaked row (``p_t`` near 1) the target's term is
+    nearly all of the row's grad_hidden, and the bf16 rounding of its entry was most of the error."""
+    if backend != "triton" or h.element_size() >= 4:
+        return None
+    if device.type == "cpu":
+        return "float"
+    return "out_dtype" if _fp32_accumulate_supported(device) else None
+
+
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
     ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
@@ -401,6 +416,10 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     gw = (torch.empty if first_writes else torch.zeros)(w.shape, dtype=acc_dtype, device=dev) if need_gw else None
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
     buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
+    # grad_hidden with the exact-target correction (:func:`_target_fix_mode`): each chunk's
+    # ``d @ W`` summed in fp32 onto the row kernel's correction, then rounded once
+    fix_mode = _target_fix_mode(backend, h, dev) if need_gh else None
+    fixbuf = torch.empty(min(rows, max(m, 1)), hdim, dtype=f32, device=dev) if fix_mode else None
     wt = w.t()
     fused_stats = None
     logits_impl = knobs.logits_impl
@@ -432,6 +451,9 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             extra["head"] = (hc, w, b)
         if backend == "triton":
             extra["variant"] = knobs.ce_variant
+        fix = fixbuf[: end - start] if fix_mode else None
+        if fix is not None:
+            extra["target_fix"] = (fix, w)
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if single:
@@ -457,7 +479,16 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             if need_gb:
                 gb += d.float().sum(0)
             if need_gh:  # after grad_weight, so a gathered hc can take the result
-                if idx is None:
+                if fix is not None:
+                    if fix_mode == "out_dtype":  # cuBLAS: bf16 operands, fp32 sum onto the correction
+                        torch.addmm(fix, d, w, out_dtype=f32, out=fix)
+                    else:  # the interpreter on CPU: the same sum from fp32 copies
+                        fix.addmm_(d.float(), w.float())
+                    if idx is None:
+                        gh[start:end].copy_(fix)
+                    else:
+                        gh.index_copy_(0, ic, fix.to(gh.dtype))
+                elif idx is None:
                     torch.mm(d, w, out=gh[start:end])
                 else:
                     torch.mm(d, w, out=hc)
@@ -542,7 +573,7 @@ def flce_mode_for(n: int, v: int, hdim: int, elem: int, backend: str, device: to
                   mode: str | None = None) -> str:
     """``"chunked"`` or ``"lowmem"`` for a fused loss of ``n`` rows: ``mode``, or when ``None``
     ``LIGER_COMPAT_FLCE_MODE`` (``ValueError`` naming it for a bad value); under ``auto``, low-memory when the Triton path
-    runs and one chunk's logits and gathered rows would not fit in :func:`_free_bytes` (read the
+    runs and one chunk's logits, gathered rows and fp32 grad_hidden rows would not fit in :func:`_free_bytes` (read the
     first time a shape is seen, :data:`_auto_modes`). The low
     memory mode needs the Triton path; the torch reference (CPU) always runs in chunks."""
     if mode is None:
@@ -556,7 +587,9 @@ def flce_mode_for(n: int, v: int, hdim: int, elem: int, backend: str, device: to
     chosen = _auto_modes.get(key)
     if chosen is None:
         free = _free_bytes(device)
-        chosen = "lowmem" if free is not None and rows * (v + hdim) * elem > free else "chunked"
+        # a chunk's logits and gathered rows, and the fp32 grad_hidden rows of the exact-target correction
+        chunk = rows * (v + hdim) * elem + (rows * hdim * 4 if elem < 4 else 0)
+        chosen = "lowmem" if free is not None and chunk > free else "chunked"
         _auto_modes[key] = chosen
     return chosen
 

@@ -395,3 +395,32 @@ def test_flce_bf16_peaked_rows_past_the_rounding_of_their_logits_on_gpu(logits_i
     zc = z if softcap is None else softcap * torch.tanh(z / softcap)
     (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t, reduction="sum"), x64)
     assert rel_err(gh, g64) <= 0.5 * rel_err(_rounded_head_grad64(x16, w16, t, softcap), g64)
+
+
+@pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("compact", [True, False])
+def test_flce_bf16_peaked_rows_grad_hidden_rounded_once_on_gpu(logits_impl, softcap, compact):
+    """The exact-target correction on the GPU (cuBLAS sums each chunk's ``d @ W`` in fp32 onto it):
+    ``test_peaked_rows``'s construction at 512 rows, hidden 1024, 32000 columns, with 64 ignored rows
+    among them: grad_hidden's error against float64 is that of rounding the float64 result to bf16
+    (at most 1.2x it), and ignored rows get exact zeros."""
+    from test_peaked_rows import _peaked_apart
+
+    x16, w16, t = _peaked_apart(int(torch.randint(0, 2**16, ())), torch.bfloat16, n=512, h=1024, v=32000,
+                                device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**16, ())))
+    order = torch.randperm(512 + 64, device="cuda", generator=g)
+    x_all = torch.cat([x16, torch.randn(64, 1024, device="cuda", generator=g).to(torch.bfloat16)])[order]
+    t_all = torch.cat([t, torch.full((64,), -100, device="cuda")])[order]
+    a = x_all.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(a, w16, t_all, reduction="sum", softcap=softcap, logits_impl=logits_impl,
+                                      mode="chunked", compact_ignored=compact)
+    (gh,) = torch.autograd.grad(loss, a)
+    keep = t_all != -100
+    assert torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
+    x64 = x_all[keep].double().requires_grad_(True)
+    z = x64 @ w16.double().t()
+    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
+    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t_all[keep], reduction="sum"), x64)
+    assert rel_err(gh[keep], g64) <= 1.2 * rel_err(g64.to(torch.bfloat16), g64)
