@@ -367,8 +367,8 @@ def _target_fix_mode(backend: str, h: torch.Tensor, device: torch.device) -> str
     ``target_fix``): ``"out_dtype"`` (cuBLAS sums ``d @ W`` in fp32 onto it, torch >= 2.8 on CUDA; as
     fast as the bf16 product at the 8B, Qwen2-7B, Gemma-2 and small heads, ``benchmarks/results/
     gh_gemm.md``), ``"float"`` (the Triton interpreter on CPU: the same sum from fp32 copies), or None
-    (the torch reference, whose gradient is fp32 anyway; fp32 inputs; a GPU without the fp32-output
-    product: the target entry stays as stored). In a peaked row (``p_t`` near 1) the target's term is
+    (the torch reference, CPU's path, left as it was; fp32 inputs, whose entries are not rounded; a GPU
+    without the fp32-output product: the target entry stays as stored). In a peaked row (``p_t`` near 1) the target's term is
     nearly all of the row's grad_hidden, and the bf16 rounding of its entry was most of the error."""
     if backend != "triton" or h.element_size() >= 4:
         return None
