@@ -420,6 +420,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     # ``d @ W`` summed in fp32 onto the row kernel's correction, then rounded once
     fix_mode = _target_fix_mode(backend, h, dev) if need_gh else None
     fixbuf = torch.empty(min(rows, max(m, 1)), hdim, dtype=f32, device=dev) if fix_mode else None
+    w32 = w.float() if fix_mode == "float" else None  # the interpreter's fp32 copy, made once a pass
     wt = w.t()
     fused_stats = None
     logits_impl = knobs.logits_impl
@@ -451,7 +452,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             extra["head"] = (hc, w, b)
         if backend == "triton":
             extra["variant"] = knobs.ce_variant
-        fix = fixbuf[: end - start] if fix_mode else None
+        fix = fixbuf[: end - start] if fixbuf is not None else None
         if fix is not None:
             extra["target_fix"] = (fix, w)
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
@@ -483,7 +484,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
                     if fix_mode == "out_dtype":  # cuBLAS: bf16 operands, fp32 sum onto the correction
                         torch.addmm(fix, d, w, out_dtype=f32, out=fix)
                     else:  # the interpreter on CPU: the same sum from fp32 copies
-                        fix.addmm_(d.float(), w.float())
+                        fix.addmm_(d.float(), w32)
                     if idx is None:
                         gh[start:end].copy_(fix)
                     else:

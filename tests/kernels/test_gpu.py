@@ -406,7 +406,7 @@ def test_flce_bf16_peaked_rows_grad_hidden_rounded_once_on_gpu(logits_impl, soft
     among them: grad_hidden's error against float64 is close to that of rounding the float64 result to
     bf16 (1.24x it at softcap 30 on an H100, where the 32000 columns' bf16 logits add their share; at
     most 1.2x it in the 260-column interpreter test), and ignored rows get exact zeros."""
-    from test_peaked_rows import _peaked_apart
+    from test_peaked_rows import _grad_hidden64, _peaked_apart
 
     x16, w16, t = _peaked_apart(int(torch.randint(0, 2**16, ())), torch.bfloat16, n=512, h=1024, v=32000,
                                 device="cuda")
@@ -420,8 +420,5 @@ def test_flce_bf16_peaked_rows_grad_hidden_rounded_once_on_gpu(logits_impl, soft
     (gh,) = torch.autograd.grad(loss, a)
     keep = t_all != -100
     assert torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
-    x64 = x_all[keep].double().requires_grad_(True)
-    z = x64 @ w16.double().t()
-    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
-    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t_all[keep], reduction="sum"), x64)
+    g64 = _grad_hidden64(x_all[keep], w16, t_all[keep], softcap)
     assert rel_err(gh[keep], g64) <= 1.5 * rel_err(g64.to(torch.bfloat16), g64)

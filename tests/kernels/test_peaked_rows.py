@@ -132,6 +132,23 @@ def _rounded_head_grad64(h16, w16, t, softcap):
     return gz @ w16.double()
 
 
+def _fused_grad_hidden(h16, w16, t, softcap, **kw):
+    """d sum(loss) / d hidden of the chunked fused loss."""
+    x = h16.clone().requires_grad_(True)
+    loss = fused_linear_cross_entropy(x, w16, t, reduction="sum", mode="chunked", softcap=softcap, **kw)
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def _grad_hidden64(h16, w16, t, softcap):
+    """The same in float64 from the same 16-bit inputs (the reference)."""
+    x64 = h16.double().requires_grad_(True)
+    z = x64 @ w16.double().t()
+    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
+    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t, reduction="sum"), x64)
+    return g64
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap", [None, 60.0])
 def test_fused_loss_in_16_bit_takes_peaked_rows_past_the_rounding_of_their_logits(dtype, softcap):
@@ -142,34 +159,14 @@ def test_fused_loss_in_16_bit_takes_peaked_rows_past_the_rounding_of_their_logit
     against float64 on the same 16-bit inputs is at most half of what the rounded logits give (0.09-0.29 of it over 40 seeds; 0.89-1.10
     without the fp32 target logits)."""
     h16, w16, t = _peaked_apart(int(torch.randint(0, 2**16, ())), dtype)
-    x = h16.clone().requires_grad_(True)
-    loss = fused_linear_cross_entropy(x, w16, t, reduction="sum", mode="chunked", softcap=softcap)
+    g = _fused_grad_hidden(h16, w16, t, softcap)
     assert last_backend["fused_linear_cross_entropy"] == expected_backend()
-    (g,) = torch.autograd.grad(loss, x)
-    x64 = h16.double().requires_grad_(True)
-    z = x64 @ w16.double().t()
-    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
-    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t, reduction="sum"), x64)
+    g64 = _grad_hidden64(h16, w16, t, softcap)
 
     def err(got):
         return float((got.double() - g64).norm() / g64.norm())
 
     assert err(g) <= 0.5 * err(_rounded_head_grad64(h16, w16, t, softcap))
-
-
-def _fused_grad_hidden(h16, w16, t, softcap, **kw):
-    x = h16.clone().requires_grad_(True)
-    loss = fused_linear_cross_entropy(x, w16, t, reduction="sum", mode="chunked", softcap=softcap, **kw)
-    (g,) = torch.autograd.grad(loss, x)
-    return g
-
-
-def _grad_hidden64(h16, w16, t, softcap):
-    x64 = h16.double().requires_grad_(True)
-    z = x64 @ w16.double().t()
-    zc = z if softcap is None else softcap * torch.tanh(z / softcap)
-    (g64,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zc, t, reduction="sum"), x64)
-    return g64
 
 
 @pytest.mark.parametrize("softcap", [None, 60.0])
