@@ -10,7 +10,7 @@ inside it, the GPU drained before and after: what the Python and launch code cos
 GPU does), a ``cProfile`` of the patched steps (top functions by own time), and a
 ``torch.profiler`` table of each side (top operators by self CPU time and, on the GPU, by their
 kernels' own GPU time, with its total per step: where a GPU-bound step's time goes; host syncs per
-step).
+step); and the garbage collector's part: collections per step and the times with it off.
 Writes ``host_profile_<family>.txt`` and ``host_profile.json`` under ``--out``.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -89,6 +90,36 @@ def _torch_profile(model, kw, labels, steps: int) -> tuple[str, dict]:
     return table, syncs, gpu_ms
 
 
+def _gc_effect(model, kw, labels, sides: dict, steps: int) -> dict:
+    """Python's garbage collector per side: collections per step of each generation (counted over
+    ``steps`` steps), and the step and host times with the collector off (two interleaved rounds,
+    medians): how much of a host-bound step's difference is the collector's pauses."""
+    out: dict = {}
+    for side, switch in sides.items():
+        switch()
+        gc.collect()
+        before = [st["collections"] for st in gc.get_stats()]
+        _host_ms(model, kw, labels, steps)
+        after = [st["collections"] for st in gc.get_stats()]
+        out[f"gc_per_step_{side}"] = [round((a - b) / steps, 3) for a, b in zip(after, before)]
+    step: dict[str, list[float]] = {s: [] for s in sides}
+    host: dict[str, list[float]] = {s: [] for s in sides}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(2):
+            for side in (("native", "patched") if r % 2 == 0 else ("patched", "native")):
+                sides[side]()
+                step[side].append(_gpu_ms(model, kw, labels, steps))
+                host[side].append(_host_ms(model, kw, labels, steps))
+    finally:
+        gc.enable()
+    for side in sides:
+        out[f"step_ms_nogc_{side}"] = statistics.median(step[side])
+        out[f"host_ms_nogc_{side}"] = statistics.median(host[side])
+    return out
+
+
 def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
     args = _args(ns)
     model = make_model(family, args, torch.bfloat16)
@@ -110,6 +141,7 @@ def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
            **{f"step_ms_{s}": statistics.median(v) for s, v in gpu.items()},
            **{f"host_ms_{s}": statistics.median(v) for s, v in host.items()}}
     row["ratio"] = row["step_ms_patched"] / row["step_ms_native"]
+    row.update(_gc_effect(model, kw, labels, sides, ns.steps))
     text = [f"{family} {row['shape']}: step ms native {row['step_ms_native']:.2f} patched {row['step_ms_patched']:.2f} "
             f"(ratio {row['ratio']:.3f}); host ms per step (no sync inside) native {row['host_ms_native']:.2f} "
             f"patched {row['host_ms_patched']:.2f}", ""]
@@ -199,16 +231,20 @@ def _markdown(rows: list[dict], meta: dict) -> str:
              f"{meta['vocab']}, bf16. Host ms: the step's own host time with the GPU drained before it. Profiles: "
              "host_profile_<family>.txt.", "",
              "| family | batch x seq | step ms native | step ms patched | patched / native | host ms native | host ms patched "
-             "| GPU kernel ms native / patched | host syncs native / patched |", "|---|---|---|---|---|---|---|---|---|"]
+             "| GPU kernel ms native / patched | host syncs native / patched | step ms without GC native / patched "
+             "| GC collections per step (gen 0/1/2) native; patched |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['family']} | {r['error']} | | | | | | | | | |")
             continue
         syncs = f"{sum(r['syncs_native'].values()):.1f} / {sum(r['syncs_patched'].values()):.1f}"
         gpu = ("-" if r.get("gpu_ms_native") is None else
                f"{r['gpu_ms_native']:.2f} / {r['gpu_ms_patched']:.2f}")
         lines.append(f"| {r['family']} | {r['shape']} | {r['step_ms_native']:.2f} | {r['step_ms_patched']:.2f} | "
-                     f"{r['ratio']:.3f} | {r['host_ms_native']:.2f} | {r['host_ms_patched']:.2f} | {gpu} | {syncs} |")
+                     f"{r['ratio']:.3f} | {r['host_ms_native']:.2f} | {r['host_ms_patched']:.2f} | {gpu} | {syncs} | "
+                     f"{r['step_ms_nogc_native']:.2f} / {r['step_ms_nogc_patched']:.2f} | "
+                     f"{'/'.join(f'{x:g}' for x in r['gc_per_step_native'])}; "
+                     f"{'/'.join(f'{x:g}' for x in r['gc_per_step_patched'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -126,12 +126,42 @@ def _floors():
     return out
 
 
+def _profile(pieces, ns, cmd: str) -> None:
+    """cProfile of each piece, native and patched (own time, then cumulative), into
+    ``<out>/<name>_profile.txt``: which Python functions a patched call spends its host time in."""
+    import cProfile
+    import io
+    import pstats
+    from pathlib import Path
+
+    out = []
+    for name, fn in pieces.items():
+        if "RECOMPUTE=0" in name:
+            continue
+        calls = 50 if "model" not in name else 10
+        for side, switch in (("native", liger_compat.revert), ("patched", liger_compat.apply)):
+            switch()
+            _per_call_us(fn, 5)
+            pr = cProfile.Profile()
+            pr.enable()
+            _per_call_us(fn, calls)
+            pr.disable()
+            for order, n in (("tottime", 30), ("cumulative", 40)):
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(n)
+                out.append(f"## {name}, {side}, {calls} calls, by {order}\n{buf.getvalue()}")
+    Path(ns.out).mkdir(parents=True, exist_ok=True)
+    (Path(ns.out) / f"{ns.name}_profile.txt").write_text(_results.md_line(cmd) + "\n".join(out))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="module_host")
+    ap.add_argument("--profile", action="store_true",
+                    help="also write <name>_profile.txt: a cProfile of each piece, native and patched")
     ns = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -164,6 +194,9 @@ def main(argv=None) -> int:
         row["delta_us"] = row["patched_us"] - row["native_us"]
         print(row, flush=True)
         rows.append(row)
+    cmd = _results.command("benchmarks.module_host", sys.argv[1:] if argv is None else argv)
+    if ns.profile:
+        _profile(pieces, ns, cmd)
     liger_compat.apply()
     for name, fn in _floors().items():
         _per_call_us(fn, 5)
@@ -179,7 +212,6 @@ def main(argv=None) -> int:
             lines.append(f"| {r['what']} | {r['us']:.1f} | | |")
         else:
             lines.append(f"| {r['what']} | {r['native_us']:.1f} | {r['patched_us']:.1f} | {r['delta_us']:+.1f} |")
-    cmd = _results.command("benchmarks.module_host", sys.argv[1:] if argv is None else argv)
     _results.write(ns.out, ns.name, {"meta": meta, "rows": rows}, "\n".join(lines) + "\n", cmd)
     return 0
 

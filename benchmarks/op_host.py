@@ -4,7 +4,7 @@ compiled step calls, and the chunked pass under it, on one GPU.
     python -m benchmarks.op_host [--rows 2048] [--hidden 1024] [--vocab 128256] [--calls 50] [--out DIR]
 
 Each is timed from a drained GPU to its return (no synchronisation inside: the host's own cost),
-median over ``--calls``; then a ``cProfile`` of the custom op's calls, by cumulative time, shows
+median over ``--calls``; then a ``cProfile`` of the custom op's calls and of the eager public calls shows
 which of our functions (and Triton's launcher) the host time is spent in. bf16, 10 % ignored
 targets, forward with the gradients formed in the same pass (what a training step's loss runs).
 Writes ``<name>.txt`` under ``--out``.
@@ -86,19 +86,20 @@ def main(argv: list[str] | None = None) -> int:
              f"--calls {a.calls} --name {a.name}`", "", f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", "",
              "host ms per call (GPU drained before, no sync inside), median:"]
     lines += [f"  {n:32s} {ms:8.3f}" for n, ms in rows]
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(20):
-        custom_op()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
-    lines += ["", "cProfile of 20 custom-op calls, by cumulative time:", s.getvalue()]
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-    lines += ["", "by own time:", s.getvalue()]
+    for what, fn in (("custom-op calls", custom_op), ("public forward + backward calls (eager)", public)):
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
+        lines += ["", f"cProfile of 20 {what}, by cumulative time:", s.getvalue()]
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        lines += ["", "by own time:", s.getvalue()]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.txt").write_text("\n".join(lines) + "\n")

@@ -332,6 +332,9 @@ def test_host_profile_writes_its_table_and_profiles_on_cpu(tmp_path):
     (row,) = json.loads((tmp_path / "host_profile.json").read_text())["rows"]
     assert row["family"] == "llama" and row["step_ms_native"] > 0 and row["step_ms_patched"] > 0
     assert row["ratio"] == pytest.approx(row["step_ms_patched"] / row["step_ms_native"])
+    for side in ("native", "patched"):  # the collector's part: counts per generation, times with it off
+        assert len(row[f"gc_per_step_{side}"]) == 3 and min(row[f"gc_per_step_{side}"]) >= 0
+        assert row[f"step_ms_nogc_{side}"] > 0 and row[f"host_ms_nogc_{side}"] > 0
     text = (tmp_path / "host_profile_llama.txt").read_text()
     assert text.startswith("regenerate: `python -m benchmarks.host_profile --device cpu")
     assert "cProfile of 2 patched steps" in text and "torch.profiler, native" in text
