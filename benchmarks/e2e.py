@@ -74,6 +74,8 @@ VARIANTS = {
     "liger_compat_shims": {"LIGER_COMPAT_KERNELS": "none"},
     # every kernel but the fused loss: the loss left to transformers (or to Inductor)
     "liger_compat_noflce": {"LIGER_COMPAT_KERNELS": "rms_norm,rope,swiglu,geglu"},
+    # every kernel but the gated-MLP activations: the MLP left to transformers
+    "liger_compat_nomlp": {"LIGER_COMPAT_KERNELS": "rms_norm,rope,fused_linear_cross_entropy"},
 }
 #: the same step on the model wrapped in ``torch.compile(model)`` (Inductor, default mode), the
 #: patched one through the kernels' custom ops: compiled liger_compat against compiled native
