@@ -33,6 +33,17 @@ def md_line(cmd: str) -> str:
     return f"regenerate: `{cmd}`\n\n"
 
 
+def profile_text(profile, order: str, limit: int) -> str:
+    """A ``cProfile.Profile``'s table, sorted by ``order`` (``"tottime"``, ``"cumulative"``),
+    its first ``limit`` functions."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(profile, stream=buf).sort_stats(order).print_stats(limit)
+    return buf.getvalue()
+
+
 def with_command(data, cmd: str) -> dict:
     """``data`` as a JSON object whose first key is ``regenerate`` (a list becomes ``rows``)."""
     body = {"rows": data} if isinstance(data, list) else {k: v for k, v in data.items() if k != "regenerate"}

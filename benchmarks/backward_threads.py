@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
-import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from . import _results
+from . import _results, module_host
 
 
 class _Ident(torch.autograd.Function):
@@ -42,17 +39,10 @@ class _Ident(torch.autograd.Function):
 
 
 def _per_call_us(fn, k: int = 100) -> float:
+    """10 warm-up calls, then the median of 5 batches of ``k`` (``module_host``'s per-call timer)."""
     for _ in range(10):
         fn()
-    out = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        out.append((time.perf_counter() - t0) / k * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(out)
+    return statistics.median(module_host._per_call_us(fn, k) for _ in range(5))
 
 
 def main(argv=None) -> int:
@@ -106,9 +96,7 @@ def main(argv=None) -> int:
         ours()
     pr.disable()
     torch.autograd.set_multithreading_enabled(True)
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
-    lines.append(buf.getvalue())
+    lines.append(_results.profile_text(pr, "tottime", 30))
     cmd = _results.command("benchmarks.backward_threads", sys.argv[1:] if argv is None else argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import io
 import json
-import pstats
 import statistics
 import sys
 import time
@@ -90,6 +88,19 @@ def _torch_profile(model, kw, labels, steps: int) -> tuple[str, dict]:
     return table, syncs, gpu_ms
 
 
+def _interleaved(model, kw, labels, sides: dict, rounds: int, steps: int) -> tuple[dict, dict]:
+    """Per side, the median step (CUDA events) and host milliseconds over ``rounds`` rounds of
+    ``steps`` steps, native and patched alternating, the order reversed every other round."""
+    gpu: dict[str, list[float]] = {s: [] for s in sides}
+    host: dict[str, list[float]] = {s: [] for s in sides}
+    for r in range(rounds):
+        for side in (("native", "patched") if r % 2 == 0 else ("patched", "native")):
+            sides[side]()
+            gpu[side].append(_gpu_ms(model, kw, labels, steps))
+            host[side].append(_host_ms(model, kw, labels, steps))
+    return ({s: statistics.median(v) for s, v in gpu.items()}, {s: statistics.median(v) for s, v in host.items()})
+
+
 def _gc_effect(model, kw, labels, sides: dict, steps: int) -> dict:
     """Python's garbage collector per side: collections per step of each generation (counted over
     ``steps`` steps), and the step and host times with the collector off (two interleaved rounds,
@@ -102,21 +113,15 @@ def _gc_effect(model, kw, labels, sides: dict, steps: int) -> dict:
         _host_ms(model, kw, labels, steps)
         after = [st["collections"] for st in gc.get_stats()]
         out[f"gc_per_step_{side}"] = [round((a - b) / steps, 3) for a, b in zip(after, before)]
-    step: dict[str, list[float]] = {s: [] for s in sides}
-    host: dict[str, list[float]] = {s: [] for s in sides}
     gc.collect()
     gc.disable()
     try:
-        for r in range(2):
-            for side in (("native", "patched") if r % 2 == 0 else ("patched", "native")):
-                sides[side]()
-                step[side].append(_gpu_ms(model, kw, labels, steps))
-                host[side].append(_host_ms(model, kw, labels, steps))
+        step, host = _interleaved(model, kw, labels, sides, 2, steps)
     finally:
         gc.enable()
     for side in sides:
-        out[f"step_ms_nogc_{side}"] = statistics.median(step[side])
-        out[f"host_ms_nogc_{side}"] = statistics.median(host[side])
+        out[f"step_ms_nogc_{side}"] = step[side]
+        out[f"host_ms_nogc_{side}"] = host[side]
     return out
 
 
@@ -126,20 +131,14 @@ def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
     kw, labels = batch(model, args, family)
     kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
     sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
-    gpu: dict[str, list[float]] = {"native": [], "patched": []}
-    host: dict[str, list[float]] = {"native": [], "patched": []}
     for side, switch in sides.items():  # warm-up: kernels compile, caches fill
         switch()
         for _ in range(4):
             _step(model, kw, labels)
-    for r in range(ns.rounds):
-        for side in (("native", "patched") if r % 2 == 0 else ("patched", "native")):
-            sides[side]()
-            gpu[side].append(_gpu_ms(model, kw, labels, ns.steps))
-            host[side].append(_host_ms(model, kw, labels, ns.steps))
+    gpu, host = _interleaved(model, kw, labels, sides, ns.rounds, ns.steps)
     row = {"family": family, "shape": f"{ns.batch}x{ns.seq}",
-           **{f"step_ms_{s}": statistics.median(v) for s, v in gpu.items()},
-           **{f"host_ms_{s}": statistics.median(v) for s, v in host.items()}}
+           **{f"step_ms_{s}": v for s, v in gpu.items()},
+           **{f"host_ms_{s}": v for s, v in host.items()}}
     row["ratio"] = row["step_ms_patched"] / row["step_ms_native"]
     row.update(_gc_effect(model, kw, labels, sides, ns.steps))
     text = [f"{family} {row['shape']}: step ms native {row['step_ms_native']:.2f} patched {row['step_ms_patched']:.2f} "
@@ -164,9 +163,7 @@ def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
         _sync()
         fwd.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_forward.pstats"))
     for key in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(45)
-        text += [f"## cProfile of {ns.steps} patched steps, by {key}", buf.getvalue()]
+        text += [f"## cProfile of {ns.steps} patched steps, by {key}", _results.profile_text(pr, key, 45)]
     for side, switch in sides.items():
         switch()
         table, syncs, gpu_ms = _torch_profile(model, kw, labels, 5)

@@ -130,8 +130,6 @@ def _profile(pieces, ns, cmd: str) -> None:
     """cProfile of each piece, native and patched (own time, then cumulative), into
     ``<out>/<name>_profile.txt``: which Python functions a patched call spends its host time in."""
     import cProfile
-    import io
-    import pstats
     from pathlib import Path
 
     out = []
@@ -147,9 +145,7 @@ def _profile(pieces, ns, cmd: str) -> None:
             _per_call_us(fn, calls)
             pr.disable()
             for order, n in (("tottime", 30), ("cumulative", 40)):
-                buf = io.StringIO()
-                pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(n)
-                out.append(f"## {name}, {side}, {calls} calls, by {order}\n{buf.getvalue()}")
+                out.append(f"## {name}, {side}, {calls} calls, by {order}\n{_results.profile_text(pr, order, n)}")
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     (Path(ns.out) / f"{ns.name}_profile.txt").write_text(_results.md_line(cmd) + "\n".join(out))
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import os
-import pstats
 import statistics
 import time
 from pathlib import Path
+
+from . import _results
 
 
 def _host_ms(fn, calls: int) -> float:
@@ -94,12 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             fn()
         pr.disable()
         torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
-        lines += ["", f"cProfile of 20 {what}, by cumulative time:", s.getvalue()]
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-        lines += ["", "by own time:", s.getvalue()]
+        lines += ["", f"cProfile of 20 {what}, by cumulative time:", _results.profile_text(pr, "cumulative", 45)]
+        lines += ["", "by own time:", _results.profile_text(pr, "tottime", 30)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.txt").write_text("\n".join(lines) + "\n")
