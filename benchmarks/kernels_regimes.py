@@ -36,7 +36,8 @@ HEADS = {
     "llama3-8b-32k": (32768, 4096, 128256, None),
 }
 #: implementation names, in the order measured
-IMPLS = ("liger_compat", "liger_compat rounded target", "liger_compat fp32 grad_weight", "liger_compat lowmem",
+IMPLS = ("liger_compat", "liger_compat sparse", "liger_compat rounded target", "liger_compat fp32 grad_weight",
+         "liger_compat lowmem",
          "liger_compat lowmem dense", "torch eager", "torch.compile",
          "liger-kernel", "cce", "cce_kahan_full_c", "cce_exact", "cce filter_eps=None")
 REGIMES = ("init", "spread", "trained", "peaked")
@@ -90,6 +91,8 @@ def _impls(softcap):
         # LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT=1
         "liger_compat fp32 grad_weight": step_with(_config.settings, "flce_fp32_grad_weight", True),
         "liger_compat lowmem": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, mode="lowmem"),
+        # LIGER_COMPAT_FLCE_SPARSE_CHUNKED=1: the chunked mode's gradient matmuls block-sparse
+        "liger_compat sparse": lambda h, w, t: fused_linear_cross_entropy(h, w, t, softcap=softcap, sparse_grads=True),
         # the chunked mode with each target entry of grad_hidden's product as stored in bf16 (no
         # exact-target correction), as before the correction
         "liger_compat rounded target": step_with(loss_mod, "_target_fix_mode", lambda *a: None),
@@ -168,7 +171,7 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
     from benchmarks.kernels_common import rel
     from benchmarks.kernels_lowmem import _ref_grads_fp32
     from benchmarks.regimes import make_inputs
-    from liger_compat.kernels import _lowmem_triton
+    from liger_compat.kernels import _lowmem_triton, _sparse_grads_triton
 
     n, hd, v, softcap = HEADS[head]
     tflops = _matmul_tflops()
@@ -216,6 +219,10 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
                 row.update(gh_err_vs_fp32=rel(gh, rh), gw_err_vs_fp32=rel(gw, rw),
                            loss_absdiff_vs_fp32=abs(float(loss) - rl),
                            finite=bool(torch.isfinite(gh).all() and torch.isfinite(gw).all()))
+                if impl == "liger_compat sparse" and _sparse_grads_triton.last_pairs is not None:
+                    left, tested = _sparse_grads_triton.last_pairs
+                    row["tiles_skipped"] = int(left)
+                    row["tiles_skipped_share"] = int(left) / max(tested, 1)
                 if impl == "liger_compat lowmem" and _lowmem_triton.last_skipped is not None:
                     valid = int((t != -100).sum())
                     row["tiles_skipped"] = int(_lowmem_triton.last_skipped)

@@ -328,18 +328,25 @@ def _ce_grad_kernel(
 def _ce_target_grad_kernel(
     target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
-    fix_ptr, stride_fix, fw_ptr, stride_fw, FH,
-    HAS_SOFTCAP: tl.constexpr, HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr,
+    fix_ptr, stride_fix, fw_ptr, stride_fw, FH, dt_ptr,
+    HAS_SOFTCAP: tl.constexpr, HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr, ZERO_TARGET: tl.constexpr,
 ):
     """Split variant, step 4: the target's entry of each row's gradient (:func:`_target_grad`), and
-    with ``HAS_FIX`` the row's exact-target correction (:func:`_store_target_fix`)."""
+    with ``HAS_FIX`` the row's exact-target correction (:func:`_store_target_fix`). ``ZERO_TARGET``:
+    the entry is stored as 0 and kept in fp32 in ``dt_ptr[row]`` instead (0 where the row has no
+    target), and the correction is then the whole ``d_t * W[target]`` (the block-sparse gradient
+    matmuls add the targets' terms apart, ``_sparse_grads_triton``)."""
     row = tl.program_id(0).to(tl.int64)
     _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     lse = tl.load(lse_ptr + row)
     scale = tl.load(scale_ptr + row * stride_scale).to(tl.float32)
     d_t = _target_grad(tl.load(rest_ptr + row), tl.load(xt_ptr + row), lse, scale, V, label_smoothing,
                        lse_square_scale, softcap, HAS_SOFTCAP)
-    stored = d_t.to(grad_ptr.dtype.element_ty)
+    if ZERO_TARGET:
+        stored = tl.zeros([], tl.float32).to(grad_ptr.dtype.element_ty)
+        tl.store(dt_ptr + row, tl.where(valid & in_range, d_t, 0.0))
+    else:
+        stored = d_t.to(grad_ptr.dtype.element_ty)
     tl.store(grad_ptr + row * stride_g + tgt_safe, stored, mask=valid & in_range)
     if HAS_FIX:
         _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr, stride_fw,
@@ -361,7 +368,7 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
 
 
 def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None,
-                   head=None, target_fix=None):
+                   head=None, target_fix=None, sparse=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
     tensor of :func:`liger_compat.kernels._device_errors.new_flag` that the statistics pass
     adds out-of-range targets to; a scratch one when not given; ``head``: the rows' hidden states,
@@ -374,7 +381,12 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
 
     ``target_fix`` = ``(fix, weight)``, with ``grad``: ``fix`` (fp32 ``[C, H]``) receives each row's
     exact-target correction, ``(d_t - stored d_t) * weight[target]`` (:func:`_store_target_fix`), for
-    the caller to add to the fp32 sum of ``grad @ weight``."""
+    the caller to add to the fp32 sum of ``grad @ weight``.
+
+    ``sparse`` = ``(dt, rest)``, with ``grad`` (split variant): each target's entry is stored as 0,
+    ``dt`` (fp32 ``[C]``) receives it in fp32 and ``rest`` (fp32 ``[C]``, zeroed by the caller) each
+    row's softmax mass outside its target; with ``target_fix`` the correction is the whole
+    ``d_t * weight[target]``."""
     c, v = logits.shape
     if c == 0:
         return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
@@ -425,6 +437,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         fix_args = (logits, 0, logits, 0, 0)
         fix_common = dict(HAS_FIX=False, BLOCK_FH=16)
     if variant == "row":
+        assert sparse is None, "sparse= needs the split variant"
         block, warps = _block_v(v, dev)
         _ce_row_kernel[(c,)](
             logits, logits.stride(0), target, g, sg,
@@ -458,6 +471,12 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
             )
         if grad is not None:
             rest = torch.zeros((2, c), dtype=f32, device=dev)  # mass outside the target; target logit
+            if sparse is not None:
+                dt, rest_out = sparse
+                assert dt.shape == (c,) and rest_out.shape == (c,) and dt.dtype == rest_out.dtype == f32
+                rest = (rest_out, rest[1])
+            else:
+                dt = rest[1]
             _ce_grad_kernel[(c, nb)](
                 logits, logits.stride(0), target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
@@ -465,9 +484,9 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
             )
             _ce_target_grad_kernel[(c,)](
                 target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
-                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *fix_args,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *fix_args, dt,
                 HAS_SOFTCAP=common["HAS_SOFTCAP"], num_warps=4 if target_fix is not None and dev.type == "cuda" else 1,
-                **fix_common,
+                ZERO_TARGET=sparse is not None, **fix_common,
             )
     if not stats:
         return None

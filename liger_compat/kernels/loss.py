@@ -308,6 +308,9 @@ class FlceKnobs(NamedTuple):
     logits_impl: str = "auto"
     compact_ignored: bool = False
     ce_variant: str = "split"
+    #: block-sparse gradient matmuls over the sorted vocabulary (:func:`_sparse_ok`); the eager
+    #: path only (the custom ops for ``torch.compile`` take the first three knobs)
+    sparse_grads: bool = False
 
 
 #: rows x vocabulary x hidden from which ``compact_ignored=None`` compacts ignored rows (2^40: the
@@ -328,15 +331,32 @@ DEFAULT_KNOBS = FlceKnobs()
 _CE_VARIANTS = ("split", "row")  # the same as _ce_triton.CE_KERNEL_VARIANTS (kept here: Triton is optional)
 
 
-def _knobs(logits_impl, compact_ignored, ce_variant) -> FlceKnobs:
+def _knobs(logits_impl, compact_ignored, ce_variant, sparse_grads=False) -> FlceKnobs:
     """The keyword arguments of the entry point, checked (``logits_impl=None``: the setting;
-    ``compact_ignored`` already resolved by :func:`compact_for`)."""
+    ``compact_ignored`` already resolved by :func:`compact_for`; ``sparse_grads`` by the caller)."""
     impl = _config.flce_logits() if logits_impl is None else _config.check_flce_logits(logits_impl, "logits_impl")
     if not isinstance(compact_ignored, bool):
         raise ValueError(f"compact_ignored must be True, False or None, got {compact_ignored!r}")
     if ce_variant not in _CE_VARIANTS:
         raise ValueError(f"ce_variant must be one of {', '.join(_CE_VARIANTS)}, got {ce_variant!r}")
-    return FlceKnobs(impl, compact_ignored, ce_variant)
+    return FlceKnobs(impl, compact_ignored, ce_variant, bool(sparse_grads))
+
+
+def _sparse_chunks():
+    from . import _sparse_grads_triton
+
+    return _sparse_grads_triton
+
+
+def _sparse_ok(backend, h, w, b, opt, grads, n) -> bool:
+    """Whether a chunked pass can run its gradient matmuls block-sparse (``_sparse_grads_triton``):
+    the Triton path with tensor descriptors (``_sparse_grads_triton.supported``), a gradient of
+    hidden or weight and none of a bias, no label smoothing or z-loss (their gradient is dense by
+    definition), some rows, and not while a CUDA graph is captured (the pass reads the first
+    chunk's count on the host)."""
+    return (backend == "triton" and b is None and opt.label_smoothing == 0.0 and opt.lse_square_scale == 0.0
+            and (grads[0] or grads[1]) and not grads[2] and n > 0 and not _capturing(h.device)
+            and _sparse_chunks().supported(h, w, h))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -422,6 +442,11 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     fixbuf = torch.empty(min(rows, max(m, 1)), hdim, dtype=f32, device=dev) if fix_mode else None
     w32 = w.float() if fix_mode == "float" else None  # the interpreter's fp32 copy, made once a pass
     wt = w.t()
+    sp = _sparse_chunks().SparseChunks(h, w, target, opt, min(rows, max(m, 1)), grads) if (
+        knobs.sparse_grads and _sparse_ok(backend, h, w, b, opt, grads, m)) else None
+    if sp is not None and need_gh and fixbuf is None:  # the targets' terms of grad_hidden go through it
+        fixbuf = torch.empty(min(rows, max(m, 1)), hdim, dtype=f32, device=dev)
+        fix_mode = "sparse"
     fused_stats = None
     logits_impl = knobs.logits_impl
     if backend == "triton" and b is None and (logits_impl == "triton" or (logits_impl == "auto" and opt.softcap is None)):
@@ -440,21 +465,28 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
         logits = buf[: end - start]
         extra = {}
+        sparse = sp is not None and sp.on
+        wc = sp.ws if sparse else w  # the sparse chunk's columns are in the sorted order
+        if sparse:
+            tc_head, tc = tc, sp.sorted_targets(tc)
         if fused_stats is not None:
-            extra["partials"] = fused_stats(hc, w, logits, opt)
+            extra["partials"] = fused_stats(hc, wc, logits, opt)
         elif b is not None:
             torch.addmm(b, hc, wt, out=logits)
         else:
-            torch.mm(hc, wt, out=logits)
+            torch.mm(hc, wc.t(), out=logits)
         if want_stats:
             extra["bad"] = bad
         if logits.element_size() < 4:  # each target logit in fp32, not as stored (peaked rows' lse)
-            extra["head"] = (hc, w, b)
+            extra["head"] = (hc, wc, b)
         if backend == "triton":
-            extra["variant"] = knobs.ce_variant
-        fix = fixbuf[: end - start] if fixbuf is not None else None
+            extra["variant"] = "split" if sparse else knobs.ce_variant
+        # (the buffer made for the sparse chunks alone is not the dense chunks' correction)
+        fix = fixbuf[: end - start] if fixbuf is not None and (sparse or fix_mode != "sparse") else None
         if fix is not None:
-            extra["target_fix"] = (fix, w)
+            extra["target_fix"] = (fix, wc)
+        if sparse:
+            extra["sparse"] = sp.row_buffers(end - start)
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if single:
@@ -463,7 +495,13 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
                 loss[start:end], zl[start:end], _, correct[start:end] = st
             else:
                 loss[ic], zl[ic], correct[ic] = st[0], st[1], st[3]
-        if any_grad:
+        if sparse:
+            # both gradient matmuls block-sparse; grad_weight's rows back in the vocabulary's order
+            out_rows = idx[start:end] if idx is not None else None
+            sp.grads(logits, hc, tc, tc_head, sc, st[2], fix, gh, gw, out_rows, start, first=start == 0 and first_writes)
+            if start == 0 and end < m:
+                sp.decide()  # one host read: later chunks dense where this one left out too little
+        elif any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
             if need_gw:
                 if mixed:  # bf16 operands, fp32 product and sum (cuBLAS)
@@ -496,6 +534,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
                     gh.index_copy_(0, ic, hc)
         hc = tc = sc = st = None  # free this chunk's gathered rows before the next gather
     del buf
+    if sp is not None:
+        sp.finish()
     if gw is not None and gw.dtype != w.dtype:
         gw = gw.to(w.dtype)
     if gb is not None and b is not None:
@@ -709,11 +749,11 @@ def _flce_ops(h, w, b, target, opt, reduction, num_items, want_z, want_acc, lowm
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and h.requires_grad, grad_on and w.requires_grad, grad_on and b is not None and b.requires_grad)
     if reduction != "none" and any(needs):
-        loss, zl, hits, _, _, _ = _dispatch.OPS.flce_with_grads.default(h, w, b, target, scale, *args, *needs, "auto", *knobs)
+        loss, zl, hits, _, _, _ = _dispatch.OPS.flce_with_grads.default(h, w, b, target, scale, *args, *needs, "auto", *knobs[:3])
         z = zl.sum() * scale if want_z else None
         acc = hits.sum() / n_valid.clamp(min=1).float() if want_acc else None
     else:
-        loss_rows, zl, hits = _dispatch.OPS.flce_rows.default(h, w, b, target, *args, "auto", *knobs)
+        loss_rows, zl, hits = _dispatch.OPS.flce_rows.default(h, w, b, target, *args, "auto", *knobs[:3])
         loss, z, acc = _finish(loss_rows, zl, hits, n_valid, scale, reduction, (target.numel(),), want_z, want_acc)
     zero = loss.new_zeros(())
     return loss, z if z is not None else zero, acc if acc is not None else zero
@@ -784,6 +824,7 @@ def fused_linear_cross_entropy(
     logits_impl: str | None = None,
     compact_ignored: bool | None = None,
     ce_variant: str = "split",
+    sparse_grads: bool = False,
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without ``[N, V]`` logits.
 
@@ -806,7 +847,12 @@ def fused_linear_cross_entropy(
     logits; ``compact_ignored=True`` skips ignored rows instead of computing them (one host sync
     a call to count them), ``False`` computes them, ``None`` (default) compacts only a loss of at
     least :data:`COMPACT_MIN_MACS` rows x vocabulary x hidden (:func:`compact_for`);
-    ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout.
+    ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout;
+    ``sparse_grads=True`` (experimental: slower than the dense default in every regime measured so
+    far, ``benchmarks/NOTES.md``) runs the chunked mode's two gradient matmuls block-sparse over the
+    vocabulary sorted by mean logit, past the first chunk only where it left out enough
+    (``_sparse_grads_triton``; eager calls
+    on a GPU with tensor descriptors, without a bias, label smoothing, z-loss or token accuracy).
     """
     if not _dispatch.compiling():  # while tracing, the ops' real implementations poll
         _device_errors.poll()
@@ -854,7 +900,11 @@ def fused_linear_cross_entropy(
         check_config(config)
     if compact_ignored is not None and not isinstance(compact_ignored, bool):
         raise ValueError(f"compact_ignored must be True, False or None, got {compact_ignored!r}")
-    knobs = _knobs(logits_impl, compact_for(h2.shape[0], v, hdim, compact_ignored), ce_variant)
+    if not isinstance(sparse_grads, bool):
+        raise ValueError(f"sparse_grads must be True or False, got {sparse_grads!r}")
+    # token accuracy needs the argmax's first index in the vocabulary's own order (ties)
+    knobs = _knobs(logits_impl, compact_for(h2.shape[0], v, hdim, compact_ignored), ce_variant,
+                   bool(sparse_grads) and not want_acc)
     if compiling:
         # the setting or the keyword decide at trace time; ``auto`` keeps the chunked ops (the
         # free memory of the moment of tracing says nothing about the runs)
