@@ -212,6 +212,7 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
                 torch.cuda.empty_cache()
                 h = h0.detach().clone().requires_grad_(True)
                 w = w0.detach().clone().requires_grad_(True)
+                _sparse_grads_triton.last_pairs = _sparse_grads_triton.last_probe = None
                 (gh, gw), loss = _step(fn, h, w, t)  # warm-up; its gradients give the errors
                 torch.cuda.synchronize()
                 if peaked.numel():  # the rows whose target has p >= PEAKED_P, alone
@@ -219,10 +220,12 @@ def worker(head: str, regimes, impls, reps: int, deadline: float, path: Path) ->
                 row.update(gh_err_vs_fp32=rel(gh, rh), gw_err_vs_fp32=rel(gw, rw),
                            loss_absdiff_vs_fp32=abs(float(loss) - rl),
                            finite=bool(torch.isfinite(gh).all() and torch.isfinite(gw).all()))
-                if impl == "liger_compat sparse" and _sparse_grads_triton.last_pairs is not None:
-                    left, tested = _sparse_grads_triton.last_pairs
-                    row["tiles_skipped"] = int(left)
-                    row["tiles_skipped_share"] = int(left) / max(tested, 1)
+                if impl == "liger_compat sparse":
+                    row["probe_left_out"] = _sparse_grads_triton.last_probe
+                    if _sparse_grads_triton.last_pairs is not None:  # the chunks after the probe
+                        left, tested = _sparse_grads_triton.last_pairs
+                        row["tiles_skipped"] = int(left)
+                        row["tiles_skipped_share"] = int(left) / max(tested, 1)
                 if impl == "liger_compat lowmem" and _lowmem_triton.last_skipped is not None:
                     valid = int((t != -100).sum())
                     row["tiles_skipped"] = int(_lowmem_triton.last_skipped)
@@ -296,6 +299,8 @@ def report(data: dict) -> str:
                     lines.append(f"| {r['impl']} | | | | | | | {r.get('status')} {r.get('error', '')} |")
                     continue
                 note = (f"{100 * r['tiles_skipped_share']:.1f} % of tiles skipped" if "tiles_skipped_share" in r else "")
+                if r.get("probe_left_out") is not None and "tiles_skipped_share" not in r:
+                    note = f"probe left out {100 * r['probe_left_out']:.1f} %: every chunk dense"
                 pk = (f"{r['gh_peaked_rows_err_vs_fp32']:.1e} ({r['peaked_rows']} rows)"
                       if "gh_peaked_rows_err_vs_fp32" in r else "")
                 lines.append(f"| {r['impl']} | {r['ms']:.2f} | {r['x_floor']:.2f} | {r['extra_mib']:.0f} | "

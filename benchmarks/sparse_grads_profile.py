@@ -54,9 +54,13 @@ def report(data: dict) -> str:
              "| step | ms |", "|---|---|"]
     for key, name in (("cublas_d_at_W_ms", "cuBLAS `d @ W` (dense grad_hidden)"),
                       ("cublas_dT_at_h_ms", "cuBLAS `d.T @ h` (dense grad_weight)"),
-                      ("logits_mm_ms", "cuBLAS logits `h @ Ws.T`"), ("filter_ms", "filter (reads `d` once)"),
+                      ("logits_mm_ms", "cuBLAS logits `h @ Ws.T`"), ("filter_ms", "filter reading `d` (the probe's)"),
+                      ("filter_stats_ms", "filter from the row kernel's tile statistics (the sparse chunks')"),
                       ("lists_ms", "kept-pair lists")):
-        lines.append(f"| {name} | {data[key]:.3f} |")
+        if key in data:
+            lines.append(f"| {name} | {data[key]:.3f} |")
+    if "pairs_agree" in data:
+        lines += ["", f"The two filters keep the same pairs: {data['pairs_agree']}."]
     lines += ["", "| kernel | configuration | kept pairs ms | every pair ms |", "|---|---|---|---|"]
     for r in data["rows"]:
         if "error" in r:
@@ -99,8 +103,9 @@ def main(argv=None) -> int:
     valid = tc != -100
     sc = torch.where(valid, 1.0 / valid.sum(), 0.0).float()
     fix = torch.empty(c, hd, dtype=torch.float32, device="cuda")
-    dt, rest = sp.row_buffers(c)
-    st = ce_rows_triton(d, tpos, opt, scale=sc, grad=d, head=(hc, sp.ws, None), target_fix=(fix, sp.ws), sparse=(dt, rest))
+    dt, rest, tq, ts, tbn = sp.row_buffers(c)
+    st = ce_rows_triton(d, tpos, opt, scale=sc, grad=d, head=(hc, sp.ws, None), target_fix=(fix, sp.ws),
+                        sparse=(dt, rest, tq, ts, tbn))
     lse = st[2]
     mass = sp.mass[:c].zero_()
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -118,6 +123,8 @@ def main(argv=None) -> int:
     res["cublas_dT_at_h_ms"] = _time(lambda: torch.mm(d.t(), hc))
     res["logits_mm_ms"] = _time(lambda: torch.mm(hc, sp.ws.t()))
     res["filter_ms"] = _time(lambda: sg.tile_filter(d, sc, rest, lse, mass, counter))
+    res["filter_stats_ms"] = _time(lambda: sg.tile_filter_stats(tq, ts, sc, rest, lse, mass, counter, v))
+    res["pairs_agree"] = bool(torch.equal(keep, sg.tile_filter_stats(tq, ts, sc, rest, lse, mass, counter, v)))
     res["lists_ms"] = _time(lambda: sg.tile_lists(keep))
     base = dict(sg.config_for(h.device))
     rows = []

@@ -300,12 +300,15 @@ def _ce_combine_kernel(
 @triton.jit
 def _ce_grad_kernel(
     logits_ptr, stride_l, target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
-    V, ignore_index, label_smoothing, lse_square_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap, tq_ptr, ts_ptr, T,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, TILE_STATS: tl.constexpr, TBN: tl.constexpr,
 ):
     """Split variant, step 3: each (row, block of V) program writes its block of the gradient and
     adds the block's softmax mass outside the target to ``rest_ptr[row]`` (the program holding the
-    target also keeps its logit in ``xt_ptr[row]``): step 4 writes the target's entry from them."""
+    target also keeps its logit in ``xt_ptr[row]``): step 4 writes the target's entry from them.
+    ``TILE_STATS``: per tile of ``TBN`` columns, the largest and the summed softmax entry outside
+    the target (times the softcap's derivative: the gradient entry over the row's scale) go to
+    ``tq_ptr`` and ``ts_ptr`` (fp32 ``[rows, T]``), for the block-sparse gradient's filter."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
@@ -322,6 +325,14 @@ def _ce_grad_kernel(
     tl.store(xt_ptr + row, tl.sum(tl.where(cols == tgt_safe, x, 0.0), axis=0), mask=has_t)
     tl.atomic_add(rest_ptr + row, rest, sem="relaxed")
     tl.store(grad_ptr + row * stride_g + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+    if TILE_STATS:
+        # (a row without a gradient has scale 0 and d 0)
+        q = tl.where(mask & (cols != tgt_safe), d, 0.0) / tl.where(scale != 0.0, scale, 1.0)
+        q2 = tl.reshape(q, [BLOCK_V // TBN, TBN])
+        tiles = blk * (BLOCK_V // TBN) + tl.arange(0, BLOCK_V // TBN)
+        tm = tiles < T
+        tl.store(tq_ptr + row * T + tiles, tl.max(q2, axis=1), mask=tm)
+        tl.store(ts_ptr + row * T + tiles, tl.sum(q2, axis=1), mask=tm)
 
 
 @triton.jit
@@ -383,10 +394,11 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     exact-target correction, ``(d_t - stored d_t) * weight[target]`` (:func:`_store_target_fix`), for
     the caller to add to the fp32 sum of ``grad @ weight``.
 
-    ``sparse`` = ``(dt, rest)``, with ``grad`` (split variant): each target's entry is stored as 0,
-    ``dt`` (fp32 ``[C]``) receives it in fp32 and ``rest`` (fp32 ``[C]``, zeroed by the caller) each
-    row's softmax mass outside its target; with ``target_fix`` the correction is the whole
-    ``d_t * weight[target]``."""
+    ``sparse`` = ``(dt, rest, tq, ts, tbn)``, with ``grad`` (split variant): each target's entry is
+    stored as 0, ``dt`` (fp32 ``[C]``) receives it in fp32, ``rest`` (fp32 ``[C]``, zeroed by the
+    caller) each row's softmax mass outside its target, and ``tq`` / ``ts`` (fp32 ``[C, cdiv(V,
+    tbn)]``) the largest and the summed entry of that softmax (times the softcap's derivative) per
+    tile of ``tbn`` columns; with ``target_fix`` the correction is the whole ``d_t * weight[target]``."""
     c, v = logits.shape
     if c == 0:
         return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
@@ -472,15 +484,17 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         if grad is not None:
             rest = torch.zeros((2, c), dtype=f32, device=dev)  # mass outside the target; target logit
             if sparse is not None:
-                dt, rest_out = sparse
+                dt, rest_out, tq, ts, tbn = sparse
                 assert dt.shape == (c,) and rest_out.shape == (c,) and dt.dtype == rest_out.dtype == f32
+                assert tq.shape == ts.shape == (c, cdiv(v, tbn)) and block % tbn == 0
                 rest = (rest_out, rest[1])
             else:
-                dt = rest[1]
+                dt, tq, ts, tbn = rest[1], rest[1], rest[1], 16
             _ce_grad_kernel[(c, nb)](
                 logits, logits.stride(0), target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
-                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap,
-                HAS_SOFTCAP=common["HAS_SOFTCAP"], BLOCK_V=block, num_warps=warps,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, tq, ts, tq.shape[-1],
+                HAS_SOFTCAP=common["HAS_SOFTCAP"], BLOCK_V=block, num_warps=warps, TILE_STATS=sparse is not None,
+                TBN=tbn,
             )
             _ce_target_grad_kernel[(c,)](
                 target, g, sg, lse, scale, stride_scale, rest[0], rest[1],

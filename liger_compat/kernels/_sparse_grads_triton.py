@@ -9,11 +9,12 @@ row rules out then share tiles) do whole tiles of negligible entries appear. So 
 runs on the sorted vocabulary: the caller computes the chunk's logits against the sorted weight
 ``Ws = W[order]`` and maps each target to its sorted position, and then
 
-* :func:`tile_filter` reads ``d`` once per (block of ``BM`` rows, tile of ``BN`` columns) and
-  leaves the pair out where every entry is below ``skip_eps`` times the row's scale and no row
-  holds there more than ``skip_share`` of its share (``BN / V``) of its softmax mass outside the
-  target (the low-memory backward's rule, ``_lowmem_triton``); a left-out pair's gradient mass
-  is added per row to a table with one column per run of ``MEAN_TILES`` tiles;
+* :func:`tile_filter_stats` leaves a (block of ``BM`` rows, tile of ``BN`` columns) pair out where
+  every non-target softmax entry is below ``skip_eps`` and no row holds there more than
+  ``skip_share`` of its share (``BN / V``) of its softmax mass outside the target (the low-memory
+  backward's rule, ``_lowmem_triton``), from per (row, tile) maxima and sums the row kernel wrote
+  as it formed ``d``; a left-out pair's gradient mass is added per row to a table with one column
+  per run of ``MEAN_TILES`` tiles (:func:`tile_filter` applies the same rule reading ``d`` itself);
 * :func:`sparse_grad_hidden`: per block of rows, ``d @ Ws`` over the kept tiles only, plus that
   mass times the mean weight row of its run (what the left-out entries share: most of their
   product), plus the fp32 target term the caller passes (``d_t * W[target]``), rounded once;
@@ -24,6 +25,12 @@ runs on the sorted vocabulary: the caller computes the chunk's logits against th
 
 The targets' entries of ``d`` must be zero (the row kernel writes them as zero in this mode and
 hands over ``d_t`` in fp32): they are the two matmuls' last terms instead, never left out.
+
+Which chunks run so (:func:`probe`, :class:`SparseChunks`): the pass's first chunk runs dense, and
+its first block of rows, gathered into the sorted order, goes through :func:`tile_filter` (one
+host read of the count); only where that leaves out :data:`SPARSE_MIN_SHARE` of the pairs are the
+weight sorted and copied and the later chunks run sparse, so that a near-uniform softmax costs the
+sort key and the probe alone.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ import torch
 
 from ._dispatch import cdiv, next_pow2, tl, triton
 
-__all__ = ["CONFIGS", "tile_filter", "sparse_grad_hidden", "sparse_grad_weight", "tile_lists", "SKIP_EPS",
-           "SKIP_SHARE", "ROW_MASS_FLOOR", "MEAN_TILES"]
+__all__ = ["CONFIGS", "tile_filter", "tile_filter_stats", "sparse_grad_hidden", "sparse_grad_weight", "tile_lists",
+           "probe", "SparseChunks", "SKIP_EPS", "SKIP_SHARE", "ROW_MASS_FLOOR", "MEAN_TILES"]
 
 #: The filter's tile (BM rows, BN columns: the low-memory backward's, so that the two modes leave
 #: out the same pairs) and the matmuls' blocks: grad_hidden (BH output columns of H, BK columns of
@@ -63,10 +70,11 @@ def supported(d: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> bool:
     """The matmuls read through tensor descriptors (TMA on Hopper): a 16-bit float type (on the
     interpreter fp16: its bf16 ``tl.dot`` is not exact), rows 16-byte aligned (V and H multiples of
     8), Triton with host-side descriptors and on CUDA compute capability 9.0+
-    (``_logits_triton.supported``, whose conditions these are)."""
+    (``_logits_triton.supported``, whose conditions these are), and a vocabulary of a tile or more."""
     from ._logits_triton import supported as logits_supported
 
-    return logits_supported(h, w) and d.dtype == w.dtype
+    # (the row kernel's blocks of V hold whole tiles from one tile's width on)
+    return logits_supported(h, w) and d.dtype == w.dtype and w.shape[0] >= config_for(w.device)["BN"]
 
 
 def _desc(t: torch.Tensor, block):
@@ -77,6 +85,57 @@ def _desc(t: torch.Tensor, block):
 
 def config_for(device: torch.device) -> dict:
     return CONFIGS["cuda" if device.type == "cuda" else "interpret"]
+
+
+@triton.jit
+def _decide(top, tile_mass, live, rest_ptr, lse_ptr, offs_m, mmask, skip_eps, skip_share, mass_floor, V,
+            BN: tl.constexpr):
+    """Whether a (block of rows, tile) pair is kept: its largest non-target softmax entry ``top``
+    reaches ``skip_eps``, or a live row holds there more than ``skip_share`` of its share
+    (``BN / V``) of its mass outside the target (``rest``, at least ``mass_floor * (|lse| + 1)``)."""
+    rest = tl.load(rest_ptr + offs_m, mask=mmask, other=0.0)
+    lse = tl.load(lse_ptr + offs_m, mask=mmask, other=0.0)
+    row_mass = tl.maximum(rest, (tl.abs(lse) + 1.0) * mass_floor)
+    heavy = tl.max(tl.where(live & (tile_mass > skip_share * row_mass * BN / V), 1, 0), axis=0)
+    return (top >= skip_eps) | (heavy > 0)
+
+
+@triton.jit
+def _filter_stats_kernel(tq_ptr, ts_ptr, sc_ptr, rest_ptr, lse_ptr, keep_ptr, mass_ptr, cnt_ptr, C, V, T, n_means,
+                         skip_eps, skip_share, mass_floor, MEAN_TILES: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr):
+    """:func:`_filter_kernel`'s decision from the row kernel's per (row, tile) largest entry and sum
+    of the softmax outside the target (``tq``, ``ts``: fp32 ``[C, T]``) instead of the tile itself."""
+    pid = tl.program_id(0)
+    t = pid % T
+    rb = pid // T
+    offs_m = rb * BM + tl.arange(0, BM)
+    mmask = offs_m < C
+    sc = tl.load(sc_ptr + offs_m, mask=mmask, other=0.0)
+    live = mmask & (sc != 0.0)
+    at = offs_m.to(tl.int64) * T + t
+    top = tl.max(tl.load(tq_ptr + at, mask=live, other=0.0), axis=0)
+    tile_mass = tl.load(ts_ptr + at, mask=live, other=0.0)
+    keep = _decide(top, tile_mass, live, rest_ptr, lse_ptr, offs_m, mmask, skip_eps, skip_share, mass_floor, V, BN)
+    tl.store(keep_ptr + pid, keep.to(tl.int32))
+    if not keep:
+        tl.atomic_add(cnt_ptr, 1, sem="relaxed")
+        tl.atomic_add(mass_ptr + offs_m.to(tl.int64) * n_means + t // MEAN_TILES, tile_mass * sc, mask=mmask,
+                      sem="relaxed")
+
+
+def tile_filter_stats(tq, ts, sc, rest, lse, mass, counter, v):
+    """:func:`tile_filter` of a chunk over a vocabulary of ``v`` from the row kernel's tile
+    statistics (``ce_rows_triton(sparse=...)``: ``tq``, ``ts`` fp32 ``[C, T]``)."""
+    c, t = tq.shape
+    cfg = config_for(tq.device)
+    bm = cfg["BM"]
+    rb = cdiv(c, bm)
+    keep = torch.empty((rb, t), dtype=torch.int32, device=tq.device)
+    _filter_stats_kernel[(rb * t,)](tq, ts, sc, rest, lse, keep, mass, counter, c, v, t, mass.shape[1],
+                                    float(SKIP_EPS), float(SKIP_SHARE), float(ROW_MASS_FLOOR), MEAN_TILES=MEAN_TILES,
+                                    BM=bm, BN=cfg["BN"], num_warps=4 if tq.device.type == "cuda" else 1)
+    return keep
 
 
 @triton.jit
@@ -97,13 +156,8 @@ def _filter_kernel(d_ptr, stride_d, sc_ptr, rest_ptr, lse_ptr, keep_ptr, mass_pt
                 mask=live[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     # the softmax entry (times the softcap's derivative) from the gradient entry and the row's scale
     q = d / tl.where(live, sc, 1.0)[:, None]
-    top = tl.max(tl.max(q, axis=1), axis=0)
-    tile_mass = tl.sum(q, axis=1)
-    rest = tl.load(rest_ptr + offs_m, mask=mmask, other=0.0)
-    lse = tl.load(lse_ptr + offs_m, mask=mmask, other=0.0)
-    row_mass = tl.maximum(rest, (tl.abs(lse) + 1.0) * mass_floor)
-    heavy = tl.max(tl.where(live & (tile_mass > skip_share * row_mass * BN / V), 1, 0), axis=0)
-    keep = (top >= skip_eps) | (heavy > 0)
+    keep = _decide(tl.max(tl.max(q, axis=1), axis=0), tl.sum(q, axis=1), live, rest_ptr, lse_ptr, offs_m, mmask,
+                   skip_eps, skip_share, mass_floor, V, BN)
     tl.store(keep_ptr + pid, keep.to(tl.int32))
     if not keep:
         tl.atomic_add(cnt_ptr, 1, sem="relaxed")
@@ -287,45 +341,91 @@ def sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos, dt, order, gw, *, first
         BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16, num_warps=cfg["gw_warps"], num_stages=cfg["gw_stages"])
 
 
-#: The sparse pass goes on past its first chunk only where that chunk left out at least this share
-#: of its (block of rows, tile) pairs; the later chunks run the dense matmuls otherwise.
+#: The later chunks run sparse only where the probe (the first chunk's first block of rows) left
+#: out at least this share of its pairs; the pass runs dense otherwise.
 SPARSE_MIN_SHARE = 0.15
 #: The latest sparse pass's ``(left-out pairs, pairs tested)``: an int32 device tensor of one
 #: element (read it when needed: no host sync here) and an int.
 last_pairs: tuple[torch.Tensor, int] | None = None
+#: The share of pairs the latest probe left out (a float; None before any).
+last_probe: float | None = None
+
+
+def _order(h, w, target, opt):
+    """The vocabulary sorted by mean logit over the rows that get a gradient, and its inverse."""
+    from ._lowmem_triton import column_order
+
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    order = column_order(h, w, None, torch.arange(n, device=dev), (target != opt.ignore_index).to(torch.float32))
+    inv = torch.empty(v, dtype=torch.int64, device=dev)
+    inv[order.long()] = torch.arange(v, device=dev)
+    return order, inv
+
+
+def _live_scale(tc, sc, opt, v):
+    """fp32 ``[C]``: each row's scale where it gets a gradient, else 0."""
+    live = (tc != opt.ignore_index) & (tc >= 0) & (tc < v)
+    sc = sc.float()
+    return torch.where(live, sc if sc.dim() else sc.expand(tc.shape[0]), torch.zeros((), dtype=sc.dtype,
+                                                                                      device=tc.device)).contiguous()
+
+
+def probe(h, w, target, opt, grads, d, tc, sc, lse, *, rows):
+    """After the first (dense) chunk: its first block of rows' gradient ``d`` (natural order, as the
+    row kernel wrote it) gathered into the sorted order, its targets' entries zeroed, through the
+    same filter as the sparse chunks (one host read of the count). A :class:`SparseChunks` for the
+    later chunks where it left out at least :data:`SPARSE_MIN_SHARE` of its pairs, else None."""
+    global last_probe
+    v = w.shape[0]
+    order, inv = _order(h, w, target, opt)
+    pr = min(config_for(d.device)["BM"], d.shape[0])
+    sub = d[:pr].index_select(1, order.long())
+    tcp = tc[:pr]
+    scp = _live_scale(tcp, sc if sc.dim() == 0 else sc[:pr], opt, v)
+    tpos = inv[tcp.clamp(0, v - 1).long()]
+    sub.scatter_(1, tpos[:, None], torch.zeros((pr, 1), dtype=sub.dtype, device=sub.device))
+    rest = sub.float().sum(1) / torch.where(scp != 0, scp, torch.ones((), device=scp.device))
+    counter = torch.zeros(1, dtype=torch.int32, device=d.device)
+    mass = torch.zeros((pr, cdiv(cdiv(v, config_for(d.device)["BN"]), MEAN_TILES)), dtype=torch.float32,
+                       device=d.device)
+    keep = tile_filter(sub, scp, rest.contiguous(), lse[:pr].contiguous(), mass, counter)
+    last_probe = int(counter.item()) / keep.numel()  # a host sync
+    if last_probe < SPARSE_MIN_SHARE:
+        return None
+    return SparseChunks(h, w, target, opt, rows, grads, order=(order, inv))
 
 
 class SparseChunks:
-    """The state of one chunked pass whose gradient matmuls run block-sparse: the vocabulary's
-    order (``_lowmem_triton.column_order``, over the rows that get a gradient), its inverse, the
-    sorted weight ``ws`` (a copy: ``[V, H]`` more memory while the pass runs), the mean row of each
-    run of :data:`MEAN_TILES` tiles, and per-chunk buffers. ``on`` turns False (:meth:`decide`) when
-    the first chunk left out too little for the sparse matmuls to pay."""
+    """The state of a chunked pass whose later chunks run their gradient matmuls block-sparse: the
+    vocabulary's order (``_lowmem_triton.column_order``, over the rows that get a gradient), its
+    inverse, the sorted weight ``ws`` (a copy: ``[V, H]`` more memory while the pass runs), the mean
+    row of each run of :data:`MEAN_TILES` tiles, and per-chunk buffers (:meth:`buffers`)."""
 
-    def __init__(self, h, w, target, opt, rows, grads):
-        from ._lowmem_triton import column_order, tile_means
+    def __init__(self, h, w, target, opt, rows, grads, *, order=None):
+        from ._lowmem_triton import tile_means
 
         global last_pairs
         dev = h.device
-        n, v = h.shape[0], w.shape[0]
-        f32 = torch.float32
         self.cfg = cfg = config_for(dev)
-        self.v, self.opt = v, opt
+        self.v, self.opt = w.shape[0], opt
         self.need_gh, self.need_gw = bool(grads[0]), bool(grads[1])
-        live = (target != opt.ignore_index).to(f32)
-        self.order = column_order(h, w, None, torch.arange(n, device=dev), live)
-        self.inv = torch.empty(v, dtype=torch.int64, device=dev)
-        self.inv[self.order.long()] = torch.arange(v, device=dev)
+        self.order, self.inv = order if order is not None else _order(h, w, target, opt)
         self.ws = w.index_select(0, self.order)
-        nmeans = cdiv(cdiv(v, cfg["BN"]), MEAN_TILES)
         self.mu = tile_means(w, self.order, MEAN_TILES * cfg["BN"]) if self.need_gh else None
-        self.mass = torch.empty((rows, nmeans), dtype=f32, device=dev)
-        self.dt = torch.empty(rows, dtype=f32, device=dev)
-        self.rest = torch.empty(rows, dtype=f32, device=dev)
         self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
         self.tested = 0
-        self.on = True
+        self.buffers(rows)
         last_pairs = (self.counter, 0)
+
+    def buffers(self, rows):
+        """Per-chunk buffers for chunks of up to ``rows`` rows."""
+        dev, f32 = self.ws.device, torch.float32
+        self.mass = torch.empty((rows, cdiv(cdiv(self.v, self.cfg["BN"]), MEAN_TILES)), dtype=f32, device=dev)
+        self.dt = torch.empty(rows, dtype=f32, device=dev)
+        self.rest = torch.empty(rows, dtype=f32, device=dev)
+        t = cdiv(self.v, self.cfg["BN"])
+        self.tq = torch.empty((rows, t), dtype=f32, device=dev)
+        self.ts = torch.empty((rows, t), dtype=f32, device=dev)
 
     def sorted_targets(self, tc):
         """Each target's position in the sorted vocabulary (``ignore_index`` and out-of-range
@@ -334,39 +434,30 @@ class SparseChunks:
         return torch.where(ok, self.inv[tc.clamp(0, self.v - 1).long()].to(tc.dtype), tc)
 
     def row_buffers(self, c):
-        """``(dt, rest)`` for the row kernel's ``sparse=``: the chunk's fp32 target entries and
-        softmax mass outside the target (zeroed: the kernel adds to it)."""
-        return self.dt[:c], self.rest[:c].zero_()
+        """``(dt, rest, tq, ts, BN)`` for the row kernel's ``sparse=``: the chunk's fp32 target
+        entries, softmax mass outside the target (zeroed: the kernel adds to it), and per (row, tile
+        of BN columns) the largest and the summed softmax entry outside the target."""
+        return self.dt[:c], self.rest[:c].zero_(), self.tq[:c], self.ts[:c], self.cfg["BN"]
 
-    def grads(self, d, hc, tpos, tc, sc, lse, fix, gh, gw, out_rows, start, *, first):
+    def grads(self, d, hc, tpos, tc, sc, lse, fix, gh, gw, out_rows, start):
         """The chunk's two gradient matmuls from its gradient ``d`` (sorted columns, targets' entries
         zero; the row kernel has filled :meth:`row_buffers`): ``gh`` rows ``out_rows`` (or ``start``
-        onwards) written, ``gw`` written (``first``) or added to."""
+        onwards) written, ``gw`` added to."""
         c = d.shape[0]
-        v = self.v
-        live = (tc != self.opt.ignore_index) & (tc >= 0) & (tc < v)
-        sc = sc.float()
-        sc_rows = torch.where(live, sc if sc.dim() else sc.expand(c), torch.zeros((), dtype=sc.dtype, device=d.device))
+        sc_rows = _live_scale(tc, sc, self.opt, self.v)
         mass = self.mass[:c].zero_()
-        keep = tile_filter(d, sc_rows.contiguous(), self.rest[:c], lse, mass, self.counter)
+        keep = tile_filter_stats(self.tq[:c], self.ts[:c], sc_rows, self.rest[:c], lse, mass, self.counter, self.v)
         self.tested += keep.numel()
         by_rows, cnt_rows, by_tiles, cnt_tiles = tile_lists(keep)
         if self.need_gw:
-            tpos_live = torch.where(live, tpos, torch.full_like(tpos, -1))
-            sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos_live, self.dt[:c], self.order, gw, first=first)
+            tpos_live = torch.where(sc_rows != 0, tpos, torch.full_like(tpos, -1))
+            sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos_live, self.dt[:c], self.order, gw, first=False)
         if self.need_gh:
             if out_rows is None:
                 out_rows = torch.arange(start, start + c, device=d.device)
             sparse_grad_hidden(d, self.ws, by_rows, cnt_rows, mass, self.mu, fix, gh, out_rows)
 
-    def decide(self):
-        """After the first chunk (one host read): the later chunks stay sparse only where it left
-        out at least :data:`SPARSE_MIN_SHARE` of its pairs."""
-        if int(self.counter.item()) < SPARSE_MIN_SHARE * self.tested:
-            self.on = False
-            self.ws = self.mu = None
-
     def finish(self):
         global last_pairs
         last_pairs = (self.counter, self.tested)
-        self.ws = self.mu = self.mass = None
+        self.ws = self.mu = self.mass = self.tq = self.ts = None

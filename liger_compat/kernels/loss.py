@@ -348,6 +348,19 @@ def _sparse_chunks():
     return _sparse_grads_triton
 
 
+def _sparse_chunk_rows(rows: int, v: int, elem: int, device: torch.device) -> int:
+    """Rows of a block-sparse chunk: twice the dense chunk's (its grad_weight matmul's inner
+    dimension is the chunk's rows, and each chunk reads and writes grad_weight once), within
+    :data:`FLCE_CHUNK_MB_MAX_DEFAULT` of logits on a GPU, unless ``LIGER_COMPAT_FLCE_CHUNK_MB``
+    sets the chunk."""
+    if device.type != "cuda":
+        return 2 * rows
+    if _config.flce_chunk_mib() is not None:
+        return rows
+    cap = FLCE_CHUNK_MB_MAX_DEFAULT * 2**20 // (elem * v) // 128 * 128
+    return max(rows, min(2 * rows, cap))
+
+
 def _sparse_ok(backend, h, w, b, opt, grads, n) -> bool:
     """Whether a chunked pass can run its gradient matmuls block-sparse (``_sparse_grads_triton``):
     the Triton path with tensor descriptors (``_sparse_grads_triton.supported``), a gradient of
@@ -442,11 +455,10 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     fixbuf = torch.empty(min(rows, max(m, 1)), hdim, dtype=f32, device=dev) if fix_mode else None
     w32 = w.float() if fix_mode == "float" else None  # the interpreter's fp32 copy, made once a pass
     wt = w.t()
-    sp = _sparse_chunks().SparseChunks(h, w, target, opt, min(rows, max(m, 1)), grads) if (
-        knobs.sparse_grads and _sparse_ok(backend, h, w, b, opt, grads, m)) else None
-    if sp is not None and need_gh and fixbuf is None:  # the targets' terms of grad_hidden go through it
-        fixbuf = torch.empty(min(rows, max(m, 1)), hdim, dtype=f32, device=dev)
-        fix_mode = "sparse"
+    # the block-sparse gradient matmuls (``_sparse_grads_triton``): the first chunk runs dense and
+    # probes whether its first block of rows leaves out enough pairs; the later chunks then run sparse
+    probe = knobs.sparse_grads and m > rows and _sparse_ok(backend, h, w, b, opt, grads, m)
+    sp = None
     fused_stats = None
     logits_impl = knobs.logits_impl
     if backend == "triton" and b is None and (logits_impl == "triton" or (logits_impl == "auto" and opt.softcap is None)):
@@ -454,7 +466,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
 
         if _logits_triton.supported(h, w):
             fused_stats = _logits_triton.logits_with_partials
-    for start in range(0, m, rows):
+    start = 0
+    while start < m:
         end = min(m, start + rows)
         if idx is None:
             hc, tc = h[start:end], target[start:end]
@@ -465,7 +478,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
         logits = buf[: end - start]
         extra = {}
-        sparse = sp is not None and sp.on
+        sparse = sp is not None
         wc = sp.ws if sparse else w  # the sparse chunk's columns are in the sorted order
         if sparse:
             tc_head, tc = tc, sp.sorted_targets(tc)
@@ -498,9 +511,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         if sparse:
             # both gradient matmuls block-sparse; grad_weight's rows back in the vocabulary's order
             out_rows = idx[start:end] if idx is not None else None
-            sp.grads(logits, hc, tc, tc_head, sc, st[2], fix, gh, gw, out_rows, start, first=start == 0 and first_writes)
-            if start == 0 and end < m:
-                sp.decide()  # one host read: later chunks dense where this one left out too little
+            sp.grads(logits, hc, tc, tc_head, sc, st[2], fix, gh, gw, out_rows, start)
         elif any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
             if need_gw:
@@ -532,7 +543,22 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
                 else:
                     torch.mm(d, w, out=hc)
                     gh.index_copy_(0, ic, hc)
+        if probe:  # one host read: the later chunks sparse, in chunks twice as long where memory allows
+            probe = False
+            sp = _sparse_chunks().probe(h, w, target, opt, grads, logits, tc, sc, st[2], rows=min(rows, max(m, 1)))
+            if sp is not None:
+                longer = _sparse_chunk_rows(rows, v, h.element_size(), dev)
+                if longer > rows:
+                    del buf, logits
+                    rows = longer
+                    buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
+                    fixbuf = None if fixbuf is None else torch.empty(min(rows, m), hdim, dtype=f32, device=dev)
+                sp.buffers(min(rows, m))
+                if need_gh and fixbuf is None:  # the targets' terms of grad_hidden go through it
+                    fixbuf = torch.empty(min(rows, m), hdim, dtype=f32, device=dev)
+                    fix_mode = "sparse"
         hc = tc = sc = st = None  # free this chunk's gathered rows before the next gather
+        start = end
     del buf
     if sp is not None:
         sp.finish()
@@ -848,9 +874,10 @@ def fused_linear_cross_entropy(
     a call to count them), ``False`` computes them, ``None`` (default) compacts only a loss of at
     least :data:`COMPACT_MIN_MACS` rows x vocabulary x hidden (:func:`compact_for`);
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout;
-    ``sparse_grads=True`` (experimental: slower than the dense default in every regime measured so
-    far, ``benchmarks/NOTES.md``) runs the chunked mode's two gradient matmuls block-sparse over the
-    vocabulary sorted by mean logit, past the first chunk only where it left out enough
+    ``sparse_grads=True`` (experimental: 0.73-0.96x the dense pass's time on trained-like and
+    peaked logits, 1.01-1.06x on near-uniform ones, ~2 GiB more at the Llama-3-8B head; one H200,
+    ``benchmarks/NOTES.md``) runs the chunked mode's two gradient matmuls block-sparse over the
+    vocabulary sorted by mean logit after a dense first chunk whose first rows probe the softmax
     (``_sparse_grads_triton``; eager calls
     on a GPU with tensor descriptors, without a bias, label smoothing, z-loss or token accuracy).
     """

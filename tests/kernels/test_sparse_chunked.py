@@ -38,8 +38,9 @@ def _inputs(seed, n=64, h=32, v=512, ignored=0.15):
 
 
 def _simulated(hid, w, t, chunk, eps):
-    """float64 simulation, mean reduction: (grad_hidden, grad_weight, pairs left out). Per chunk of
-    ``chunk`` rows, the vocabulary in the pass's order (``_lowmem_triton.column_order`` over all
+    """float64 simulation, mean reduction: (grad_hidden, grad_weight, pairs left out). The first
+    ``chunk`` rows dense (the pass's probe), then per chunk of ``2 * chunk`` rows, the vocabulary in
+    the pass's order (``_lowmem_triton.column_order`` over all
     rows), a (block of 16 rows, tile of 32) pair whose non-target softmax entries are all below
     ``eps`` and whose rows each hold at most SKIP_SHARE x BN / V of their non-target mass there
     (counted as at least ROW_MASS_FLOOR x (|lse| + 1)) leaves its entries out of grad_weight, and out
@@ -64,9 +65,9 @@ def _simulated(hid, w, t, chunk, eps):
     row_mass = torch.maximum(q.sum(1), (lse.abs() + 1.0) * sg.ROW_MASS_FLOOR)
     span = sg.MEAN_TILES * BN
     count = 0
-    for c0 in range(0, n, chunk):
-        for r0 in range(c0, min(n, c0 + chunk), BM):
-            rr = torch.arange(r0, min(r0 + BM, c0 + chunk, n))
+    for c0 in range(chunk, n, 2 * chunk):
+        for r0 in range(c0, min(n, c0 + 2 * chunk), BM):
+            rr = torch.arange(r0, min(r0 + BM, c0 + 2 * chunk, n))
             for k0 in range(0, v, BN):
                 cols = order[k0:k0 + BN]
                 block = q[rr][:, cols]
@@ -103,16 +104,19 @@ def _chunks_of(monkeypatch, rows, v):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sparse_pass_matches_its_float64_simulation(seed, monkeypatch):
-    """Two chunks of 32 rows: the pairs left out are the simulation's, and so are the gradients
-    (the targets' own entries exact, left-out mass given back through the mean rows)."""
+    """A dense first chunk of 32 rows (the probe) and sparse chunks of 64 after it: the pairs left
+    out are the simulation's, and so are the gradients (the targets' own entries exact, left-out
+    mass given back through the mean rows)."""
     from liger_compat.kernels import _sparse_grads_triton as sg
 
-    hid, w, t = _inputs(seed)
+    hid, w, t = _inputs(seed, n=112)
     _chunks_of(monkeypatch, 32, w.shape[0])
     want_gh, want_gw, expected = _simulated(hid, w, t, 32, sg.SKIP_EPS)
+    monkeypatch.setattr(sg, "last_pairs", None)
     loss, gh, gw = _grads(hid, w, t, sparse_grads=True)
     left, tested = sg.last_pairs
-    assert tested == 2 * 2 * (w.shape[0] // BN)  # two chunks of two blocks of rows, both sparse
+    assert tested == 5 * (w.shape[0] // BN)  # 80 rows after the probe: five blocks of rows, sparse
+    assert sg.last_probe >= sg.SPARSE_MIN_SHARE
     assert expected >= 20 and int(left) == expected  # the inputs have such pairs
     ref_loss, *_ = _grads64(hid, w, t)
     assert abs(float(loss) - float(ref_loss)) <= 1e-3 * abs(float(ref_loss))
@@ -124,20 +128,20 @@ def test_left_out_pairs_cost_nothing_against_the_dense_pass(monkeypatch):
     sparse pass's gradients are as accurate as the dense pass's."""
     from liger_compat.kernels import _sparse_grads_triton as sg
 
-    hid, w, t = _inputs(2)
+    hid, w, t = _inputs(2, n=96)
     _chunks_of(monkeypatch, 32, w.shape[0])
     ref = _grads64(hid, w, t)
     dense = _grads(hid, w, t)
+    monkeypatch.setattr(sg, "last_pairs", None)
     sparse = _grads(hid, w, t, sparse_grads=True)
     assert int(sg.last_pairs[0]) > 0
     for got, base, want in zip(sparse[1:], dense[1:], ref[1:]):
         assert rel_err(got, want) <= 1.1 * rel_err(base, want) + 1e-4
 
 
-def test_a_near_uniform_first_chunk_turns_the_rest_dense(monkeypatch):
-    """Initialisation-like rows (a near-uniform softmax): the first chunk leaves nothing out, so the
-    later chunks run the dense products (the pass tested the first chunk's pairs only); the
-    gradients are those of a float64 head."""
+def test_a_near_uniform_probe_keeps_the_pass_dense(monkeypatch):
+    """Initialisation-like rows (a near-uniform softmax): the probe (the first chunk's first block
+    of rows) leaves nothing out, so no chunk runs sparse; the gradients are those of a float64 head."""
     from liger_compat.kernels import _sparse_grads_triton as sg
 
     g = torch.Generator().manual_seed(7)
@@ -145,9 +149,9 @@ def test_a_near_uniform_first_chunk_turns_the_rest_dense(monkeypatch):
     w = (0.02 * torch.randn(1024, 32, generator=g)).half()
     t = torch.randint(0, 1024, (64,), generator=g)
     _chunks_of(monkeypatch, 16, 1024)
+    monkeypatch.setattr(sg, "last_pairs", None)
     loss, gh, gw = _grads(hid, w, t, sparse_grads=True)
-    left, tested = sg.last_pairs
-    assert int(left) == 0 and tested == 1024 // BN  # one chunk of one block of rows tested
+    assert sg.last_probe == 0.0 and sg.last_pairs is None
     ref = _grads64(hid, w, t)
     assert rel_err(gh, ref[1]) <= 2e-3 and rel_err(gw, ref[2]) <= 2e-3
 
@@ -173,6 +177,7 @@ def test_reduction_none_and_compacted_rows(monkeypatch):
     rows64 = torch.nn.functional.cross_entropy(h64 @ w64.t(), t, ignore_index=-100, reduction="none")
     ref = torch.autograd.grad(rows64, (h64, w64), g_out.double())
     dense = run()
+    monkeypatch.setattr(sg, "last_pairs", None)
     sparse = run(sparse_grads=True)
     assert int(sg.last_pairs[0]) > 0
     for got, base, want in zip(sparse, dense, ref):
