@@ -20,12 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-GH_CONFIGS = [  # BH, BK, warps, stages
-    (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
+GH_CONFIGS = [  # BH, BK, warps, stages, programs of one block of rows side by side
+    (128, 64, 4, 3, False), (128, 64, 4, 3, True), (256, 64, 8, 3, False), (256, 64, 8, 3, True),
+    (128, 64, 8, 3, True), (128, 64, 4, 4, True),
 ]
-GW_CONFIGS = [  # BNW, BH, BKR, warps, stages
-    (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-    (64, 128, 64, 4, 3),
+GW_CONFIGS = [  # BNW, BH, BKR, warps, stages, programs of one part of a tile side by side
+    (128, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, True), (128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
+    (64, 128, 64, 4, 3, True), (128, 256, 64, 8, 4, True),
 ]
 
 
@@ -128,9 +129,9 @@ def main(argv=None) -> int:
     res["lists_ms"] = _time(lambda: sg.tile_lists(keep))
     base = dict(sg.config_for(h.device))
     rows = []
-    for bh, bk, warps, stages in GH_CONFIGS:
-        cfg = dict(base, BH=bh, BK=bk, gh_warps=warps, gh_stages=stages)
-        r = {"kernel": "grad_hidden", "config": f"BH{bh} BK{bk} w{warps} s{stages}"}
+    for bh, bk, warps, stages, first in GH_CONFIGS:
+        cfg = dict(base, BH=bh, BK=bk, gh_warps=warps, gh_stages=stages, gh_h_first=first)
+        r = {"kernel": "grad_hidden", "config": f"BH{bh} BK{bk} w{warps} s{stages}" + (" rows-first" if first else "")}
         try:
             r["sparse_ms"] = _time(lambda: sg.sparse_grad_hidden(d, sp.ws, lists[0], lists[1], mass, sp.mu, fix, gh,
                                                                   rows_out, cfg=cfg))
@@ -140,9 +141,9 @@ def main(argv=None) -> int:
             r["error"] = f"{type(exc).__name__}: {exc}"[:200]
         print(r, flush=True)
         rows.append(r)
-    for bnw, bh, bkr, warps, stages in GW_CONFIGS:
-        cfg = dict(base, BNW=bnw, BHW=bh, BKR=bkr, gw_warps=warps, gw_stages=stages)
-        r = {"kernel": "grad_weight", "config": f"BNW{bnw} BH{bh} BKR{bkr} w{warps} s{stages}"}
+    for bnw, bh, bkr, warps, stages, first in GW_CONFIGS:
+        cfg = dict(base, BNW=bnw, BHW=bh, BKR=bkr, gw_warps=warps, gw_stages=stages, gw_h_first=first)
+        r = {"kernel": "grad_weight", "config": f"BNW{bnw} BH{bh} BKR{bkr} w{warps} s{stages}" + (" tile-first" if first else "")}
         try:
             r["sparse_ms"] = _time(lambda: sg.sparse_grad_weight(d, hc, lists[2], lists[3], tpos_live, dt, sp.order, gw,
                                                                   first=False, cfg=cfg))

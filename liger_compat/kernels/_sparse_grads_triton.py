@@ -45,14 +45,16 @@ __all__ = ["CONFIGS", "tile_filter", "tile_filter_stats", "sparse_grad_hidden", 
 #: The filter's tile (BM rows, BN columns: the low-memory backward's, so that the two modes leave
 #: out the same pairs) and the matmuls' blocks: grad_hidden (BH output columns of H, BK columns of
 #: V a step), grad_weight (BNW output rows, a part of a tile; BHW columns of H; BKR rows a step),
-#: warps and pipeline stages of each. CUDA: among the fastest of six configurations of each kernel
-#: on one chunk of the Llama-3-8B head, trained-like, in two runs (``benchmarks/sparse_grads_profile.py``,
-#: one H200; the best three within ~7 % of each other).
+#: warps and pipeline stages of each, and whether the programs that share a list (one block of rows,
+#: one part of a tile) run side by side over the blocks of H (they then read their gradient block
+#: from L2 rather than memory: 8-13 % faster). CUDA: the fastest of six configurations of each kernel
+#: on one 4096-row chunk of the Llama-3-8B head, trained-like (``benchmarks/sparse_grads_profile.py``,
+#: one H200).
 CONFIGS = {
-    "cuda": dict(BM=128, BN=256, BH=128, BK=64, gh_warps=4, gh_stages=3, BNW=128, BHW=256, BKR=64, gw_warps=8,
-                 gw_stages=3),
-    "interpret": dict(BM=16, BN=32, BH=16, BK=16, gh_warps=1, gh_stages=1, BNW=16, BHW=16, BKR=16, gw_warps=1,
-                      gw_stages=1),
+    "cuda": dict(BM=128, BN=256, BH=128, BK=64, gh_warps=4, gh_stages=4, gh_h_first=True, BNW=128, BHW=128, BKR=64,
+                 gw_warps=4, gw_stages=3, gw_h_first=True),
+    "interpret": dict(BM=16, BN=32, BH=16, BK=16, gh_warps=1, gh_stages=1, gh_h_first=False, BNW=16, BHW=16, BKR=16,
+                      gw_warps=1, gw_stages=1, gw_h_first=True),
 }
 #: Same rule and constants as the low-memory backward's sparse mode (``_lowmem_triton``): a pair
 #: is left out only where every non-target entry is below this times the row's scale ...
@@ -221,11 +223,14 @@ def tile_lists(keep):
 def _grad_hidden_kernel(d_desc, ws_desc, list_ptr, cnt_ptr, mass_ptr, mu_ptr, fix_ptr, stride_fix,
                         out_ptr, orow_ptr, stride_o, C, H, T, n_means,
                         HAS_MASS: tl.constexpr, HAS_FIX: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
-    rb = tl.program_id(0)
+                        BN: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                        H_FIRST: tl.constexpr):
+    # H_FIRST: the programs of one block of rows (one list of tiles) side by side, else those of
+    # one block of H columns (the same weight columns)
+    rb = tl.program_id(1) if H_FIRST else tl.program_id(0)
     offs_m = rb * BM + tl.arange(0, BM)
     mmask = offs_m < C
-    off_h = tl.program_id(1) * BH
+    off_h = (tl.program_id(0) if H_FIRST else tl.program_id(1)) * BH
     offs_h = off_h + tl.arange(0, BH)
     hmask = offs_h < H
     steps: tl.constexpr = BN // BK
@@ -262,26 +267,31 @@ def sparse_grad_hidden(d, ws, by_rows, cnt_rows, mass, mu, fix, out, out_rows, *
     bm, bn, bh, bk = cfg["BM"], cfg["BN"], cfg["BH"], cfg["BK"]
     t = by_rows.shape[1]
     has_mass = mass is not None
-    grid = (cdiv(c, bm), cdiv(h, bh))
+    h_first = bool(cfg["gh_h_first"])
+    grid = (cdiv(h, bh), cdiv(c, bm)) if h_first else (cdiv(c, bm), cdiv(h, bh))
     _grad_hidden_kernel[grid](
         _desc(d, [bm, bk]), _desc(ws, [bk, bh]), by_rows, cnt_rows, mass if has_mass else fix, mu if has_mass else d,
         fix if fix is not None else d, fix.stride(0) if fix is not None else 0, out, out_rows, out.stride(0),
         c, h, t, mass.shape[1] if has_mass else 0, HAS_MASS=has_mass, HAS_FIX=fix is not None,
-        BM=bm, BN=bn, BH=bh, BK=bk, BT=16, num_warps=cfg["gh_warps"], num_stages=cfg["gh_stages"])
+        BM=bm, BN=bn, BH=bh, BK=bk, BT=16, H_FIRST=h_first, num_warps=cfg["gh_warps"], num_stages=cfg["gh_stages"])
 
 
 @triton.jit
 def _grad_weight_kernel(d_desc, h_desc, h_ptr, stride_h, list_ptr, cnt_ptr, trow_ptr, tstart_ptr, tpos_ptr, dt_ptr,
                         order_ptr, gw_ptr, stride_gw, C, V, H, RB,
                         FIRST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BNW: tl.constexpr, BH: tl.constexpr, BKR: tl.constexpr, BTR: tl.constexpr):
+                        BNW: tl.constexpr, BH: tl.constexpr, BKR: tl.constexpr, BTR: tl.constexpr,
+                        H_FIRST: tl.constexpr):
+    # H_FIRST: the programs of one part of a tile (one list of row blocks, the same gradient columns)
+    # side by side, else those of one block of H columns
     sub_n: tl.constexpr = BN // BNW
-    pid = tl.program_id(0)
+    pid = tl.program_id(1) if H_FIRST else tl.program_id(0)
+    hb = tl.program_id(0) if H_FIRST else tl.program_id(1)
     tile = pid // sub_n
     base = tile * BN + (pid % sub_n) * BNW
     pos = base + tl.arange(0, BNW)
     pmask = pos < V
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_h = hb * BH + tl.arange(0, BH)
     hmask = offs_h < H
     steps: tl.constexpr = BM // BKR
     n = tl.load(cnt_ptr + tile) * steps
@@ -291,7 +301,7 @@ def _grad_weight_kernel(d_desc, h_desc, h_ptr, stride_h, list_ptr, cnt_ptr, trow
         if (n == 0) & (t_hi == t_lo):
             return  # nothing of this chunk reaches these rows of grad_weight
     acc = tl.zeros((BNW, BH), tl.float32)
-    off_h = tl.program_id(1) * BH
+    off_h = hb * BH
     for j in range(0, n):
         r0 = tl.load(list_ptr + tile * RB + j // steps) * BM + (j % steps) * BKR
         a = d_desc.load([r0, base])  # [BKR, BNW]; out-of-range rows and columns read as 0
@@ -334,11 +344,13 @@ def sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos, dt, order, gw, *, first
     tile_of = torch.where((tpos >= 0) & (tpos < v), tpos // bn, t)
     srt, trow = torch.sort(tile_of, stable=True)
     tstart = torch.searchsorted(srt, torch.arange(t + 1, device=d.device, dtype=srt.dtype)).to(torch.int32)
-    grid = (t * (bn // bnw), cdiv(h, bh))
+    h_first = bool(cfg["gw_h_first"])
+    grid = (cdiv(h, bh), t * (bn // bnw)) if h_first else (t * (bn // bnw), cdiv(h, bh))
     _grad_weight_kernel[grid](
         _desc(d, [bkr, bnw]), _desc(hc, [bkr, bh]), hc, hc.stride(0), by_tiles, cnt_tiles, trow.to(torch.int32), tstart, tpos, dt, order, gw,
         gw.stride(0), c, v, h, by_tiles.shape[1], FIRST=bool(first), IEEE=d.dtype == torch.float32,
-        BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16, num_warps=cfg["gw_warps"], num_stages=cfg["gw_stages"])
+        BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16, H_FIRST=h_first, num_warps=cfg["gw_warps"],
+        num_stages=cfg["gw_stages"])
 
 
 #: The later chunks run sparse only where the probe (the first chunk's first block of rows) left
