@@ -129,9 +129,9 @@ def main(argv=None) -> int:
     res["lists_ms"] = _time(lambda: sg.tile_lists(keep))
     base = dict(sg.config_for(h.device))
     rows = []
-    for bh, bk, warps, stages, first in GH_CONFIGS:
-        cfg = dict(base, BH=bh, BK=bk, gh_warps=warps, gh_stages=stages, gh_h_first=first)
-        r = {"kernel": "grad_hidden", "config": f"BH{bh} BK{bk} w{warps} s{stages}" + (" rows-first" if first else "")}
+    for bh, bk, warps, stages, side in GH_CONFIGS:
+        cfg = dict(base, BH=bh, BK=bk, gh_warps=warps, gh_stages=stages, gh_h_first=side)
+        r = {"kernel": "grad_hidden", "config": f"BH{bh} BK{bk} w{warps} s{stages}" + (" rows-first" if side else "")}
         try:
             r["sparse_ms"] = _time(lambda: sg.sparse_grad_hidden(d, sp.ws, lists[0], lists[1], mass, sp.mu, fix, gh,
                                                                   rows_out, cfg=cfg))
@@ -141,14 +141,14 @@ def main(argv=None) -> int:
             r["error"] = f"{type(exc).__name__}: {exc}"[:200]
         print(r, flush=True)
         rows.append(r)
-    for bnw, bh, bkr, warps, stages, first in GW_CONFIGS:
-        cfg = dict(base, BNW=bnw, BHW=bh, BKR=bkr, gw_warps=warps, gw_stages=stages, gw_h_first=first)
-        r = {"kernel": "grad_weight", "config": f"BNW{bnw} BH{bh} BKR{bkr} w{warps} s{stages}" + (" tile-first" if first else "")}
+    for bnw, bh, bkr, warps, stages, side in GW_CONFIGS:
+        cfg = dict(base, BNW=bnw, BHW=bh, BKR=bkr, gw_warps=warps, gw_stages=stages, gw_h_first=side)
+        r = {"kernel": "grad_weight", "config": f"BNW{bnw} BH{bh} BKR{bkr} w{warps} s{stages}" + (" tile-first" if side else "")}
         try:
             r["sparse_ms"] = _time(lambda: sg.sparse_grad_weight(d, hc, lists[2], lists[3], tpos_live, dt, sp.order, gw,
-                                                                  first=False, cfg=cfg))
+                                                                  cfg=cfg))
             r["all_pairs_ms"] = _time(lambda: sg.sparse_grad_weight(d, hc, full[2], full[3], tpos_live, dt, sp.order,
-                                                                     gw, first=False, cfg=cfg))
+                                                                     gw, cfg=cfg))
         except Exception as exc:
             r["error"] = f"{type(exc).__name__}: {exc}"[:200]
         print(r, flush=True)

@@ -279,9 +279,8 @@ def sparse_grad_hidden(d, ws, by_rows, cnt_rows, mass, mu, fix, out, out_rows, *
 @triton.jit
 def _grad_weight_kernel(d_desc, h_desc, h_ptr, stride_h, list_ptr, cnt_ptr, trow_ptr, tstart_ptr, tpos_ptr, dt_ptr,
                         order_ptr, gw_ptr, stride_gw, C, V, H, RB,
-                        FIRST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BNW: tl.constexpr, BH: tl.constexpr, BKR: tl.constexpr, BTR: tl.constexpr,
-                        H_FIRST: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BNW: tl.constexpr, BH: tl.constexpr,
+                        BKR: tl.constexpr, BTR: tl.constexpr, H_FIRST: tl.constexpr):
     # H_FIRST: the programs of one part of a tile (one list of row blocks, the same gradient columns)
     # side by side, else those of one block of H columns
     sub_n: tl.constexpr = BN // BNW
@@ -297,9 +296,8 @@ def _grad_weight_kernel(d_desc, h_desc, h_ptr, stride_h, list_ptr, cnt_ptr, trow
     n = tl.load(cnt_ptr + tile) * steps
     t_lo = tl.load(tstart_ptr + tile)
     t_hi = tl.load(tstart_ptr + tile + 1)
-    if not FIRST:
-        if (n == 0) & (t_hi == t_lo):
-            return  # nothing of this chunk reaches these rows of grad_weight
+    if (n == 0) & (t_hi == t_lo):
+        return  # nothing of this chunk reaches these rows of grad_weight
     acc = tl.zeros((BNW, BH), tl.float32)
     off_h = hb * BH
     for j in range(0, n):
@@ -316,25 +314,21 @@ def _grad_weight_kernel(d_desc, h_desc, h_ptr, stride_h, list_ptr, cnt_ptr, trow
         dt = tl.load(dt_ptr + r, mask=jm, other=0.0)
         e = tl.where((tl.arange(0, BNW)[:, None] == col[None, :]) & jm[None, :], dt[None, :], 0.0)
         hr = tl.load(h_ptr + r[:, None] * stride_h + offs_h[None, :], mask=jm[:, None] & hmask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(e, hr, acc, input_precision="ieee")
-        else:
-            hi = e.to(hr.dtype)
-            lo = (e - hi.to(tl.float32)).to(hr.dtype)
-            acc = tl.dot(hi, hr, acc)
-            acc = tl.dot(lo, hr, acc)
+        hi = e.to(hr.dtype)
+        lo = (e - hi.to(tl.float32)).to(hr.dtype)
+        acc = tl.dot(hi, hr, acc)
+        acc = tl.dot(lo, hr, acc)
     rows = tl.load(order_ptr + pos, mask=pmask, other=0).to(tl.int64)
     dst = gw_ptr + rows[:, None] * stride_gw + offs_h[None, :]
     msk = pmask[:, None] & hmask[None, :]
-    if not FIRST:
-        acc += tl.load(dst, mask=msk, other=0.0).to(tl.float32)
+    acc += tl.load(dst, mask=msk, other=0.0).to(tl.float32)
     tl.store(dst, acc.to(gw_ptr.dtype.element_ty), mask=msk)
 
 
-def sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos, dt, order, gw, *, first, cfg=None):
-    """``gw[order[j]] (+)= (d.T @ hc)[j]`` over the kept blocks of rows, plus each row's target
-    entry ``dt`` (fp32 ``[C]``, at sorted column ``tpos``; rows without a target: ``tpos`` out of
-    ``[0, V)``) times its hidden row; ``first``: write instead of add."""
+def sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos, dt, order, gw, *, cfg=None):
+    """``gw[order[j]] += (d.T @ hc)[j]`` over the kept blocks of rows, plus each row's target entry
+    ``dt`` (fp32 ``[C]``, at sorted column ``tpos``; rows without a target: ``tpos`` out of
+    ``[0, V)``) times its hidden row (16-bit ``d`` and ``hc``; ``gw`` in their dtype or fp32)."""
     c, v = d.shape
     h = hc.shape[1]
     cfg = cfg or config_for(d.device)
@@ -348,8 +342,7 @@ def sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos, dt, order, gw, *, first
     grid = (cdiv(h, bh), t * (bn // bnw)) if h_first else (t * (bn // bnw), cdiv(h, bh))
     _grad_weight_kernel[grid](
         _desc(d, [bkr, bnw]), _desc(hc, [bkr, bh]), hc, hc.stride(0), by_tiles, cnt_tiles, trow.to(torch.int32), tstart, tpos, dt, order, gw,
-        gw.stride(0), c, v, h, by_tiles.shape[1], FIRST=bool(first), IEEE=d.dtype == torch.float32,
-        BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16, H_FIRST=h_first, num_warps=cfg["gw_warps"],
+        gw.stride(0), c, v, h, by_tiles.shape[1], BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16, H_FIRST=h_first, num_warps=cfg["gw_warps"],
         num_stages=cfg["gw_stages"])
 
 
@@ -463,7 +456,7 @@ class SparseChunks:
         by_rows, cnt_rows, by_tiles, cnt_tiles = tile_lists(keep)
         if self.need_gw:
             tpos_live = torch.where(sc_rows != 0, tpos, torch.full_like(tpos, -1))
-            sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos_live, self.dt[:c], self.order, gw, first=False)
+            sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos_live, self.dt[:c], self.order, gw)
         if self.need_gh:
             if out_rows is None:
                 out_rows = torch.arange(start, start + c, device=d.device)
