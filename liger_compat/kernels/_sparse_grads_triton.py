@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import cdiv, next_pow2, tl, triton
+from ._lowmem_triton import MEAN_TILES, ROW_MASS_FLOOR, SKIP_EPS, SKIP_SHARE
 
 __all__ = ["CONFIGS", "tile_filter", "tile_filter_stats", "sparse_grad_hidden", "sparse_grad_weight", "tile_lists",
            "probe", "SparseChunks", "SKIP_EPS", "SKIP_SHARE", "ROW_MASS_FLOOR", "MEAN_TILES"]
@@ -56,19 +57,12 @@ CONFIGS = {
     "interpret": dict(BM=16, BN=32, BH=16, BK=16, gh_warps=1, gh_stages=1, gh_h_first=False, BNW=16, BHW=16, BKR=16,
                       gw_warps=1, gw_stages=1, gw_h_first=True),
 }
-#: Same rule and constants as the low-memory backward's sparse mode (``_lowmem_triton``): a pair
-#: is left out only where every non-target entry is below this times the row's scale ...
-SKIP_EPS = 2.0 ** -10
-#: ... and each row's non-target mass in it is at most this times ``BN / V`` of the row's own ...
-SKIP_SHARE = 0.5
-#: ... counted as at least this times ``|lse| + 1`` (a row as peaked as that has no tail to tell
-#: apart: without the floor it keeps every tile of its block).
-ROW_MASS_FLOOR = 2e-5
-#: A left-out pair's mass is given back times the mean weight row of this many consecutive tiles.
-MEAN_TILES = 8
+# The low-memory backward's rule and constants (``_lowmem_triton``): a pair is left out only where
+# every non-target entry is below SKIP_EPS times the row's scale and each row's non-target mass in
+# it is at most SKIP_SHARE times ``BN / V`` of the row's own, counted as at least ROW_MASS_FLOOR times
+# ``|lse| + 1``; a left-out pair's mass is given back times the mean weight row of MEAN_TILES tiles.
 
-
-def supported(d: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> bool:
+def supported(h: torch.Tensor, w: torch.Tensor) -> bool:
     """The matmuls read through tensor descriptors (TMA on Hopper): a 16-bit float type (on the
     interpreter fp16: its bf16 ``tl.dot`` is not exact), rows 16-byte aligned (V and H multiples of
     8), Triton with host-side descriptors and on CUDA compute capability 9.0+
@@ -76,7 +70,7 @@ def supported(d: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> bool:
     from ._logits_triton import supported as logits_supported
 
     # (the row kernel's blocks of V hold whole tiles from one tile's width on)
-    return logits_supported(h, w) and d.dtype == w.dtype and w.shape[0] >= config_for(w.device)["BN"]
+    return logits_supported(h, w) and w.shape[0] >= config_for(w.device)["BN"]
 
 
 def _desc(t: torch.Tensor, block):
@@ -167,7 +161,7 @@ def _filter_kernel(d_ptr, stride_d, sc_ptr, rest_ptr, lse_ptr, keep_ptr, mass_pt
                       sem="relaxed")
 
 
-def tile_filter(d, sc, rest, lse, mass, counter, *, skip_eps=None):
+def tile_filter(d, sc, rest, lse, mass, counter):
     """``keep`` int32 ``[cdiv(C, BM), cdiv(V, BN)]`` for the chunk's gradient ``d [C, V]`` (sorted
     vocabulary, targets' entries zero); ``sc`` fp32 ``[C]`` (0: the row has no gradient), ``rest``
     its softmax mass outside the target, ``lse``; adds left-out mass to ``mass`` (fp32
@@ -178,7 +172,7 @@ def tile_filter(d, sc, rest, lse, mass, counter, *, skip_eps=None):
     rb, t = cdiv(c, bm), cdiv(v, bn)
     keep = torch.empty((rb, t), dtype=torch.int32, device=d.device)
     _filter_kernel[(rb * t,)](d, d.stride(0), sc, rest, lse, keep, mass, counter, c, v, t, mass.shape[1],
-                              float(SKIP_EPS if skip_eps is None else skip_eps), float(SKIP_SHARE), float(ROW_MASS_FLOOR), MEAN_TILES=MEAN_TILES,
+                              float(SKIP_EPS), float(SKIP_SHARE), float(ROW_MASS_FLOOR), MEAN_TILES=MEAN_TILES,
                               BM=bm, BN=bn, num_warps=8 if d.device.type == "cuda" else 1)
     return keep
 
@@ -341,9 +335,9 @@ def sparse_grad_weight(d, hc, by_tiles, cnt_tiles, tpos, dt, order, gw, *, cfg=N
     h_first = bool(cfg["gw_h_first"])
     grid = (cdiv(h, bh), t * (bn // bnw)) if h_first else (t * (bn // bnw), cdiv(h, bh))
     _grad_weight_kernel[grid](
-        _desc(d, [bkr, bnw]), _desc(hc, [bkr, bh]), hc, hc.stride(0), by_tiles, cnt_tiles, trow.to(torch.int32), tstart, tpos, dt, order, gw,
-        gw.stride(0), c, v, h, by_tiles.shape[1], BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16, H_FIRST=h_first, num_warps=cfg["gw_warps"],
-        num_stages=cfg["gw_stages"])
+        _desc(d, [bkr, bnw]), _desc(hc, [bkr, bh]), hc, hc.stride(0), by_tiles, cnt_tiles, trow.to(torch.int32), tstart,
+        tpos, dt, order, gw, gw.stride(0), c, v, h, by_tiles.shape[1], BM=bm, BN=bn, BNW=bnw, BH=bh, BKR=bkr, BTR=16,
+        H_FIRST=h_first, num_warps=cfg["gw_warps"], num_stages=cfg["gw_stages"])
 
 
 #: The later chunks run sparse only where the probe (the first chunk's first block of rows) left
@@ -425,10 +419,10 @@ class SparseChunks:
     def buffers(self, rows):
         """Per-chunk buffers for chunks of up to ``rows`` rows."""
         dev, f32 = self.ws.device, torch.float32
-        self.mass = torch.empty((rows, cdiv(cdiv(self.v, self.cfg["BN"]), MEAN_TILES)), dtype=f32, device=dev)
+        t = cdiv(self.v, self.cfg["BN"])
+        self.mass = torch.empty((rows, cdiv(t, MEAN_TILES)), dtype=f32, device=dev)
         self.dt = torch.empty(rows, dtype=f32, device=dev)
         self.rest = torch.empty(rows, dtype=f32, device=dev)
-        t = cdiv(self.v, self.cfg["BN"])
         self.tq = torch.empty((rows, t), dtype=f32, device=dev)
         self.ts = torch.empty((rows, t), dtype=f32, device=dev)
 

@@ -369,7 +369,7 @@ def _sparse_ok(backend, h, w, b, opt, grads, n) -> bool:
     chunk's count on the host)."""
     return (backend == "triton" and b is None and opt.label_smoothing == 0.0 and opt.lse_square_scale == 0.0
             and (grads[0] or grads[1]) and not grads[2] and n > 0 and not _capturing(h.device)
-            and _sparse_chunks().supported(h, w, h))
+            and _sparse_chunks().supported(h, w))
 
 
 def _capturing(device: torch.device) -> bool:
@@ -876,10 +876,10 @@ def fused_linear_cross_entropy(
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout;
     ``sparse_grads=True`` (experimental: 0.71-0.94x the dense pass's time on trained-like and
     peaked logits, 0.99-1.03x on near-uniform ones, 2.1-2.9 GiB of extra memory instead of
-    0.55-1.0 at 8192 rows of 7B-9B heads; one H200, ``benchmarks/NOTES.md``) runs the chunked mode's two gradient matmuls block-sparse over the
-    vocabulary sorted by mean logit after a dense first chunk whose first rows probe the softmax
-    (``_sparse_grads_triton``; eager calls
-    on a GPU with tensor descriptors, without a bias, label smoothing, z-loss or token accuracy).
+    0.55-1.0 at 8192 rows of 7B-9B heads; one H200, ``benchmarks/NOTES.md``) runs the chunked
+    mode's two gradient matmuls block-sparse over the vocabulary sorted by mean logit after a dense
+    first chunk whose first rows probe the softmax (``_sparse_grads_triton``; eager calls on a GPU
+    with tensor descriptors, without a bias, label smoothing, z-loss or token accuracy).
     """
     if not _dispatch.compiling():  # while tracing, the ops' real implementations poll
         _device_errors.poll()
