@@ -37,6 +37,7 @@ HEADS = {
 }
 #: implementation names, in the order measured
 IMPLS = ("liger_compat", "liger_compat sparse", "liger_compat rounded target", "liger_compat fp32 grad_weight",
+         "liger_compat fp32 grad_weight without target terms",
          "liger_compat lowmem",
          "liger_compat lowmem dense", "torch eager", "torch.compile",
          "liger-kernel", "cce", "cce_kahan_full_c", "cce_exact", "cce filter_eps=None")
@@ -65,6 +66,14 @@ def _append(path: Path, row: dict) -> None:
 # one head, in its own process
 # ---------------------------------------------------------------------------------------------
 
+class _NoTargetTerms:
+    """Stands in for ``_target_terms_triton``: grad_weight's target terms left as stored."""
+
+    @staticmethod
+    def add_target_terms(*args, **kwargs) -> None:
+        return None
+
+
 def _impls(softcap):
     import torch
 
@@ -74,12 +83,15 @@ def _impls(softcap):
 
     from liger_compat import _config
 
-    def step_with(obj, attr, value, **kw):
-        """fused_linear_cross_entropy's forward and backward with ``obj.attr = value`` for the call."""
+    def step_with(obj, attr, value, fn=None, **kw):
+        """fused_linear_cross_entropy's forward and backward (or ``fn``'s) with ``obj.attr = value``
+        for the call."""
         def step(h, w, t):
             old = getattr(obj, attr)
             setattr(obj, attr, value)
             try:
+                if fn is not None:
+                    return fn(h, w, t)
                 loss = fused_linear_cross_entropy(h, w, t, softcap=softcap, **kw)
                 return torch.autograd.grad(loss, (h, w)), loss
             finally:
@@ -97,6 +109,10 @@ def _impls(softcap):
         # exact-target correction), as before the correction
         "liger_compat rounded target": step_with(loss_mod, "_target_fix_mode", lambda *a: None),
     }
+    # the fp32 sum of grad_weight with its target entries as stored in bf16 (no exact target terms)
+    no_terms = step_with(loss_mod, "_target_terms", lambda: _NoTargetTerms)
+    out["liger_compat fp32 grad_weight without target terms"] = step_with(
+        _config.settings, "flce_fp32_grad_weight", True, fn=no_terms)
 
     # the low-memory backward leaving no tile out, as before it could
     out["liger_compat lowmem dense"] = step_with(_lowmem_triton, "SKIP_EPS", 0.0, mode="lowmem")

@@ -50,9 +50,12 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     ``flce_sparse=False`` makes the low-memory fused loss compute every vocabulary tile in its
     backward (``LIGER_COMPAT_FLCE_SPARSE``: by default it leaves out the tiles whose softmax
     entries are all below 2^-10, which adds ~2e-3 to grad_hidden's error on trained-like logits).
-    ``flce_fp32_grad_weight=True`` makes the chunked fused loss on a GPU sum grad_weight over its
-    chunks in fp32 (``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: by default in the weight's dtype, one
-    rounding a chunk); it costs a buffer of twice the weight's size while the loss runs.
+    ``flce_fp32_grad_weight=True`` makes the chunked fused loss on a GPU round grad_weight once
+    (``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: by default it is summed in the weight's dtype, one
+    rounding a chunk): the logits' gradients of up to 8192 rows are kept for each fp32-result
+    product, each target's term is added exactly, and the fp32 sum is rounded once; it costs an
+    fp32 buffer of twice the weight's size and up to 8192 rows of that gradient (2 GiB at a 128k
+    vocabulary) while the loss runs.
     """
     s = _config.settings
     if flce_fp32_grad_weight is not None:

@@ -150,8 +150,9 @@ class Settings(Record):
         #: the low-memory loss's backward leaves out vocabulary tiles of negligible softmax
         #: (``kernels/_lowmem_triton.py``); off: every tile is computed
         self.flce_sparse = flce_sparse
-        #: the chunked fused loss on a GPU sums grad_weight over its chunks in an fp32 buffer (one
-        #: rounding in all, 2x the weight's size in memory while the loss runs) instead of in the
+        #: the chunked fused loss on a GPU rounds grad_weight once, its target terms exact: up to
+        #: 8192 rows' logits gradients kept for each fp32-result product into an fp32 sum (2x the
+        #: weight's size plus those rows in memory while the loss runs), instead of a sum in the
         #: weight's dtype (one rounding a chunk)
         self.flce_fp32_grad_weight = flce_fp32_grad_weight
         self.mlp_recompute = mlp_recompute

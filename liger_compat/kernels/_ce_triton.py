@@ -161,11 +161,11 @@ def _ce_row_kernel(
     loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, scale_ptr, stride_scale,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
     h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
-    fix_ptr, stride_fix, fw_ptr, stride_fw, FH,
+    fix_ptr, stride_fix, fw_ptr, stride_fw, FH, res_ptr,
     STATS: tl.constexpr, GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr,
+    HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
@@ -227,6 +227,8 @@ def _ce_row_kernel(
         if HAS_FIX:
             _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr,
                               stride_fw, tgt_safe, FH, BLOCK_FH)
+        if HAS_RES:
+            tl.store(res_ptr + row, tl.where(valid & in_range, d_t - stored.to(tl.float32), 0.0))
 
 
 @triton.jit
@@ -339,14 +341,17 @@ def _ce_grad_kernel(
 def _ce_target_grad_kernel(
     target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
-    fix_ptr, stride_fix, fw_ptr, stride_fw, FH, dt_ptr,
+    fix_ptr, stride_fix, fw_ptr, stride_fw, FH, dt_ptr, res_ptr,
     HAS_SOFTCAP: tl.constexpr, HAS_FIX: tl.constexpr, BLOCK_FH: tl.constexpr, ZERO_TARGET: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     """Split variant, step 4: the target's entry of each row's gradient (:func:`_target_grad`), and
     with ``HAS_FIX`` the row's exact-target correction (:func:`_store_target_fix`). ``ZERO_TARGET``:
     the entry is stored as 0 and kept in fp32 in ``dt_ptr[row]`` instead (0 where the row has no
     target), and the correction is then the whole ``d_t * W[target]`` (the block-sparse gradient
-    matmuls add the targets' terms apart, ``_sparse_grads_triton``)."""
+    matmuls add the targets' terms apart, ``_sparse_grads_triton``). ``HAS_RES``: ``res_ptr[row]``
+    receives ``d_t`` minus its stored value (0 where the row has no target), for
+    ``_target_terms_triton``."""
     row = tl.program_id(0).to(tl.int64)
     _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     lse = tl.load(lse_ptr + row)
@@ -362,6 +367,8 @@ def _ce_target_grad_kernel(
     if HAS_FIX:
         _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr, stride_fw,
                           tgt_safe, FH, BLOCK_FH)
+    if HAS_RES:
+        tl.store(res_ptr + row, tl.where(valid & in_range, d_t - stored.to(tl.float32), 0.0))
 
 
 #: Values of ``variant``: "split" (the default): rows are cut into blocks of V spread over
@@ -379,7 +386,7 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
 
 
 def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None,
-                   head=None, target_fix=None, sparse=None):
+                   head=None, target_fix=None, sparse=None, target_res=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
     tensor of :func:`liger_compat.kernels._device_errors.new_flag` that the statistics pass
     adds out-of-range targets to; a scratch one when not given; ``head``: the rows' hidden states,
@@ -398,7 +405,11 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     stored as 0, ``dt`` (fp32 ``[C]``) receives it in fp32, ``rest`` (fp32 ``[C]``, zeroed by the
     caller) each row's softmax mass outside its target, and ``tq`` / ``ts`` (fp32 ``[C, cdiv(V,
     tbn)]``) the largest and the summed entry of that softmax (times the softcap's derivative) per
-    tile of ``tbn`` columns; with ``target_fix`` the correction is the whole ``d_t * weight[target]``."""
+    tile of ``tbn`` columns; with ``target_fix`` the correction is the whole ``d_t * weight[target]``.
+
+    ``target_res`` (fp32 ``[C]``), with ``grad`` and without ``sparse``: receives each row's target
+    entry in fp32 minus its stored value (0 where the row has no target), the residual
+    ``_target_terms_triton.add_target_terms`` adds to grad_weight."""
     c, v = logits.shape
     if c == 0:
         return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
@@ -448,14 +459,20 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     else:
         fix_args = (logits, 0, logits, 0, 0)
         fix_common = dict(HAS_FIX=False, BLOCK_FH=16)
+    if target_res is not None:
+        assert grad is not None and sparse is None and target_res.shape == (c,) and target_res.dtype == f32
+        res_common = dict(HAS_RES=True)
+    else:
+        target_res, res_common = lse, dict(HAS_RES=False)
     if variant == "row":
         assert sparse is None, "sparse= needs the split variant"
         block, warps = _block_v(v, dev)
         _ce_row_kernel[(c,)](
             logits, logits.stride(0), target, g, sg,
             loss, zl, lse, correct, bad, scale, stride_scale,
-            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args, *fix_args,
+            v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args, *fix_args, target_res,
             STATS=stats, GRAD=grad is not None, BLOCK_V=block, num_warps=warps, **common, **head_common, **fix_common,
+            **res_common,
         )
     else:
         block = SPLIT_BLOCK_V if dev.type == "cuda" else 256
@@ -498,9 +515,9 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
             )
             _ce_target_grad_kernel[(c,)](
                 target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
-                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *fix_args, dt,
+                v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *fix_args, dt, target_res,
                 HAS_SOFTCAP=common["HAS_SOFTCAP"], num_warps=4 if target_fix is not None and dev.type == "cuda" else 1,
-                ZERO_TARGET=sparse is not None, **fix_common,
+                ZERO_TARGET=sparse is not None, **fix_common, **res_common,
             )
     if not stats:
         return None

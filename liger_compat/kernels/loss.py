@@ -410,6 +410,43 @@ def _target_fix_mode(backend: str, h: torch.Tensor, device: torch.device) -> str
     return "out_dtype" if _fp32_accumulate_supported(device) else None
 
 
+def _target_terms():
+    from . import _target_terms_triton
+
+    return _target_terms_triton
+
+
+def _rows_targets(target: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """The targets of the pass's rows (the kept ones where ignored rows are compacted)."""
+    return target if idx is None else target.index_select(0, idx)
+
+
+#: rows of the logits' gradient that ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT`` keeps for each
+#: fp32-result product (rounded down to whole chunks; at least one chunk): each product re-reads and
+#: re-writes the fp32 sum, 8 bytes per weight element against 4 for the default's 16-bit sum, which
+#: at 8192 rows is about 2 % of the loss's time on an H100 (its matmuls over 8192 rows take about 236
+#: flop per byte of that traffic, x 6 x 8192 / 8)
+EXACT_GW_ROWS = 8192
+
+
+def _exact_gw_rows(backend, h, w, m, rows, need_gw, knobs) -> int:
+    """Rows of the logits' gradient each fp32-result product of ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``
+    takes (0: off). On the Triton path with 16-bit operands and an fp32-result product (cuBLAS's
+    ``out_dtype=torch.float32``, torch >= 2.8 on CUDA, or the interpreter's fp32 copies on CPU), the
+    pass keeps that many rows' gradients (:data:`EXACT_GW_ROWS`, whole chunks, at most all ``m``)
+    and sums their products into an fp32 grad_weight that the targets' exact terms are added to and
+    that is rounded once into the weight's dtype. Fewer products than chunks: fewer passes over the
+    fp32 sum. (A 16-bit ``addmm`` onto a 16-bit grad_weight is not one rounding: on an H200 one such
+    product of every row's gradient, onto the target terms, kept the default's error against fp32.)
+    Not with the block-sparse gradient matmuls, which write their own."""
+    if not (need_gw and backend == "triton" and _config.settings.flce_fp32_grad_weight and m > 0
+            and h.element_size() < 4 and w.element_size() < 4 and not knobs.sparse_grads):
+        return 0
+    if not (h.device.type == "cpu" or _fp32_accumulate_supported(h.device)):
+        return 0
+    return min(m, max(rows, EXACT_GW_ROWS // rows * rows))
+
+
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
     ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
@@ -439,16 +476,19 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     correct = new(n, dtype=torch.bool, device=dev) if gather else None
     gh = new(h.shape, dtype=h.dtype, device=dev) if need_gh else None
     # grad_weight summed over the chunks: in fp32 by the torch reference; on the GPU in the weight's
-    # dtype (one rounding a chunk), or with LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT in an fp32 buffer that
-    # cuBLAS adds each chunk's product to (one rounding in all, for 2x the weight's memory)
-    mixed = (need_gw and backend == "triton" and m > rows and w.element_size() < 4
-             and _config.settings.flce_fp32_grad_weight and _fp32_accumulate_supported(dev))
-    acc_dtype = f32 if backend == "torch" or mixed else w.dtype
-    # the first chunk writes the buffer (mixed, or in the weight's dtype); the others add to it
-    first_writes = m > 0 and (mixed or acc_dtype == w.dtype)
-    gw = (torch.empty if first_writes else torch.zeros)(w.shape, dtype=acc_dtype, device=dev) if need_gw else None
+    # dtype (one rounding a chunk). With LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT (:func:`_exact_gw_rows`)
+    # ``keep`` rows' gradients stay in the buffer for each product, summed in fp32 with each row's
+    # target term made exact (``_target_terms_triton``: the row kernel hands over what the rounding
+    # of its target entry lost) and rounded once.
+    keep = _exact_gw_rows(backend, h, w, m, rows, need_gw, knobs)
+    res = torch.empty(m, dtype=f32, device=dev) if keep else None
+    acc_dtype = f32 if backend == "torch" else w.dtype
+    gw = None  # with ``keep``, the first product makes it
+    if need_gw and not keep:  # the first chunk writes it in the weight's dtype; the others add to it
+        gw = (torch.empty if m > 0 and acc_dtype == w.dtype else torch.zeros)(w.shape, dtype=acc_dtype, device=dev)
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
-    buf = torch.empty(rows, v, dtype=h.dtype, device=dev)
+    buf = torch.empty(keep or rows, v, dtype=h.dtype, device=dev)
+    kept = 0  # first row of the gradients kept in ``buf``
     # grad_hidden with the exact-target correction (:func:`_target_fix_mode`): each chunk's
     # ``d @ W`` summed in fp32 onto the row kernel's correction, then rounded once
     fix_mode = _target_fix_mode(backend, h, dev) if need_gh else None
@@ -476,7 +516,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             ic = idx[start:end]
             hc, tc = h.index_select(0, ic), target.index_select(0, ic)
             sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
-        logits = buf[: end - start]
+        logits = buf[start - kept:end - kept] if keep else buf[: end - start]
         extra = {}
         sparse = sp is not None
         wc = sp.ws if sparse else w  # the sparse chunk's columns are in the sorted order
@@ -500,6 +540,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             extra["target_fix"] = (fix, wc)
         if sparse:
             extra["sparse"] = sp.row_buffers(end - start)
+        if res is not None:
+            extra["target_res"] = res[start:end]
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if single:
@@ -514,13 +556,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             sp.grads(logits, hc, tc, tc_head, sc, st[2], fix, gh, gw, out_rows, start)
         elif any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
-            if need_gw:
-                if mixed:  # bf16 operands, fp32 product and sum (cuBLAS)
-                    if start == 0:
-                        torch.mm(d.t(), hc, out_dtype=f32, out=gw)
-                    else:
-                        torch.addmm(gw, d.t(), hc, out_dtype=f32, out=gw)
-                elif acc_dtype != d.dtype:
+            if need_gw and not keep:
+                if acc_dtype != d.dtype:
                     gw += (d.t() @ hc).to(acc_dtype)
                 elif start == 0:  # first chunk: write, no read-modify-write of a zeroed buffer
                     torch.mm(d.t(), hc, out=gw)
@@ -543,6 +580,18 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
                 else:
                     torch.mm(d, w, out=hc)
                     gh.index_copy_(0, ic, hc)
+        if keep and (end - kept == keep or end == m):  # the kept gradients' fp32 product, into the fp32 sum
+            d_kept = buf[: end - kept]
+            hk = h[kept:end] if idx is None else h.index_select(0, idx[kept:end])
+            if dev.type != "cuda":  # the interpreter on CPU: the same from fp32 copies
+                prod = d_kept.t().float() @ hk.float()
+                gw = prod if gw is None else gw.add_(prod)
+            elif gw is None:
+                gw = torch.mm(d_kept.t(), hk, out_dtype=f32)
+            else:
+                torch.addmm(gw, d_kept.t(), hk, out_dtype=f32, out=gw)
+            d_kept = hk = None
+            kept = end
         if probe:  # one host read: the later chunks sparse, in chunks twice as long where memory allows
             probe = False
             sp = _sparse_chunks().probe(h, w, target, opt, grads, logits, tc, sc, st[2], rows=min(rows, max(m, 1)))
@@ -560,6 +609,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         hc = tc = sc = st = None  # free this chunk's gathered rows before the next gather
         start = end
     del buf
+    if keep:  # the targets' exact terms into the fp32 sum (rounded once below)
+        _target_terms().add_target_terms(gw, h, _rows_targets(target, idx), res, idx)
     if sp is not None:
         sp.finish()
     if gw is not None and gw.dtype != w.dtype:

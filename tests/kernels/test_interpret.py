@@ -29,7 +29,7 @@ ROOT = HERE.parent.parent
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("module", ["test_cross_entropy.py", "test_target_errors.py", "test_elementwise.py", "test_recompute.py",
-                                    "test_lowmem.py", "test_lowmem_sparsity.py", "test_sparse_chunked.py", "test_peaked_rows.py",
+                                    "test_lowmem.py", "test_lowmem_sparsity.py", "test_sparse_chunked.py", "test_peaked_rows.py", "test_target_terms.py",
                                     "test_logprob.py"])
 def test_triton_kernels_under_interpreter(module):
     pytest.importorskip("triton")
