@@ -423,9 +423,9 @@ def _rows_targets(target: torch.Tensor, idx: torch.Tensor | None) -> torch.Tenso
 
 #: rows of the logits' gradient that ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT`` keeps for each
 #: fp32-result product (rounded down to whole chunks; at least one chunk): each product re-reads and
-#: re-writes the fp32 sum, 8 bytes per weight element against 4 for the default's 16-bit sum, which
-#: at 8192 rows is about 2 % of the loss's time on an H100 (its matmuls over 8192 rows take about 236
-#: flop per byte of that traffic, x 6 x 8192 / 8)
+#: re-writes the fp32 sum, 8 bytes per weight element, what the default's 16-bit sum costs over the
+#: same rows in its two chunks of 4096 (1 GiB of logits at a 128k vocabulary); the kept rows are 2 GiB
+#: of bf16 gradients there
 EXACT_GW_ROWS = 8192
 
 
