@@ -139,6 +139,13 @@ def _target_grad(rest, x_t, lse, scale, V, label_smoothing, lse_square_scale, so
 
 
 @triton.jit
+def _target_residual(d_t, stored, ok):
+    """What the stored (rounded) target entry ``stored`` lost of ``d_t``, in fp32; 0 where ``ok`` is
+    false (the row has no target)."""
+    return tl.where(ok, d_t - stored, 0.0)
+
+
+@triton.jit
 def _store_target_fix(fix_ptr, stride_fix, row, d_t, stored, ok, fw_ptr, stride_fw, tgt_safe, H,
                       BLOCK_H: tl.constexpr):
     """Row ``row`` of the exact-target correction: ``(d_t - stored) * W[target]`` in fp32, the part of
@@ -146,7 +153,7 @@ def _store_target_fix(fix_ptr, stride_fix, row, d_t, stored, ok, fw_ptr, stride_
     weight row (zeros where the row has no target). Added to the fp32 sum of ``d @ W``, it makes each
     row's grad_hidden the rounding of one fp32 value whose target term is exact: in a peaked row that
     term is nearly all of the row, and its bf16 rounding (up to 2^-9 of it) was most of the error."""
-    r = tl.where(ok, d_t - stored, 0.0)
+    r = _target_residual(d_t, stored, ok)
     offs = tl.arange(0, BLOCK_H)
     for k in range(0, H, BLOCK_H):
         ks = k + offs
@@ -228,7 +235,7 @@ def _ce_row_kernel(
             _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr,
                               stride_fw, tgt_safe, FH, BLOCK_FH)
         if HAS_RES:
-            tl.store(res_ptr + row, tl.where(valid & in_range, d_t - stored.to(tl.float32), 0.0))
+            tl.store(res_ptr + row, _target_residual(d_t, stored.to(tl.float32), valid & in_range))
 
 
 @triton.jit
@@ -368,7 +375,7 @@ def _ce_target_grad_kernel(
         _store_target_fix(fix_ptr, stride_fix, row, d_t, stored.to(tl.float32), valid & in_range, fw_ptr, stride_fw,
                           tgt_safe, FH, BLOCK_FH)
     if HAS_RES:
-        tl.store(res_ptr + row, tl.where(valid & in_range, d_t - stored.to(tl.float32), 0.0))
+        tl.store(res_ptr + row, _target_residual(d_t, stored.to(tl.float32), valid & in_range))
 
 
 #: Values of ``variant``: "split" (the default): rows are cut into blocks of V spread over

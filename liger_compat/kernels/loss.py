@@ -439,10 +439,10 @@ def _exact_gw_rows(backend, h, w, m, rows, need_gw, knobs) -> int:
     fp32 sum. (A 16-bit ``addmm`` onto a 16-bit grad_weight is not one rounding: on an H200 one such
     product of every row's gradient, onto the target terms, kept the default's error against fp32.)
     Not with the block-sparse gradient matmuls, which write their own."""
-    if not (need_gw and backend == "triton" and _config.settings.flce_fp32_grad_weight and m > 0
-            and h.element_size() < 4 and w.element_size() < 4 and not knobs.sparse_grads):
+    if not (need_gw and _config.settings.flce_fp32_grad_weight and m > 0 and w.element_size() < 4
+            and not knobs.sparse_grads):
         return 0
-    if not (h.device.type == "cpu" or _fp32_accumulate_supported(h.device)):
+    if _target_fix_mode(backend, h, h.device) is None:  # no fp32-result product (grad_hidden's correction's)
         return 0
     return min(m, max(rows, EXACT_GW_ROWS // rows * rows))
 
