@@ -45,7 +45,13 @@ def _reference(h, w, b, t, *, ignore_index, smoothing, z_scale, softcap, reducti
     lse = torch.logsumexp(z, dim=-1)
     ce = F.cross_entropy(z, t, ignore_index=ignore_index, label_smoothing=smoothing, reduction="none")
     rows = torch.where(valid, ce + z_scale * lse * lse, 0.0)
-    acc = ((z.argmax(-1) == t) & valid).sum() / valid.sum().clamp(min=1)
+    # the accuracy as an interval: a row whose target logit is within float32 rounding of its best
+    # other logit (the kernel scores in float32) may count either way
+    zt = z.detach().gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+    other = z.detach().scatter(1, t.clamp(min=0).unsqueeze(1), float("-inf")).amax(-1)
+    tie = 1e-5 * z.detach().abs().amax().clamp(min=1.0)
+    count = valid.sum().clamp(min=1)
+    acc = (((zt > other + tie) & valid).sum() / count, ((zt >= other - tie) & valid).sum() / count)
     if reduction == "none":
         return rows, acc
     if num_items is not None:
@@ -112,7 +118,9 @@ def kernel(seed: int, out: Path) -> None:
         if bs is not None:
             e["grad_bias"] = float((bs.grad.double() - br.grad[lo:hi]).abs().max()) if hi > lo else 0.0
         if opts["reduction"] != "none":
-            e["accuracy"] = float(abs(float(res.token_accuracy) - float(ref_acc)))
+            lo_acc, hi_acc = (float(a) for a in ref_acc)  # 0 inside [lo_acc, hi_acc]
+            got = float(res.token_accuracy)
+            e["accuracy"] = max(lo_acc - got, got - hi_acc, 0.0)
         errs.append(e)
     (out / f"kernel{rank}.json").write_text(json.dumps(errs))
 
