@@ -75,6 +75,7 @@ INTEGRATION = {
     "distributed/test_tensor_parallel.py": "tensor parallelism (tp_plan, FSDP2 x TP) over two and four gloo ranks",
     "launcher/test_trl_cli.py": "trl's own command line under the launcher",
     "launcher/test_run.py": "training scripts under the launcher, against the same script run natively",
+    "models/test_upstream_model_tests.py": "transformers' own model test mixin in three fresh pytest processes",
 }
 
 #: Tests that start a fresh Python process for what happens at import time or in a whole CLI run:

@@ -88,7 +88,8 @@ def test_benchmark_commands_name_the_files_they_write():
                 "benchmarks.module_host": "module_host", "benchmarks.host_profile": "host_profile",
                 "benchmarks.skip_analysis": "skip_analysis", "benchmarks.compiled_profile": "compiled_profile",
                 "benchmarks.op_launch": "op_launch", "benchmarks.gh_gemm": "gh_gemm",
-                "benchmarks.sparse_grads_profile": "sparse_grads_profile"}
+                "benchmarks.sparse_grads_profile": "sparse_grads_profile",
+                "benchmarks.upstream_model_tests": "upstream_model_tests"}
     for stem in stems:
         cmd = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())["regenerate"]
         m = re.match(r"python -m (benchmarks\.\w+)", cmd)
