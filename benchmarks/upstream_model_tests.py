@@ -228,8 +228,8 @@ def read_junit(path: Path) -> dict[str, tuple[str, str]]:
         state, msg = "passed", ""
         for ch in tc:
             if ch.tag in ("failure", "error"):
-                state, msg = "failed", (ch.get("message") or ch.text or "").strip().splitlines()[0][:300] \
-                    if (ch.get("message") or ch.text) else ""
+                text = (ch.get("message") or ch.text or "").strip()
+                state, msg = "failed", text.splitlines()[0][:300] if text else ""
             elif ch.tag == "skipped" and state == "passed":
                 state = "skipped"
         if key not in out or rank[state] > rank[out[key][0]]:
