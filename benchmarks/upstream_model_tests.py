@@ -54,7 +54,7 @@ _SIDE_ENV = {"native": {}, "patched": {"UPSTREAM_TESTS_PATCHED": "1"},
 
 _CONFTEST = '''"""Written by benchmarks/upstream_model_tests.py: liger_compat first on the patched sides; every
 test starts from generators seeded by its id and the run's seed (the same inputs and weights on
-every side); the kernels that ran are written at the end of the session."""
+every side); the kernels that ran are written when the tests are done."""
 import json
 import os
 import random
@@ -85,7 +85,7 @@ def pytest_sessionfinish(session, exitstatus):
             from liger_compat import kernels
 
             ran = dict(kernels.last_backend)
-        # one file a process: pytest-xdist's workers each run a session of their own
+        # one file a process: each pytest-xdist worker runs tests of its own
         with open(f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "w") as f:
             json.dump(ran, f)
 '''
@@ -126,7 +126,7 @@ class _Tester:
         return self.get_config(), {{"input_ids": ids, "attention_mask": mask}}
 
 
-class Test{cls_name}(ModelTesterMixin, unittest.TestCase):
+class {cls_name}(ModelTesterMixin, unittest.TestCase):
     all_model_classes = tuple(getattr(importlib.import_module(MODELS[0]), n) for n in MODELS[1])
     # the generation mixin is not in the sdist (see the script's docstring)
     all_generative_model_classes = ()
@@ -147,18 +147,17 @@ def _installed_transformers() -> str:
 def fetch_sdist(version: str, cache: Path) -> Path:
     """transformers' sdist of ``version`` from the package index (pip's own configuration), cached."""
     cache.mkdir(parents=True, exist_ok=True)
-    found = sorted(cache.glob(f"transformers-{version}.tar.gz"))
-    if found:
-        return found[0]
+    path = cache / f"transformers-{version}.tar.gz"
+    if path.exists():
+        return path
     print(f"downloading transformers {version}'s source distribution (its test mixins) ...", flush=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
            f"transformers=={version}", "-d", str(cache)]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(cache.glob(f"transformers-{version}.tar.gz"))
-    if done.returncode or not found:
+    if done.returncode or not path.exists():
         raise SystemExit(f"could not download transformers {version}'s sdist ({' '.join(cmd)}):\n"
                          f"{done.stderr[-2000:]}\nPass --sdist PATH to use a local copy.")
-    return found[0]
+    return path
 
 
 def extract_tests(sdist: Path, dest: Path) -> list[str]:
@@ -192,6 +191,11 @@ def extract_tests(sdist: Path, dest: Path) -> list[str]:
     return stubbed
 
 
+def test_class(family: str) -> str:
+    """The name of the family's test class in its written module (``qwen3_moe`` -> ``TestQwen3Moe``)."""
+    return "Test" + "".join(p.capitalize() for p in family.split("_"))
+
+
 def family_module(family: str) -> tuple[str, str] | str:
     """``(file name, source)`` of the family's test module, or why it cannot be written here."""
     import importlib
@@ -214,7 +218,7 @@ def family_module(family: str) -> tuple[str, str] | str:
     kw = {**tiny_models.BASE, **tiny_models.EXTRA.get(fam.name, {})}
     src = _MODULE.format(family=family, config_module=type(cfg).__module__, config_class=type(cfg).__name__,
                          config_kw=kw, modeling_module=mod.__name__, model_classes=tuple(classes),
-                         cls_name="".join(p.capitalize() for p in family.split("_")))
+                         cls_name=test_class(family))
     return f"test_{family}_upstream.py", src
 
 
@@ -265,13 +269,12 @@ def run_side(side: str, root: Path, modules: list[str], timeout: float, seed: in
 def compare(outcomes: dict[str, dict], sides: list[str]) -> list[dict]:
     """Per test where a patched side's outcome differs from native's: what each side got."""
     diffs = []
-    native = outcomes["native"]
     for key in sorted(set().union(*outcomes.values())):
         got = {s: outcomes[s].get(key, ("missing", "")) for s in sides}
         if any(got[s][0] != got["native"][0] for s in sides):
             diffs.append({"test": key, **{s: got[s][0] for s in sides},
                           "messages": {s: got[s][1] for s in sides if got[s][1]},
-                          "regression": native.get(key, ("missing",))[0] == "passed"
+                          "regression": got["native"][0] == "passed"
                           and any(got[s][0] in ("failed", "missing") for s in sides if s != "native")})
     return diffs
 
@@ -331,6 +334,7 @@ def _run(families: list[str], sides: list[str], sdist: Path | None, timeout: flo
     report: dict = {"transformers": version, "torch": torch.__version__,
                     "device": "cuda" if torch.cuda.is_available() else "cpu", "sdist": sdist.name,
                     "sides": sides, "seed": seed, "stubbed": stubbed, "families": {}, "seconds": {}, "kernels_ran": {}}
+    modules = []
     for fam in families:
         made = family_module(fam)
         if isinstance(made, str):
@@ -338,7 +342,7 @@ def _run(families: list[str], sides: list[str], sdist: Path | None, timeout: flo
             continue
         (root / "uptests" / made[0]).write_text(made[1])
         report["families"][fam] = {}
-    modules = [f"test_{fam}_upstream.py" for fam, row in report["families"].items() if "unavailable" not in row]
+        modules.append(made[0])
     if not modules:
         raise SystemExit(f"none of {families} can run here: {report['families']}")
     outcomes = {}
@@ -349,7 +353,7 @@ def _run(families: list[str], sides: list[str], sdist: Path | None, timeout: flo
     for fam, row in report["families"].items():
         if "unavailable" in row:
             continue
-        cls = "Test" + "".join(p.capitalize() for p in fam.split("_"))
+        cls = test_class(fam)
         keys = [k for k in outcomes["native"] if k.startswith(f"{cls}::")]
         row["tests"] = len(keys)
         row["counts"] = {s: {o: sum(outcomes[s].get(k, ("missing",))[0] == o for k in keys)

@@ -47,9 +47,10 @@ def _reference(h, w, b, t, *, ignore_index, smoothing, z_scale, softcap, reducti
     rows = torch.where(valid, ce + z_scale * lse * lse, 0.0)
     # the accuracy as an interval: a row whose target logit is within float32 rounding of its best
     # other logit (the kernel scores in float32) may count either way
-    zt = z.detach().gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-    other = z.detach().scatter(1, t.clamp(min=0).unsqueeze(1), float("-inf")).amax(-1)
-    tie = 1e-5 * z.detach().abs().amax().clamp(min=1.0)
+    zd, col = z.detach(), t.clamp(min=0).unsqueeze(1)
+    zt = zd.gather(1, col).squeeze(1)
+    other = zd.scatter(1, col, float("-inf")).amax(-1)
+    tie = 1e-5 * zd.abs().amax().clamp(min=1.0)
     count = valid.sum().clamp(min=1)
     acc = (((zt > other + tie) & valid).sum() / count, ((zt >= other - tie) & valid).sum() / count)
     if reduction == "none":
