@@ -393,7 +393,7 @@ def _block_v(v: int, device: torch.device) -> tuple[int, int]:
 
 
 def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, variant="split", partials=None, bad=None,
-                   head=None, target_fix=None, sparse=None, target_res=None):
+                   head=None, target_fix=None, sparse=None, target_res=None, out=None):
     """Same contract as :func:`liger_compat.kernels.loss.ce_rows_torch` (``bad``: the int64[3]
     tensor of :func:`liger_compat.kernels._device_errors.new_flag` that the statistics pass
     adds out-of-range targets to; a scratch one when not given; ``head``: the rows' hidden states,
@@ -416,7 +416,11 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
 
     ``target_res`` (fp32 ``[C]``), with ``grad`` and without ``sparse``: receives each row's target
     entry in fp32 minus its stored value (0 where the row has no target), the residual
-    ``_target_terms_triton.add_target_terms`` adds to grad_weight."""
+    ``_target_terms_triton.add_target_terms`` adds to grad_weight.
+
+    ``out`` = ``(loss, z-loss, hit)``, contiguous fp32, fp32 and bool ``[C]`` tensors (without
+    ``lse``): the statistics are written into them (the caller's slices of its whole-batch rows)
+    and returned, instead of into new tensors."""
     c, v = logits.shape
     if c == 0:
         return None if lse is not None else tuple(torch.empty(0, device=logits.device) for _ in range(4))
@@ -425,10 +429,16 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     stats = lse is None
     f32 = torch.float32
     if stats:
-        loss = torch.empty(c, dtype=f32, device=dev)
-        zl = torch.empty(c, dtype=f32, device=dev)
+        if out is None:
+            loss = torch.empty(c, dtype=f32, device=dev)
+            zl = torch.empty(c, dtype=f32, device=dev)
+            correct = torch.empty(c, dtype=torch.int8, device=dev)
+        else:
+            loss, zl, hit = out
+            assert loss.shape == zl.shape == hit.shape == (c,) and loss.dtype == zl.dtype == f32
+            assert hit.dtype == torch.bool and loss.is_contiguous() and zl.is_contiguous() and hit.is_contiguous()
+            correct = hit.view(torch.int8)
         lse = torch.empty(c, dtype=f32, device=dev)
-        correct = torch.empty(c, dtype=torch.int8, device=dev)
         if bad is None:
             bad = torch.zeros(3, dtype=torch.int64, device=dev)
     else:
@@ -506,22 +516,23 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
                 **common, **head_common,
             )
         if grad is not None:
-            rest = torch.zeros((2, c), dtype=f32, device=dev)  # mass outside the target; target logit
+            # mass outside the target; target logit (one unbind: each indexing is a host-side op)
+            rest_mass, xt = torch.zeros((2, c), dtype=f32, device=dev).unbind(0)
             if sparse is not None:
                 dt, rest_out, tq, ts, tbn = sparse
                 assert dt.shape == (c,) and rest_out.shape == (c,) and dt.dtype == rest_out.dtype == f32
                 assert tq.shape == ts.shape == (c, cdiv(v, tbn)) and block % tbn == 0
-                rest = (rest_out, rest[1])
+                rest_mass = rest_out
             else:
-                dt, tq, ts, tbn = rest[1], rest[1], rest[1], 16
+                dt, tq, ts, tbn = xt, xt, xt, 16
             _ce_grad_kernel[(c, nb)](
-                logits, logits.stride(0), target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
+                logits, logits.stride(0), target, g, sg, lse, scale, stride_scale, rest_mass, xt,
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, tq, ts, tq.shape[-1],
                 HAS_SOFTCAP=common["HAS_SOFTCAP"], BLOCK_V=block, num_warps=warps, TILE_STATS=sparse is not None,
                 TBN=tbn,
             )
             _ce_target_grad_kernel[(c,)](
-                target, g, sg, lse, scale, stride_scale, rest[0], rest[1],
+                target, g, sg, lse, scale, stride_scale, rest_mass, xt,
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *fix_args, dt, target_res,
                 HAS_SOFTCAP=common["HAS_SOFTCAP"], num_warps=4 if target_fix is not None and dev.type == "cuda" else 1,
                 ZERO_TARGET=sparse is not None, **fix_common, **res_common,

@@ -235,14 +235,15 @@ def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape
 
 def _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc):
     """The loss Functions' outputs from per-row ``stats`` = (loss, z-loss, hit): the loss as
-    ``reduction`` asks, then z-loss and token accuracy, zeros where not asked for (neither is
-    differentiable)."""
+    ``reduction`` asks, then z-loss and token accuracy, ``None`` where not asked for (no launch
+    for an output nobody reads; neither is differentiable)."""
     loss_rows, zl_rows, correct = stats
     loss, z, acc = _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, (loss_rows.shape[0],), want_z,
                            want_acc)
-    outs = (loss, z if z is not None else loss.new_zeros(()), acc if acc is not None else loss.new_zeros(()))
-    ctx.mark_non_differentiable(outs[1], outs[2])
-    return outs
+    extra = [t for t in (z, acc) if t is not None]
+    if extra:
+        ctx.mark_non_differentiable(*extra)
+    return loss, z, acc
 
 
 def _backward_tail(grads_of, g_loss, reduction, scale, n_inputs):
@@ -542,10 +543,16 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             extra["sparse"] = sp.row_buffers(end - start)
         if res is not None:
             extra["target_res"] = res[start:end]
+        # the Triton row kernel writes a chunk's statistics into the rows' own slices (no copy launches)
+        direct = want_stats and backend == "triton" and gather and idx is None
+        if direct:
+            extra["out"] = (loss[start:end], zl[start:end], correct[start:end])
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
         if want_stats:
             if single:
                 loss, zl, correct = st[0], st[1], st[3]
+            elif direct:
+                pass
             elif idx is None:
                 loss[start:end], zl[start:end], _, correct[start:end] = st
             else:
@@ -655,10 +662,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             gh, gw, gb = ctx.grads
             ctx.grads = None
             # always scaled (in place: the buffers are this forward's own); comparing grad_output
-            # with 1 first would read it on the host
+            # with 1 first would read it on the host. The fp32 0-d grad_output multiplies each
+            # 16-bit entry in fp32 and rounds once, with no conversion launch before it.
             for g in (gh, gw, gb):
                 if g is not None:
-                    g.mul_(g_loss.to(g.dtype))
+                    g.mul_(g_loss)
             return (gh, gw, gb) + (None,) * 8
         h, w, b, target = ctx.saved_tensors
 

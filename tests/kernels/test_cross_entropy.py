@@ -261,6 +261,95 @@ def test_flce_triton_driver_chunks_and_compaction(monkeypatch, reduction, compac
     assert (ps[0].grad[t == -100] == 0).all()
 
 
+#: torch operations the eager fused loss issues from Python for each chunk beyond the first (forward
+#: and backward, Triton launches not counted): each costs the host ~5-20 us on a GPU, which a
+#: host-bound small step pays in full. 23 with the statistics written in place; 33 when each chunk's
+#: loss, z-loss and hit rows were copied out of new tensors and the kernel's scratch was indexed
+#: row by row.
+FLCE_OPS_PER_CHUNK = 23
+#: the same for what a call issues once (checks, reduction scale, output, backward scaling); 30 when
+#: unasked z-loss and accuracy outputs were filled with zeros and grad_output was converted first
+FLCE_OPS_PER_CALL = 24
+
+
+def _flce_host_ops(monkeypatch, chunks: int, rows: int, **kw):
+    """The torch operations (by name) of one warm eager fused-loss forward + backward of ``chunks``
+    chunks of ``rows`` rows on the Triton path, those inside the Triton interpreter's launches left out."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import liger_compat.kernels.loss as ce_mod
+
+    inside = [0]
+    real_run = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        inside[0] += 1
+        try:
+            return real_run(self, *a, **k)
+        finally:
+            inside[0] -= 1
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    v = 64
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * v * rows)
+    hid, w, _, t = _inputs(5, rows * chunks, 16, v, torch.float16, 0.0, False)
+    hid.requires_grad_(True)
+    w.requires_grad_(True)
+    fused_linear_cross_entropy(hid, w, t, compact_ignored=False, **kw).backward()  # warm: first-call work
+    with Count() as c:
+        fused_linear_cross_entropy(hid, w, t, compact_ignored=False, **kw).backward()
+    return c.ops
+
+
+def test_flce_host_operations_per_chunk(monkeypatch):
+    """The eager fused loss's host work on the Triton path is bounded: a fixed number of torch
+    operations per extra chunk (no copy of its statistics, no per-row indexing) and per call (no
+    operation for an output nobody asked for)."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    two, three = (_flce_host_ops(monkeypatch, k, 9) for k in (2, 3))
+    per_chunk = sum(three.values()) - sum(two.values())
+    per_call = sum(two.values()) - 2 * per_chunk
+    assert per_chunk <= FLCE_OPS_PER_CHUNK, (three - two)
+    assert per_call <= FLCE_OPS_PER_CALL, two
+    # the chunks' statistics land in their rows: the only copy a chunk makes is its grad_hidden rows'
+    assert three["copy_"] - two["copy_"] == 1, (three - two)
+    # zeros: the out-of-range flag, and one scratch per chunk
+    assert three["zeros"] == 1 + 3 and not three["new_zeros"] and not three["fill_"], three
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_flce_statistics_written_in_place_over_chunks(monkeypatch, reduction):
+    """Several uncompacted chunks on the Triton path: each row's loss, z-loss and token accuracy
+    (written into the whole batch's rows by the row kernel) against the float64 reference."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    import liger_compat.kernels.loss as ce_mod
+
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * 70 * 7)  # 7 rows per chunk
+    hid, w, _, t = _inputs(31, 30, 20, 70, torch.float32, 0.3, False)
+    out = fused_linear_cross_entropy(hid, w, t, reduction=reduction, lse_square_scale=1e-2,
+                                     return_token_accuracy=True, return_z_loss=True, compact_ignored=False)
+    ref, zl, acc = ce64(hid.double() @ w.double().T, t, reduction=reduction, lse_square_scale=1e-2)
+    tol = tolerance(torch.float32, n=70)
+    assert rel_err(out.loss, ref) <= tol and rel_err(out.z_loss, zl) <= tol
+    kept = int((t != -100).sum())
+    assert (out.token_accuracy.double() - acc).abs().sum().item() <= (1.0 if reduction == "none" else 1.0 / kept)
+
+
 def _bf16_dot_under_the_interpreter(monkeypatch):
     """Let the bf16 logits GEMM run under TRITON_INTERPRET=1 on CPU.
 
