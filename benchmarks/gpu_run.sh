@@ -6,7 +6,8 @@
 # compile_families (COMPILE_ARGS), generate (GENERATE_ARGS), kernels_regimes (REGIMES_ARGS; about 4-5 min:
 # every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s),
 # e2e_small (the host-bound llama-small 2x1024 step; E2E_SMALL_ARGS), trl_step (TRL_ARGS), models_gpu
-# (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes),
+# (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes), step_phases
+# (PHASES_ARGS: a small step's host time by phase, and its CUDA runtime calls),
 # compiled_profile (PROFILE_ARGS: a compiled step's GPU-busy and host time per implementation), op_host
 # (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), gh_gemm (GH_GEMM_ARGS: the loss's
 # grad_hidden product to a bf16 against an fp32 result),
@@ -52,6 +53,7 @@ for step in "$@"; do
     gh_gemm) python3 -m benchmarks.gh_gemm --out "$OUT" ${GH_GEMM_ARGS:-} >"$OUT/gh_gemm.log" 2>&1 ;;
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
+    step_phases) python3 -m benchmarks.step_phases --out "$OUT" ${PHASES_ARGS:-} >"$OUT/step_phases.log" 2>&1 ;;
     host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;
     skip_analysis) python3 -m benchmarks.skip_analysis --device cuda --out "$OUT" ${SKIP_ARGS:-} >"$OUT/skip_analysis.log" 2>&1 ;;
     pytest:*) python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$OUT/pytest.log" 2>&1 ;;
