@@ -342,10 +342,11 @@ def _with_grads_setup(ctx, inputs, output):
 def _with_grads_backward(ctx, g_loss, *_rest):
     gh, gw, gb = ctx.saved_tensors
     need_gh, need_gw, need_gb = ctx.flags
-    # always a multiply (no host-side test for grad_output == 1 as in eager): exact for 1.0
-    out_h = gh * g_loss.to(gh.dtype) if need_gh else None
-    out_w = gw * g_loss.to(gw.dtype) if need_gw else None
-    out_b = gb * g_loss.to(gb.dtype) if need_gb else None
+    # always a multiply, as in eager (no host-side test for grad_output == 1): exact for 1.0; the fp32
+    # 0-d grad_output multiplies each entry in fp32 and the product keeps the gradient's dtype, as eager's
+    out_h = gh * g_loss if need_gh else None
+    out_w = gw * g_loss if need_gw else None
+    out_b = gb * g_loss if need_gb else None
     return (out_h, out_w, out_b) + (None,) * 13
 
 

@@ -472,6 +472,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     # one chunk of every row: its statistics are the rows' own (no buffers to copy them into)
     single = idx is None and 0 < m <= rows
     gather = want_stats and not single
+    # the Triton row kernel writes each chunk's statistics into these rows' slices (no copy launches)
+    direct = gather and backend == "triton" and idx is None
     loss = new(n, dtype=f32, device=dev) if gather else None
     zl = new(n, dtype=f32, device=dev) if gather else None
     correct = new(n, dtype=torch.bool, device=dev) if gather else None
@@ -543,16 +545,12 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             extra["sparse"] = sp.row_buffers(end - start)
         if res is not None:
             extra["target_res"] = res[start:end]
-        # the Triton row kernel writes a chunk's statistics into the rows' own slices (no copy launches)
-        direct = want_stats and backend == "triton" and gather and idx is None
         if direct:
             extra["out"] = (loss[start:end], zl[start:end], correct[start:end])
         st = _ce_rows(backend, logits, tc, opt, scale=sc, grad=logits if any_grad else None, **extra)
-        if want_stats:
+        if want_stats and not direct:
             if single:
                 loss, zl, correct = st[0], st[1], st[3]
-            elif direct:
-                pass
             elif idx is None:
                 loss[start:end], zl[start:end], _, correct[start:end] = st
             else:
