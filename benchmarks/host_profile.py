@@ -125,16 +125,25 @@ def _gc_effect(model, kw, labels, sides: dict, steps: int) -> dict:
     return out
 
 
-def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
+def warm_model(family: str, ns: argparse.Namespace) -> tuple:
+    """``(model, inputs, labels, sides)``: ``family`` in bf16 at the shape ``ns`` names (layers,
+    hidden, vocab, batch, seq, device), its inputs, and ``sides`` (``native`` / ``patched`` to the
+    function that switches liger_compat to it), after 4 warm-up steps a side (kernels compile,
+    caches fill)."""
     args = _args(ns)
     model = make_model(family, args, torch.bfloat16)
     kw, labels = batch(model, args, family)
     kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
     sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
-    for side, switch in sides.items():  # warm-up: kernels compile, caches fill
+    for switch in sides.values():
         switch()
         for _ in range(4):
             _step(model, kw, labels)
+    return model, kw, labels, sides
+
+
+def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
+    model, kw, labels, sides = warm_model(family, ns)
     gpu, host = _interleaved(model, kw, labels, sides, ns.rounds, ns.steps)
     row = {"family": family, "shape": f"{ns.batch}x{ns.seq}",
            **{f"step_ms_{s}": v for s, v in gpu.items()},

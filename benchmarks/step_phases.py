@@ -45,13 +45,7 @@ import torch
 import liger_compat
 
 from . import _results
-from .models_gpu import batch, make_model
-
-RUNTIME_PREFIXES = ("cuda", "cu")
-
-
-def _sync() -> None:
-    torch.cuda.synchronize()
+from .host_profile import _step, _sync, warm_model
 
 
 def _phases(model, kw, labels, steps: int, drained: bool) -> dict[str, float]:
@@ -59,7 +53,7 @@ def _phases(model, kw, labels, steps: int, drained: bool) -> dict[str, float]:
     fwd, bwd, wait = [], [], []
     _sync()
     for _ in range(steps):
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # outside the timing
         if drained:
             _sync()
         t0 = time.perf_counter()
@@ -91,8 +85,7 @@ def _trace(model, kw, labels, steps: int, path: Path) -> dict:
     _sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            model(**kw, labels=labels, use_cache=False).loss.backward()
+            _step(model, kw, labels)
         _sync()
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())
@@ -161,13 +154,15 @@ def _rounds(model, kw, labels, sides: dict, ns: argparse.Namespace) -> dict:
     return got
 
 
-def _summary(got: dict, steps: int, prefix: str = "") -> dict:
+def _summary(got: dict, steps: int) -> dict:
+    """:func:`_rounds`' timings as ``<mode>_<phase>_<side>`` medians over the rounds, and each side's
+    steady step (forward, backward and its share of the round's final sync)."""
     row = {}
     for side, modes in got.items():
         for mode, runs in modes.items():
             for key in runs[0]:
-                row[f"{prefix}{mode}_{key}_{side}"] = statistics.median(r[key] for r in runs)
-        row[f"{prefix}steady_step_{side}"] = statistics.median(
+                row[f"{mode}_{key}_{side}"] = statistics.median(r[key] for r in runs)
+        row[f"steady_step_{side}"] = statistics.median(
             r["fwd"] + r["bwd"] + r["tail"] / steps for r in modes["steady"])
     return row
 
@@ -201,9 +196,9 @@ def _sampled(model, kw, labels, steps: int, every_us: int) -> dict:
                 if tid == me:
                     continue
                 kind = "main" if tid == main_id else "other"
-                if kind == "other" and _where(frame).startswith("threading.py"):
-                    continue
                 key = _where(frame)
+                if kind == "other" and key.startswith("threading.py"):
+                    continue
                 counts[kind][key] = counts[kind].get(key, 0) + 1
             time.sleep(every_us * 1e-6)
 
@@ -213,8 +208,7 @@ def _sampled(model, kw, labels, steps: int, every_us: int) -> dict:
     th.start()
     me = th.ident
     for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        model(**kw, labels=labels, use_cache=False).loss.backward()
+        _step(model, kw, labels)
     _sync()
     wall = (time.perf_counter() - t0) * 1e3
     stop.set()
@@ -227,17 +221,7 @@ def _sampled(model, kw, labels, steps: int, every_us: int) -> dict:
 
 
 def run_family(family: str, ns: argparse.Namespace, out: Path) -> tuple[dict, str]:
-    args = argparse.Namespace(layers=ns.layers, hidden=ns.hidden, vocab=ns.vocab, batch=ns.batch, seq=ns.seq,
-                              intermediate=0, device="cuda")
-    model = make_model(family, args, torch.bfloat16)
-    kw, labels = batch(model, args, family)
-    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
-    sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
-    for switch in sides.values():
-        switch()
-        for _ in range(4):
-            model.zero_grad(set_to_none=True)
-            model(**kw, labels=labels, use_cache=False).loss.backward()
+    model, kw, labels, sides = warm_model(family, argparse.Namespace(**vars(ns), device="cuda"))
     row: dict = {"family": family, "shape": f"{ns.batch}x{ns.seq}", "conditions": {}}
     for cond in ns.conditions.split(","):
         with condition(cond):
@@ -254,12 +238,7 @@ def run_family(family: str, ns: argparse.Namespace, out: Path) -> tuple[dict, st
                 text += [f"{kind} thread(s), ms per step:", ""]
                 text += [f"- {ms:7.3f}  {k}" for k, ms in smp[kind].items()]
                 text.append("")
-    if not ns.trace:
-        liger_compat.apply()
-        del model
-        torch.cuda.empty_cache()
-        return row, "\n".join(text)
-    for side, switch in sides.items():
+    for side, switch in (sides.items() if ns.trace else ()):
         switch()
         tr = _trace(model, kw, labels, 3, out / f"_trace_{family}_{side}.json")
         row[f"trace_{side}"] = tr
