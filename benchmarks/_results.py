@@ -82,3 +82,47 @@ def table_rows(rows: list[dict], impls, ncols: int):
                 yield f"| {m} | {s} | {impl} | {r.get('status')} |" + " |" * (ncols - 4), None, None
             else:
                 yield None, r, d
+
+
+class SyncSites:
+    """A context that records the host syncs made inside it on CUDA
+    (``torch.cuda.set_sync_debug_mode("warn")``), each with the innermost frames of the stack that
+    made it, in :attr:`found`."""
+
+    def __init__(self, frames: int = 8):
+        self.frames = frames
+        self.found: list[str] = []
+
+    def __enter__(self):
+        import traceback
+        import warnings
+
+        import torch
+
+        torch.cuda.synchronize()
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("always")
+        self._old = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "prototype feature" in str(message):  # torch's notice on turning the mode on, not a sync
+                return
+            frames = [f"{fs.filename.split('site-packages/')[-1]}:{fs.lineno} {fs.name}"
+                      for fs in traceback.extract_stack()[:-1] if not fs.filename.endswith("warnings.py")]
+            self.found.append(f"{str(message)[:80]} <- " + " <- ".join(reversed(frames[-self.frames:])))
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        import warnings
+
+        import torch
+
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._old
+        self._ctx.__exit__(*exc)
+        torch.cuda.synchronize()
+        return False

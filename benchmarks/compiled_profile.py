@@ -28,6 +28,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from . import _results
+
 DEFAULT_IMPLS = ("native_compiled", "liger_compat_compiled", "liger_compat_keep_compiled",
                  "liger_compat_flce_compiled", "liger_compat_noflce_compiled", "liger_compat_shims_compiled")
 
@@ -71,33 +73,9 @@ def _phases(run, opt, ids, labels, cg, steps):
 def _syncs(run, opt, ids, labels, cg) -> list[str]:
     """The host syncs of one step (``torch.cuda.set_sync_debug_mode``), each with the innermost
     frames of the stack that made it."""
-    import traceback
-    import warnings
-
-    import torch
-
-    found: list[str] = []
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        old = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if "prototype feature" in str(message):  # torch's notice on turning the mode on, not a sync
-                return
-            frames = [f"{fs.filename.split('site-packages/')[-1]}:{fs.lineno} {fs.name}"
-                      for fs in traceback.extract_stack()[:-1] if not fs.filename.endswith("warnings.py")]
-            found.append(f"{str(message)[:80]} <- " + " <- ".join(reversed(frames[-8:])))
-
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            _step(run, opt, ids, labels, cg)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = old
-    torch.cuda.synchronize()
-    return found
+    with _results.SyncSites() as rec:
+        _step(run, opt, ids, labels, cg)
+    return rec.found
 
 
 def _cprofile(run, opt, ids, labels, cg, steps: int) -> list[dict]:

@@ -12,7 +12,8 @@
 # (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), gh_gemm (GH_GEMM_ARGS: the loss's
 # grad_hidden product to a bf16 against an fp32 result),
 # module_host (host time per module call, native and patched), skip_analysis (SKIP_ARGS: the
-# sparse backward's rule in exact fp32 at GPU sizes), pytest:<args> (a pytest selection).
+# sparse backward's rule in exact fp32 at GPU sizes), sparse_grads_profile (SPARSE_ARGS: one chunk of the
+# block-sparse gradient matmuls over tile configurations), pytest:<args> (a pytest selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 # The device tool brings back at most 8 files from $OUT: the steps write under $RES, which is packed
 # into $OUT/results.tgz after every step and every 30 s (a run cut short keeps what was written).
@@ -25,9 +26,12 @@ OUT=${RES:-/tmp/gpu_res}
 mkdir -p "$OUT" "$DEST"
 export PYTHONUNBUFFERED=1
 SITE=/tmp/gpu_site/site-packages
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl >"$OUT/pip.log" 2>&1
-fi
+# one wheel at a time: a wheel built for another Python (carried for each, e.g. xxhash) fails alone
+for whl in .whl/*.whl; do
+  [ -e "$whl" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$whl" >>"$OUT/pip.log" 2>&1 \
+    || echo "not installed: $whl" >>"$OUT/pip.log"
+done
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L >"$OUT/machine.log" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >>"$OUT/machine.log" 2>&1
@@ -55,6 +59,7 @@ for step in "$@"; do
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
     step_phases) python3 -m benchmarks.step_phases --out "$OUT" ${PHASES_ARGS:-} >"$OUT/step_phases.log" 2>&1 ;;
     host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;
+    sparse_grads_profile) python3 -m benchmarks.sparse_grads_profile --out "$OUT" ${SPARSE_ARGS:-} >"$OUT/sparse_grads_profile.log" 2>&1 ;;
     skip_analysis) python3 -m benchmarks.skip_analysis --device cuda --out "$OUT" ${SKIP_ARGS:-} >"$OUT/skip_analysis.log" 2>&1 ;;
     pytest:*) python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$OUT/pytest.log" 2>&1 ;;
     *) echo "unknown step $step" >>"$OUT/machine.log" ;;
