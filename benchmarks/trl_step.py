@@ -2,6 +2,7 @@
 
     python -m benchmarks.trl_step [--trainers sft] [--models llama-8l] [--shapes 4x2048] [--dpo-shapes 2x2048]
                                   [--impls trl,trl_liger_kernel,trl_liger_compat] [--steps 8] [--warmup 3]
+                                  [--profile [--profile-steps 3]] [--sync-stacks]
                                   [--out DIR] [--name trl_step]
 
 The model is one of :data:`benchmarks.e2e.MODELS` (random weights, bf16, SDPA, on CUDA); the dataset
@@ -14,7 +15,10 @@ warm-up, the peak allocated memory over them, and the first logged loss. Impleme
 * ``trl``: trl as installed (trl 1.15+ computes the loss in its own fused LM head);
 * ``trl_liger_kernel``: ``SFTConfig(use_liger_kernel=True)`` (liger-kernel's layer kernels; on
   trl 1.15+ its fused loss is not used);
-* ``trl_liger_compat``: ``import liger_compat`` first, default settings.
+* ``trl_liger_compat``: ``import liger_compat`` first, default settings;
+* ``trl_liger_compat_recompute`` (only when named): the same, with the log-prob head's backward
+  recomputing the logits where the default keeps their gradient (``kernels.logprob.KEEP_GRAD_MAX_BYTES``
+  set to 0): the per-token weighted heads of DPO, GRPO and KTO.
 
 Each runs in a fresh interpreter.
 
@@ -36,6 +40,10 @@ script marks on the trainer's own methods), the host syncs (``cudaStreamSynchron
 a value on the host: ``item`` / ``_local_scalar_dense``, ``nonzero``, ``equal``, ``masked_select``),
 the GPU kernel time against the wall time, and the top operators by self CPU and by GPU time. The
 result row gets the phase times and sync counts.
+
+``--sync-stacks`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode("warn")`` and
+records each host sync it makes with the innermost frames of its stack (the row's ``sync_sites``,
+and the profile file's last section with ``--profile``): which library's line waits for the GPU.
 """
 
 from __future__ import annotations
@@ -51,7 +59,10 @@ import time
 from . import _results
 from .e2e import MODELS
 
-IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat")
+IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat", "trl_liger_compat_recompute")
+#: the default implementations (``trl_liger_compat_recompute``, an A/B of the log-prob head's kept
+#: gradient, runs when named)
+DEFAULT_IMPLS = IMPLS[:3]
 TRAINERS = ("sft", "dpo")
 TRAINER_CLASSES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}
 #: the e2e models, plus a tiny one for a CPU smoke run of this script (tests)
@@ -167,11 +178,17 @@ def _profile_summary(prof, n_steps: int, wall_ms: float) -> tuple[str, dict]:
 
 
 def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profile_steps: int = 0,
-         out_dir: str | None = None, name: str = "trl_step", trainer_kind: str = "sft") -> dict:
+         out_dir: str | None = None, name: str = "trl_step", trainer_kind: str = "sft",
+         sync_stacks: bool = False) -> dict:
     if trainer_kind not in TRAINERS:
         raise ValueError(f"trainer_kind: unknown trainer {trainer_kind!r}; choose from {', '.join(TRAINERS)}")
-    if impl == "trl_liger_compat":
+    if impl.startswith("trl_liger_compat"):
         import liger_compat  # noqa: F401  (first import, as a user would)
+
+        if impl == "trl_liger_compat_recompute":  # the weighted heads' backward recomputes the logits
+            from liger_compat.kernels import logprob
+
+            logprob.KEEP_GRAD_MAX_BYTES = 0
     import copy
     import tempfile
 
@@ -192,7 +209,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     torch.manual_seed(0)
     with torch.device("cuda" if cuda else "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16 if cuda else torch.float32)
-    n_rows = bsz * (steps + warmup + profile_steps)
+    n_rows = bsz * (steps + warmup + profile_steps + bool(sync_stacks and cuda))
     if trainer_kind == "sft":
         g = torch.Generator().manual_seed(1)
         rows = torch.randint(3, cfg.vocab_size, (n_rows, seq), generator=g)
@@ -205,6 +222,9 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     times: list[float] = []
     prof_state: dict = {}
     last_timed = warmup + steps  # the profiled steps come after the timed ones
+    # --sync-stacks: one more step after those, its host syncs recorded with their stacks
+    stack_step = last_timed + profile_steps if sync_stacks and cuda else None
+    sites = _results.SyncSites(frames=10) if stack_step is not None else None
 
     class Timer(TrainerCallback):
         t0 = 0.0
@@ -221,6 +241,8 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
                 prof_state["prof"] = profile(activities=acts)
                 prof_state["prof"].__enter__()
                 prof_state["t0"] = time.perf_counter()
+            if state.global_step == stack_step:
+                sites.__enter__()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
@@ -230,6 +252,8 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
             if "prof" in prof_state and state.global_step == last_timed + profile_steps:
                 prof_state["wall_ms"] = (time.perf_counter() - prof_state["t0"]) * 1e3 / profile_steps
                 prof_state["prof"].__exit__(None, None, None)
+            if stack_step is not None and state.global_step == stack_step + 1:
+                sites.__exit__(None, None, None)
 
     # a DPO step runs the policy (and the reference) over the chosen and the rejected sequence of each pair
     tokens = bsz * seq * (2 if trainer_kind == "dpo" else 1)
@@ -238,7 +262,8 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
            "transformers": transformers.__version__, "trl": trl.__version__, "gpu": torch.cuda.get_device_name(0) if cuda else "cpu"}
     with tempfile.TemporaryDirectory() as out:
         common = dict(output_dir=out, per_device_train_batch_size=bsz, max_length=seq, bf16=cuda, use_cpu=not cuda,
-                      max_steps=steps + warmup + profile_steps, learning_rate=1e-5, logging_steps=1, report_to="none",
+                      max_steps=steps + warmup + profile_steps + (stack_step is not None), learning_rate=1e-5,
+                      logging_steps=1, report_to="none",
                       save_strategy="no", optim="adamw_torch_fused" if cuda else "adamw_torch",
                       dataloader_num_workers=0, use_liger_kernel=impl == "trl_liger_kernel",
                       gradient_checkpointing=False)
@@ -264,6 +289,8 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     step = statistics.median(times)
     res.update(status="ok", step_ms=step * 1e3, tokens_per_s=tokens / step, steps_ms=[t * 1e3 for t in times],
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), first_loss=losses[0] if losses else None)
+    if sites is not None:
+        res["sync_sites"] = sites.found
     if "wall_ms" in prof_state:
         text, summary = _profile_summary(prof_state["prof"], profile_steps, prof_state["wall_ms"])
         res["profile"] = summary
@@ -273,8 +300,11 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
             path = os.path.join(out_dir, f"{name}_{tag}{model_name}_{shape}_{impl}_profile.txt")
             with open(path, "w") as f:
                 f.write(f"{TRAINER_CLASSES[trainer_kind]}, {impl}, {model_name}, {shape}\n{text}\n")
+                if sites is not None:
+                    f.write("\nhost syncs of one step (torch.cuda.set_sync_debug_mode), innermost frame first:\n")
+                    f.write("".join(f"  {site}\n" for site in sites.found))
             res["profile_file"] = path
-    if impl == "trl_liger_compat":
+    if impl.startswith("trl_liger_compat"):
         import liger_compat
 
         rep = liger_compat.check(quiet=True)
@@ -333,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="4x2048", help="SFT shapes, BATCHxSEQ")
     ap.add_argument("--dpo-shapes", default="2x2048", help="DPO shapes, PAIRSxSEQ (each pair: prompt + chosen, "
                     "prompt + rejected, SEQ tokens each)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help=f"any of {', '.join(IMPLS)}")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"any of {', '.join(IMPLS)}")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
@@ -342,13 +372,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="also profile --profile-steps steps after the timed ones: "
                     "<name>_[dpo_]<model>_<shape>_<impl>_profile.txt")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--sync-stacks", action="store_true",
+                    help="on CUDA, run one more step with torch.cuda.set_sync_debug_mode and record each host "
+                    "sync's stack (the row's sync_sites; the profile file with --profile)")
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "SHAPE", "IMPL"), help=argparse.SUPPRESS)
     ap.add_argument("--trainer", default="sft", choices=TRAINERS, help=argparse.SUPPRESS)  # of --one
     a = ap.parse_args(argv)
     if a.one:
         print("RESULT " + json.dumps(_one(*a.one, steps=a.steps, warmup=a.warmup,
                                           profile_steps=a.profile_steps if a.profile else 0, out_dir=a.out,
-                                          name=a.name, trainer_kind=a.trainer)), flush=True)
+                                          name=a.name, trainer_kind=a.trainer, sync_stacks=a.sync_stacks)),
+              flush=True)
         return 0
     trainers = a.trainers.split(",")
     for t in trainers:
@@ -378,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", a.out, "--name", a.name]
             if a.profile:
                 cmd += ["--profile", "--profile-steps", str(a.profile_steps)]
+            if a.sync_stacks:
+                cmd.append("--sync-stacks")
             p = subprocess.run(cmd, capture_output=True, text=True)
             got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if got:

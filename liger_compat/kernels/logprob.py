@@ -11,7 +11,11 @@ reference :func:`lp_rows_torch` here) reduces them, and only one chunk of logits
 
 Backward takes arbitrary per-row upstream gradients of ``log_probs`` and ``entropy``: it
 recomputes each chunk's logits, turns them in place into ``d / d logits`` and makes that chunk's
-``grad_hidden`` rows and share of ``grad_weight`` (4 matmuls for forward and backward).
+``grad_hidden`` rows and share of ``grad_weight`` (4 matmuls for forward and backward). Where the
+whole ``[N, V]`` gradient fits :data:`KEEP_GRAD_MAX_BYTES` (Triton path), the forward instead keeps
+``d sum(log_probs) / d logits``, made in place of each chunk's logits, and a backward without an
+entropy gradient scales it row by row into its two matmuls (3 in all, no row kernel in the backward;
+with an entropy gradient it recomputes as above).
 ``grad_mode="uniform"`` is for losses that weight every row's log-prob alike (a mean or sum of
 the log-probs, SFT): the forward then also forms the gradients of ``sum(log_probs)`` (3 matmuls
 in all). Its backward scales ``grad_hidden`` row by row by the upstream gradient, which is exact
@@ -171,13 +175,17 @@ def _rows_per_chunk(n, v, h, elem, backend, device):
     return _chunk_rows(n, v, h, elem, backend, device)
 
 
-def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g_ent=None, lse=None, entropy=None):
+def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g_ent=None, lse=None, entropy=None,
+          keep=None):
     """One chunked pass over the non-ignored rows ``idx`` (all rows when ``None``).
 
     ``stats``: compute the per-row statistics (returns them, full length, zeros on ignored rows);
     ``grads`` = (hidden, weight, bias) flags: compute those gradients for the upstream ``g_lp``
     (0-d or [N]) / ``g_ent`` ([N]) with the row ``lse`` / ``entropy`` (from this pass when
-    ``stats``). Returns ``(stats or None, grad_hidden, grad_weight, grad_bias)``.
+    ``stats``). ``keep`` (``[N, V]`` in ``cdt``, with ``stats``, no ``grads``, every row): each
+    chunk's logits are made in its rows and turned in place into ``d log_probs / d logits``, which
+    stays there (:func:`_kept_grads` finishes the gradients from it). Returns ``(stats or None,
+    grad_hidden, grad_weight, grad_bias)``.
     """
     n, hdim = h.shape
     v = w.shape[0]
@@ -203,7 +211,7 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
     acc_dtype = f32 if (backend == "torch" or w.dtype == f32) else cdt
     gw = (torch.empty if acc_dtype == cdt and m else torch.zeros)((v, hdim), dtype=acc_dtype, device=dev) if need_gw else None
     gb = torch.zeros(v, dtype=f32, device=dev) if need_gb else None
-    buf = torch.empty((min(rows, max(m, 1)), v), dtype=cdt, device=dev)
+    buf = keep if keep is not None else torch.empty((min(rows, max(m, 1)), v), dtype=cdt, device=dev)
     wt = wc.t()
     for start in range(0, m, rows):
         end = min(m, start + rows)
@@ -215,7 +223,7 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
             hc, tc = h.index_select(0, sl), target.index_select(0, sl)
         if hc.dtype != cdt:
             hc = hc.to(cdt)
-        logits = buf[: end - start]
+        logits = buf[start:end] if keep is not None else buf[: end - start]
         if bc is not None:
             torch.addmm(bc, hc, wt, out=logits)
         else:
@@ -232,6 +240,8 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
                 ent_c = st[1]
         else:
             lse_c = pick(lse)
+        if keep is not None:  # the gradient of sum(log_probs), kept for the backward
+            _lp_rows(backend, logits, tc, opt, grad=logits, g_lp=_unit(dev), lse=lse_c)
         if any_grad:
             if g_ent is not None and ent_c is None:
                 raise RuntimeError("an entropy gradient needs the entropy; ask for it in want")
@@ -252,11 +262,52 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
                 else:
                     gh.index_copy_(0, sl, d @ wc)
         hc = tc = None
-    del buf
+    buf = None
     gh = None if gh is None else gh.to(h.dtype)
     gw = None if gw is None else gw.to(w.dtype)
     gb = None if gb is None else gb.to(b.dtype)
     return out, gh, gw, gb
+
+
+def _unit(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+#: ``grad_mode="recompute"`` keeps the logits' gradient of ``sum(log_probs)`` (``[N, V]`` in the
+#: compute dtype) from the forward to the backward, instead of computing the logits again there,
+#: when it takes at most this many bytes: the size of the chunked passes' own logits buffer at a
+#: 128k vocabulary (``loss._chunk_rows``), held until the backward. The backward then runs two
+#: matmuls instead of three and no row kernel (a DPO policy head of 4096 scored rows x 2048 x
+#: 128256: one 2.2 TFLOP matmul less a step, ``benchmarks/NOTES.md``).
+KEEP_GRAD_MAX_BYTES = 2**30
+
+
+def _keeps_gradient(n: int, v: int, cdt: torch.dtype, backend: str) -> bool:
+    """Whether a ``grad_mode="recompute"`` call of ``n`` rows over ``v`` classes keeps the logits'
+    gradient (:data:`KEEP_GRAD_MAX_BYTES`): on the Triton path (the GPU, and the interpreter that
+    tests it); the torch reference (CPU tensors) recomputes in chunks of a few MiB."""
+    return backend == "triton" and 0 < n * v * (torch.finfo(cdt).bits // 8) <= KEEP_GRAD_MAX_BYTES
+
+
+def _kept_grads(d0, h, w, b, target, g_lp, opt, cdt, needs):
+    """The gradients of ``sum(g_lp * log_probs)`` from the kept ``d0 = d sum(log_probs) / d logits``
+    (``[N, V]``, zero on ignored rows): each row's upstream scales ``grad_hidden``'s row after the
+    product, and the hidden row (``d0``'s rows) in ``grad_weight``'s (``grad_bias``'s) product. An
+    ignored row's upstream counts as 0 (whatever it is: a NaN there must not reach the gradients)."""
+    need_gh, need_gw, need_gb = needs
+    v = w.shape[0]
+    valid = (target != opt.ignore_index) & (target >= 0) & (target < v)
+    g = g_lp.float()
+    g = torch.where(valid, g, g.new_zeros(()))[:, None]
+    wc = w if w.dtype == cdt else w.to(cdt)
+    gh = gw = gb = None
+    if need_gh:
+        gh = (torch.mm(d0, wc).float() * g).to(h.dtype)
+    if need_gw:
+        gw = torch.mm(d0.t(), (h.float() * g).to(cdt)).to(w.dtype)
+    if need_gb:
+        gb = torch.mv(d0.t(), g[:, 0].to(cdt)).to(b.dtype)
+    return gh, gw, gb
 
 
 def _contract_message(values: list[int]) -> str:
@@ -316,12 +367,15 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.cdt, ctx.needs, ctx.idx = opt, backend, cdt, needs, idx
-        ctx.unit = None
+        ctx.unit = ctx.kept = None
         ctx.grad_mode = grad_mode
         if grad_mode in ("uniform", "sum") and any(needs):
             out, gh, gw, gb = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=needs,
-                                    g_lp=torch.ones((), dtype=torch.float32, device=h.device))
+                                    g_lp=_unit(h.device))
             ctx.unit = (gh, gw, gb)
+        elif any(needs) and _keeps_gradient(h.shape[0], w.shape[0], cdt, backend):
+            ctx.kept = torch.empty((h.shape[0], w.shape[0]), dtype=cdt, device=h.device)
+            out, *_ = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=(False,) * 3, keep=ctx.kept)
         else:
             out, *_ = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=(False,) * 3)
         lp, ent, sq, mean, top1, lse = out
@@ -335,9 +389,16 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, *_):
         _device_errors.poll()
         if not any(ctx.needs) or (g_lp is None and g_ent is None):
-            ctx.unit = None
+            ctx.unit = ctx.kept = None
             return (None,) * 9
         idx = ctx.idx
+        kept, ctx.kept = ctx.kept, None
+        if kept is not None and g_ent is None:  # the forward's gradient of sum(log_probs), row-scaled
+            h, w, b, target = ctx.saved_tensors[:4]
+            with (ctx.backward_context() if ctx.backward_context is not None else contextlib.nullcontext()):
+                gh, gw, gb = _kept_grads(kept, h, w, b, target, g_lp, ctx.opt, ctx.cdt, ctx.needs)
+            return gh, gw, gb, None, None, None, None, None, None
+        kept = None  # an entropy gradient: recomputed below
         if ctx.unit is not None and g_ent is None:
             target, ii = ctx.saved_tensors[3], ctx.opt.ignore_index
             _, need_gw, need_gb = ctx.needs

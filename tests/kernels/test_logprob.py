@@ -145,9 +145,11 @@ def test_uniform_upstream_and_non_uniform_give_the_reference(mode, monkeypatch):
         tol = tolerance(torch.float32, n=24 + 173, ulps=32.0)
         assert rel_err(hh.grad, h64.grad) < tol
         assert rel_err(ww.grad, w64.grad) < tol
-        # the uniform mode forms the gradient in its one pass and reuses it for the mean;
-        # otherwise the backward makes a second, recomputing pass
-        assert len(passes) == (1 if (mode, upstream) == ("uniform", "mean") else 2), passes
+        # the uniform mode forms the gradient in its one pass and reuses it for the mean; the
+        # recompute mode keeps its forward's logits gradient on the Triton path; otherwise the
+        # backward makes a second, recomputing pass
+        kept = mode == "recompute" and lpmod._keeps_gradient(29, 173, torch.float32, expected_backend())
+        assert len(passes) == (1 if (mode, upstream) == ("uniform", "mean") or kept else 2), passes
 
 
 def _count_passes(monkeypatch):
@@ -305,3 +307,78 @@ def test_compute_dtype_under_fp32_weights_matches_bf16_head():
     unit = float((hb @ wb.T).detach().abs().amax()) * 21**0.5
     assert rel_err(out.log_probs, ref.detach(), unit) < tol
     assert rel_err(a.grad, hb.grad) < tol and rel_err(c.grad, wb.grad) < tol
+
+
+@pytest.mark.parametrize("upstream", ["log_probs", "log_probs+entropy"])
+@pytest.mark.parametrize("seed", [3, 17])
+def test_kept_gradient_gives_the_float64_gradient(seed, upstream, monkeypatch):
+    """``grad_mode="recompute"`` with the forward's logits gradient kept (forced here on the torch
+    reference; the Triton path keeps it below ``KEEP_GRAD_MAX_BYTES``): a per-row weighting of the
+    log-probs (DPO's kind of upstream, random values on the ignored rows too, which must not count),
+    with a bias, softcap, temperature and logit scale, gives the float64 gradient from one pass; an
+    entropy gradient as well makes the backward recompute (a second pass), with the same result."""
+    import liger_compat.kernels.logprob as lpmod
+
+    monkeypatch.setattr(lpmod, "_keeps_gradient", lambda *a: True)
+    passes = _count_passes(monkeypatch)
+    kept = []
+    real_kept = lpmod._kept_grads
+    monkeypatch.setattr(lpmod, "_kept_grads", lambda *a: kept.append(a[0].shape) or real_kept(*a))
+    opts = dict(temperature=0.7, softcap=5.0, logit_scale=0.5)
+    hid, w, b, t, glp, gent = _inputs(seed, 31, 20, 157, torch.float32, 0.3, True)
+    hh, ww, bb = (x.clone().requires_grad_(True) for x in (hid, w, b))
+    out = fused_linear_logprobs(hh, ww, t, bias=bb, want=("log_probs", "entropy"), grad_mode="recompute", **opts)
+    loss = (out.log_probs * glp).sum()
+    if upstream != "log_probs":
+        loss = loss + (out.entropy * gent).sum()
+    loss.backward()
+    h64, w64, b64 = (x.double().requires_grad_(True) for x in (hid, w, b))
+    lp, ent = logprobs64(h64, w64, b64, t, **opts)[:2]
+    ref = (lp * glp.double()).sum() + (0 if upstream == "log_probs" else (ent * gent.double()).sum())
+    ref.backward()
+    tol = tolerance(torch.float32, n=20 + 157, ulps=32.0)
+    for ours, theirs in ((hh.grad, h64.grad), (ww.grad, w64.grad), (bb.grad, b64.grad)):
+        assert rel_err(ours, theirs) < tol, rel_err(ours, theirs)
+    assert len(passes) == (1 if upstream == "log_probs" else 2), passes
+    assert kept == ([(31, 157)] if upstream == "log_probs" else []), kept
+
+
+def test_kept_gradient_is_bounded_and_triton_only():
+    """The forward keeps the logits gradient only where it fits ``KEEP_GRAD_MAX_BYTES`` (its dtype's
+    bytes counted) and only on the Triton path."""
+    from liger_compat.kernels.logprob import KEEP_GRAD_MAX_BYTES, _keeps_gradient
+
+    v = 128256
+    rows_bf16 = KEEP_GRAD_MAX_BYTES // (2 * v)
+    assert _keeps_gradient(rows_bf16, v, torch.bfloat16, "triton")
+    assert not _keeps_gradient(rows_bf16 + 1, v, torch.bfloat16, "triton")
+    assert not _keeps_gradient(rows_bf16, v, torch.float32, "triton")
+    assert not _keeps_gradient(rows_bf16 // 2, v, torch.bfloat16, "torch")
+    assert not _keeps_gradient(0, v, torch.bfloat16, "triton")
+
+
+def test_kept_gradient_with_a_frozen_head_and_the_backward_context(monkeypatch):
+    """A frozen head (LoRA's case: only grad_hidden) from the kept gradient: one matmul, inside the
+    backward context (a ZeRO-3 gather of the head), float64's gradient."""
+    import contextlib
+
+    import liger_compat.kernels.logprob as lpmod
+
+    monkeypatch.setattr(lpmod, "_keeps_gradient", lambda *a: True)
+    passes = _count_passes(monkeypatch)
+    hid, w, _, t, glp, _ = _inputs(5, 23, 12, 61, torch.float32, 0.25, False)
+    hh = hid.clone().requires_grad_(True)
+    entered = []
+
+    @contextlib.contextmanager
+    def ctx():
+        entered.append(True)
+        yield
+
+    out = fused_linear_logprobs(hh, w, t, want="log_probs", backward_context=ctx)
+    (out.log_probs * glp).sum().backward()
+    assert entered == [True] and len(passes) == 1
+    h64 = hid.double().requires_grad_(True)
+    (logprobs64(h64, w.double(), None, t)[0] * glp.double()).sum().backward()
+    assert rel_err(hh.grad, h64.grad) < tolerance(torch.float32, n=12 + 61, ulps=32.0)
+
