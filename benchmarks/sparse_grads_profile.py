@@ -22,11 +22,14 @@ from pathlib import Path
 
 GH_CONFIGS = [  # BH, BK, warps, stages, programs of one block of rows side by side
     (128, 64, 4, 3, False), (128, 64, 4, 3, True), (256, 64, 8, 3, False), (256, 64, 8, 3, True),
-    (128, 64, 8, 3, True), (128, 64, 4, 4, True),
+    (128, 64, 8, 3, True), (128, 64, 4, 4, True), (128, 64, 4, 5, True), (256, 64, 8, 4, True), (128, 128, 4, 3, True),
+    (128, 32, 4, 4, True), (64, 64, 4, 4, True), (128, 64, 4, 6, True), (128, 64, 8, 5, True),
 ]
 GW_CONFIGS = [  # BNW, BH, BKR, warps, stages, programs of one part of a tile side by side
     (128, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, True), (128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
-    (64, 128, 64, 4, 3, True), (128, 256, 64, 8, 4, True),
+    (64, 128, 64, 4, 3, True), (128, 256, 64, 8, 4, True), (128, 128, 64, 4, 4, True), (128, 128, 64, 8, 3, True),
+    (128, 128, 128, 4, 3, True), (128, 128, 32, 4, 5, True), (256, 128, 64, 8, 3, True), (128, 128, 32, 4, 6, True),
+    (128, 128, 32, 8, 5, True), (128, 128, 64, 4, 5, True),
 ]
 
 

@@ -48,12 +48,13 @@ __all__ = ["CONFIGS", "tile_filter", "tile_filter_stats", "sparse_grad_hidden", 
 #: V a step), grad_weight (BNW output rows, a part of a tile; BHW columns of H; BKR rows a step),
 #: warps and pipeline stages of each, and whether the programs that share a list (one block of rows,
 #: one part of a tile) run side by side over the blocks of H (they then read their gradient block
-#: from L2 rather than memory: 8-13 % faster). CUDA: the fastest of six configurations of each kernel
-#: on one 4096-row chunk of the Llama-3-8B head, trained-like (``benchmarks/sparse_grads_profile.py``,
-#: one H200).
+#: from L2 rather than memory: 8-13 % faster). CUDA: the fastest of 13 configurations of grad_hidden
+#: and 14 of grad_weight on one 4096-row chunk of the Llama-3-8B head, trained-like
+#: (``benchmarks/sparse_grads_profile.py``, one H200): five pipeline stages, 10-14 % faster than four
+#: or three.
 CONFIGS = {
-    "cuda": dict(BM=128, BN=256, BH=128, BK=64, gh_warps=4, gh_stages=4, gh_h_first=True, BNW=128, BHW=128, BKR=64,
-                 gw_warps=4, gw_stages=3, gw_h_first=True),
+    "cuda": dict(BM=128, BN=256, BH=128, BK=64, gh_warps=4, gh_stages=5, gh_h_first=True, BNW=128, BHW=128, BKR=64,
+                 gw_warps=4, gw_stages=5, gw_h_first=True),
     "interpret": dict(BM=16, BN=32, BH=16, BK=16, gh_warps=1, gh_stages=1, gh_h_first=False, BNW=16, BHW=16, BKR=16,
                       gw_warps=1, gw_stages=1, gw_h_first=True),
 }
