@@ -931,8 +931,8 @@ def fused_linear_cross_entropy(
     a call to count them), ``False`` computes them, ``None`` (default) compacts only a loss of at
     least :data:`COMPACT_MIN_MACS` rows x vocabulary x hidden (:func:`compact_for`);
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout;
-    ``sparse_grads=True`` (experimental: 0.71-0.94x the dense pass's time on trained-like and
-    peaked logits, 0.99-1.03x on near-uniform ones, 2.1-2.9 GiB of extra memory instead of
+    ``sparse_grads=True`` (experimental: 0.69-0.90x the dense pass's time on trained-like and
+    peaked logits, 0.99-1.06x on near-uniform ones, 2.1-2.9 GiB of extra memory instead of
     0.55-1.0 at 8192 rows of 7B-9B heads; one H200, ``benchmarks/NOTES.md``) runs the chunked
     mode's two gradient matmuls block-sparse over the vocabulary sorted by mean logit after a dense
     first chunk whose first rows probe the softmax (``_sparse_grads_triton``; eager calls on a GPU
