@@ -373,11 +373,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             out, gh, gw, gb = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=needs,
                                     g_lp=_unit(h.device))
             ctx.unit = (gh, gw, gb)
-        elif any(needs) and _keeps_gradient(h.shape[0], w.shape[0], cdt, backend):
-            ctx.kept = torch.empty((h.shape[0], w.shape[0]), dtype=cdt, device=h.device)
-            out, *_ = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=(False,) * 3, keep=ctx.kept)
         else:
-            out, *_ = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=(False,) * 3)
+            if any(needs) and _keeps_gradient(h.shape[0], w.shape[0], cdt, backend):
+                ctx.kept = torch.empty((h.shape[0], w.shape[0]), dtype=cdt, device=h.device)
+            out, *_ = _pass(h, w, b, target, opt, backend, cdt, idx, stats=True, grads=(False,) * 3, keep=ctx.kept)
         lp, ent, sq, mean, top1, lse = out
         ctx.save_for_backward(h, w, b, target, lse, ent)
         extra = [x for x in (sq, mean, top1) if x is not None]
