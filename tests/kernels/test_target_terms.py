@@ -51,7 +51,8 @@ def test_add_target_terms_sums_each_target_once(dtype, deterministic, indexed):
     ref = gw.double().clone()
     terms = torch.zeros(v, hdim, dtype=torch.float64)
     ok = (t >= 0) & (t < v)
-    terms.index_add_(0, t[ok], res[ok].double()[:, None] * hsel[ok].double())
+    products = res[ok].double()[:, None] * hsel[ok].double()  # each row's term
+    terms.index_add_(0, t[ok], products)
     ref += terms
     got = gw.clone()
     prev = torch.are_deterministic_algorithms_enabled()
@@ -69,7 +70,7 @@ def test_add_target_terms_sums_each_target_once(dtype, deterministic, indexed):
         # which is relative to the summands (where gw and the terms nearly cancel, not to the sum)
         r = ref[touched]
         summands = gw.double().abs()
-        summands.index_add_(0, t[ok], (res[ok].double()[:, None] * hsel[ok].double()).abs())
+        summands.index_add_(0, t[ok], products.abs())
         ulp = torch.finfo(torch.float16).eps * 2.0 ** torch.floor(torch.log2(r.abs().clamp_min(2.0**-14)))
         assert ((got[touched].double() - r).abs() <= 0.5 * ulp * (1 + 1e-3) + 1e-6 * summands[touched]).all()
         assert not torch.equal(got[touched], gw[touched])
