@@ -78,12 +78,15 @@ VARIANTS = {
     "liger_compat_nomlp": {"LIGER_COMPAT_KERNELS": "rms_norm,rope,fused_linear_cross_entropy"},
     # the fused loss's chunk logits from cuBLAS (no Triton logits kernel with tensor descriptors)
     "liger_compat_cublas": {"LIGER_COMPAT_FLCE_LOGITS": "cublas"},
+    # every fused-loss call eager: no CUDA graph of the small loss's pass
+    "liger_compat_nographs": {"LIGER_COMPAT_FLCE_GRAPHS": "0"},
 }
 #: the same step on the model wrapped in ``torch.compile(model)`` (Inductor, default mode), the
 #: patched one through the kernels' custom ops: compiled liger_compat against compiled native
 COMPILED = {"native_compiled": "native", "liger_compat_compiled": "liger_compat",
             "liger_compat_flce_compiled": "liger_compat_flce", "liger_compat_shims_compiled": "liger_compat_shims",
             "liger_compat_noflce_compiled": "liger_compat_noflce", "liger_compat_cublas_compiled": "liger_compat_cublas",
+            "liger_compat_nographs_compiled": "liger_compat_nographs",
             "native_compiled_ro": "native", "liger_compat_compiled_ro": "liger_compat",
             # the MLP as transformers writes it (no gated linear op keeping gate / up only)
             "liger_compat_keep_compiled": "liger_compat_keep", "liger_compat_keep_compiled_ro": "liger_compat_keep"}

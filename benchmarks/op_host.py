@@ -75,17 +75,50 @@ def main(argv: list[str] | None = None) -> int:
     def mm_only():
         torch.mm(hd, wd.t())
 
+    def native():  # the model head's own loss: bf16 logits, upcast, cross_entropy
+        logits = torch.nn.functional.linear(h, w).float()
+        torch.nn.functional.cross_entropy(logits, t, ignore_index=-100).backward()
+
+    settings = liger_compat._config.settings
+
+    def graphs(on, fn):
+        def run():
+            settings.flce_graphs = on
+            try:
+                fn()
+            finally:
+                settings.flce_graphs = True
+        return run
+
     rows = []
     for name, fn in (("public forward + backward", public), ("public forward", public_fwd),
+                     ("public forward + backward, graphs off", graphs(False, public)),
+                     ("public forward, graphs off", graphs(False, public_fwd)),
+                     ("native linear + cross_entropy fwd + bwd", native),
                      ("custom op flce_with_grads", custom_op), ("_flce_pass (triton)", plain_pass),
                      ("one torch.mm (for scale)", mm_only)):
         for _ in range(5):
             fn()
         rows.append((name, _host_ms(fn, a.calls)))
+    gpu = []
+    for name, fn in (("public forward + backward", public), ("public forward + backward, graphs off", graphs(False, public)),
+                     ("native linear + cross_entropy fwd + bwd", native)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(a.calls):
+            fn()
+        torch.cuda.synchronize()
+        gpu.append((name, (time.perf_counter() - t0) * 1e3 / a.calls))
+    graph_counts = f"graphs captured {L._GRAPHS.captures}, replayed {L._GRAPHS.replays}, failures {L._GRAPHS.failures}"
     lines = [f"regenerate: `python -m benchmarks.op_host --rows {a.rows} --hidden {a.hidden} --vocab {a.vocab} "
              f"--calls {a.calls} --name {a.name}`", "", f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", "",
              "host ms per call (GPU drained before, no sync inside), median:"]
-    lines += [f"  {n:32s} {ms:8.3f}" for n, ms in rows]
+    lines += [f"  {n:40s} {ms:8.3f}" for n, ms in rows]
+    lines += ["", f"ms per call back to back (host and GPU overlapped), {a.calls} calls:"]
+    lines += [f"  {n:40s} {ms:8.3f}" for n, ms in gpu]
+    lines += ["", graph_counts]
     for what, fn in (("custom-op calls", custom_op), ("public forward + backward calls (eager)", public)):
         torch.cuda.synchronize()
         pr = cProfile.Profile()
@@ -99,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:12]))
+    print("\n".join(lines[:22]))
     return 0
 
 

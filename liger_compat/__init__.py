@@ -31,7 +31,7 @@ from .shims import load_all as _load_all
 def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
               return_logits: bool | None = None, decode_native: bool | None = None,
               cpu_native: bool | None = None, flce_sparse: bool | None = None,
-              flce_fp32_grad_weight: bool | None = None) -> None:
+              flce_fp32_grad_weight: bool | None = None, flce_graphs: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -55,9 +55,16 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     rounding a chunk): the logits' gradients of up to 8192 rows are kept for each fp32-result
     product, each target's term is added exactly, and the fp32 sum is rounded once; it costs an
     fp32 buffer of twice the weight's size and up to 8192 rows of that gradient (2 GiB at a 128k
-    vocabulary) while the loss runs.
+    vocabulary) while the loss runs. ``flce_graphs=False`` runs every call of the fused loss
+    eagerly (``LIGER_COMPAT_FLCE_GRAPHS``: by default a scalar loss on a GPU of at most ~2**39
+    rows x vocabulary x hidden, a host-bound small step's, replays its pass as a CUDA graph from
+    the third call with the same shapes and weight; the graph keeps one chunk of logits and the
+    gradients reserved).
     """
     s = _config.settings
+    if flce_graphs is not None:
+        s.flce_graphs = _config.parse_bool(flce_graphs, "flce_graphs")
+        s.source["flce_graphs"] = "configure()"
     if flce_fp32_grad_weight is not None:
         s.flce_fp32_grad_weight = _config.parse_bool(flce_fp32_grad_weight, "flce_fp32_grad_weight")
         s.source["flce_fp32_grad_weight"] = "configure()"

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import _config
 from . import _checks, _dispatch
 
 _NS = "liger_compat"
@@ -301,6 +302,47 @@ def _rows_out(stats) -> tuple[Tensor, Tensor, Tensor]:
     return loss_rows, zl_rows, correct.to(torch.float32)
 
 
+def _graphed_with_grads(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap, grads,
+                        backend, logits_impl, compact_ignored, ce_variant):
+    """:func:`flce_with_grads`'s outputs from the fused loss's CUDA graphs (``loss._GRAPHS``, the
+    same rule as the eager path's, :func:`liger_compat.kernels.loss._graphable`), or None (run it
+    eagerly). A compiled graph keeps the op's outputs until its backward, which this op does not
+    see: every output is copied out of the graph's buffers (grad_weight's copy is GPU time a
+    host-bound step has to spare) and the graph is free again at once."""
+    from . import _device_errors
+    from . import loss as _loss
+
+    be = _backend("fused_linear_cross_entropy", backend, h.device)
+    knobs = _loss.FlceKnobs(logits_impl, compact_ignored, ce_variant)
+    if not any(grads) or not _loss._graphable(h, w, be, knobs):
+        return None
+    _device_errors.poll()
+    _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=True)
+    opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
+    settings = _config.settings
+    key = ("flce_with_grads", tuple(h.shape), h.dtype, h.device, tuple(target.shape), target.dtype,
+           tuple(scale.shape), scale.dtype, _loss._layout(w), _loss._layout(b), opt, be, grads, knobs,
+           settings.flce_chunk_mb, settings.flce_fp32_grad_weight)
+
+    def body(hs, ts, ss):
+        bad = _device_errors.new_flag(hs.device)
+        stats, gh, gw, gb = _loss._flce_pass(hs, w, b, ts, opt, be, scale=ss, grads=grads, want_stats=True, bad=bad,
+                                             knobs=knobs)
+        loss_rows, zl_rows, hits = _rows_out(stats)
+        return loss_rows.sum() * ss, zl_rows, hits, gh, gw, gb, bad
+
+    got = _loss._GRAPHS.run(key, body, (h, target, scale), h.device)
+    if got is None:
+        return None
+    outs, lease = got
+    loss, zl, hits, gh, gw, gb = (None if t is None else t.clone() for t in outs[:6])
+    _device_errors.watch(outs[6], "fused_linear_cross_entropy", w.shape[0], ignore_index)
+    del outs, lease  # copied: the graph is free for the next call
+    _device_errors.poll()
+    return (loss, zl, hits, gh if gh is not None else _empty(h), gw if gw is not None else _empty(w),
+            gb if gb is not None else _empty(h))
+
+
 @torch.library.custom_op(f"{_NS}::flce_with_grads", mutates_args=())
 def flce_with_grads(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, scale: Tensor, ignore_index: int,
                     label_smoothing: float, lse_square_scale: float, softcap: Optional[float], need_gh: bool,
@@ -312,6 +354,10 @@ def flce_with_grads(h: Tensor, w: Tensor, b: Optional[Tensor], target: Tensor, s
     are those of ``loss`` (already times ``scale``), empty where not asked for.
     """
     grads = (need_gh, need_gw, need_gb and b is not None)
+    got = _graphed_with_grads(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap, grads,
+                              backend, logits_impl, compact_ignored, ce_variant)
+    if got is not None:
+        return got
     stats, gh, gw, gb = _flce(h, w, b, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap,
                               grads, True, backend, logits_impl, compact_ignored, ce_variant)
     loss_rows, zl_rows, hits = _rows_out(stats)

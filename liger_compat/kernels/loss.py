@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _config
-from . import _checks, _dispatch, _device_errors
+from . import _checks, _dispatch, _device_errors, _graphs
 from .errors import DimensionError, OptionRangeError, ShapeMismatchError, TargetOutOfRangeError
 
 __all__ = ["fused_linear_cross_entropy", "cross_entropy", "CrossEntropyOutput"]
@@ -626,39 +626,124 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     return stats, gh, gw, gb
 
 
+def _saved_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs):
+    """A scalar loss's forward with every gradient formed in it: (loss, z-loss, accuracy, grad_hidden,
+    grad_weight, grad_bias, the out-of-range flag), the gradients those of the loss (times its
+    scale), z-loss and accuracy None where not asked for. Capturable as a CUDA graph (:data:`_GRAPHS`)."""
+    n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
+    bad = _device_errors.new_flag(h.device)
+    stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad,
+                                   knobs=knobs)
+    loss, z, acc = _finish(*stats, n_valid, scale, reduction, (stats[0].shape[0],), want_z, want_acc)
+    return loss, z, acc, gh, gw, gb, bad
+
+
+#: The chunked pass of a small scalar loss as CUDA graphs (``_graphs``; :func:`_graphed_pass`).
+_GRAPHS = _graphs.GraphCache()
+#: rows x vocabulary x hidden up to which a scalar loss's pass is replayed as a CUDA graph: a step
+#: this small is host-bound (2 x 2048 tokens of a 128k-vocabulary, 1024-hidden model: 5.4e11);
+#: above it the launches hide behind the GPU's work, and a graph would keep a chunk of logits and
+#: the gradients reserved for nothing
+GRAPH_MAX_MACS = 2**39 + 2**36
+
+
+def _graphable(h, w, backend, knobs) -> bool:
+    """Whether a scalar loss's pass may run as a CUDA graph: ``LIGER_COMPAT_FLCE_GRAPHS`` on, the
+    Triton path on a GPU, at most :data:`GRAPH_MAX_MACS`, no host sync or host read in the pass
+    (``compact_ignored``, ``sparse_grads``), no CUDA graph being captured by the caller, no
+    autocast (its cast cache would be captured)."""
+    n, hdim = h.shape
+    return (_config.settings.flce_graphs and backend == "triton" and h.device.type == "cuda"
+            and not knobs.compact_ignored and not knobs.sparse_grads and 0 < n * w.shape[0] * hdim <= GRAPH_MAX_MACS
+            and not torch.cuda.is_current_stream_capturing() and not torch.is_autocast_enabled("cuda"))
+
+
+def _layout(t):
+    """Where and how a tensor the graph reads in place lies (None: no tensor)."""
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs):
+    """:func:`_saved_pass`'s outputs from a replayed CUDA graph, with the lease on them, or None
+    (run it eagerly). The key holds everything the pass reads besides the hidden rows, targets
+    and ``num_items_in_batch`` it copies in: their shapes and dtypes, the weight's and bias's
+    address and layout, the options, the knobs, and the settings the pass reads
+    (``LIGER_COMPAT_FLCE_CHUNK_MB``, ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``)."""
+    if not _graphable(h, w, backend, knobs):
+        return None
+    if isinstance(num_items, torch.Tensor):
+        items = ("tensor", tuple(num_items.shape), num_items.dtype)
+    elif num_items is None:
+        items = None
+    else:
+        items, num_items = "number", float(num_items)
+    settings = _config.settings
+    key = (tuple(h.shape), h.dtype, h.device, tuple(target.shape), target.dtype, _layout(w), _layout(b), opt,
+           reduction, items, backend, needs, want_z, want_acc, knobs, settings.flce_chunk_mb,
+           settings.flce_fp32_grad_weight)
+
+    def body(hs, ts, ns):
+        return _saved_pass(hs, w, b, ts, ns, opt, reduction, backend, needs, want_z, want_acc, knobs)
+
+    return _GRAPHS.run(key, body, (h, target, num_items), h.device)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, target, opt, reduction, num_items, backend, want_z, want_acc, knobs):
-        n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
         needs = tuple(ctx.needs_input_grad[:3])
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.reduction, ctx.knobs = opt, backend, reduction, knobs
         ctx.mode = None
-        bad = _device_errors.new_flag(h.device)
+        ctx.lease = None
         if reduction != "none" and any(needs):
             # scalar loss: all gradients now, scaled by grad_output in backward
-            stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad,
-                                           knobs=knobs)
+            got = _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs)
+            if got is None:
+                loss, z, acc, gh, gw, gb, bad = _saved_pass(h, w, b, target, num_items, opt, reduction, backend, needs,
+                                                            want_z, want_acc, knobs)
+            else:
+                # the graph's buffers: the loss and its extras copied out (a caller may keep them),
+                # the gradients read by the backward under the lease
+                (loss, z, acc, gh, gw, gb, bad), ctx.lease = got
+                loss = loss.clone()
+                z = None if z is None else z.clone()
+                acc = None if acc is None else acc.clone()
             ctx.mode = "saved"
             ctx.grads = (gh, gw, gb)
-        else:
-            stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True, bad=bad,
-                                   knobs=knobs)
-            if any(needs):
-                ctx.mode = "recompute"
-                ctx.needs = needs
-                ctx.save_for_backward(h, w, b, target)
+            _device_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
+            extra = [t for t in (z, acc) if t is not None]
+            if extra:
+                ctx.mark_non_differentiable(*extra)
+            return loss, z, acc
+        n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
+        bad = _device_errors.new_flag(h.device)
+        stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True, bad=bad,
+                               knobs=knobs)
+        if any(needs):
+            ctx.mode = "recompute"
+            ctx.needs = needs
+            ctx.save_for_backward(h, w, b, target)
         _device_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
         return _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc)
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
-        _device_errors.poll()
+        try:
+            _device_errors.poll()
+        except BaseException:
+            ctx.grads = ctx.lease = None  # a failed backward frees the gradients and the graph
+            raise
         if ctx.mode is None:
             return (None,) * 11
         if ctx.mode == "saved":
             gh, gw, gb = ctx.grads
             ctx.grads = None
+            if ctx.lease is not None:
+                # a replayed graph's buffers: the products are new tensors, then the graph is free
+                out = tuple(None if g is None else torch.mul(g, g_loss) for g in (gh, gw, gb))
+                ctx.lease = None
+                return out + (None,) * 8
             # always scaled (in place: the buffers are this forward's own); comparing grad_output
             # with 1 first would read it on the host. The fp32 0-d grad_output multiplies each
             # 16-bit entry in fp32 and rounds once, with no conversion launch before it.

@@ -103,6 +103,97 @@ def test_flce_all_ignored_and_bad_targets_on_gpu(monkeypatch):
     torch.cuda.synchronize()
 
 
+def _graphed_calls(w, calls, seed, n=1024, graphs=True, **kw):
+    """``calls`` scalar fused losses of fresh bf16 rows against the one weight ``w``, each's loss and
+    gradients (``w.grad`` reset before each)."""
+    from liger_compat.kernels import loss as L
+
+    out = []
+    for i in range(calls):
+        hid, _, t = _flce_inputs(n, w.shape[1], w.shape[0], torch.bfloat16, seed + i)
+        a = hid.clone().requires_grad_(True)
+        w.grad = None
+        old = _config.settings.flce_graphs
+        _config.settings.flce_graphs = graphs
+        try:
+            loss = fused_linear_cross_entropy(a, w, t, **kw)
+            loss.backward()
+        finally:
+            _config.settings.flce_graphs = old
+        out.append((hid, t, loss.detach(), a.grad, w.grad, L._GRAPHS.replays))
+    return out
+
+
+def test_flce_graph_replays_equal_the_eager_pass_on_gpu():
+    """From the third call with one weight and shape the pass is a replayed CUDA graph: each call's
+    loss and gradients are those of the eager pass on the same inputs (the same kernels), and within
+    bf16 tolerance of float64; a replayed step makes no host sync."""
+    from liger_compat.kernels import loss as L
+
+    L._GRAPHS.clear()
+    _, w, _ = _flce_inputs(8, 512, 32000, torch.bfloat16, 41)
+    w.requires_grad_(True)
+    got = _graphed_calls(w, 5, 100)
+    assert [r[-1] for r in got] == [0, 0, 1, 2, 3] and L._GRAPHS.captures == 1, L._GRAPHS.failures
+    eager = _graphed_calls(w, 5, 100, graphs=False)
+    assert L._GRAPHS.replays == 3
+    for (hid, t, loss, gh, gw, _), (_, _, loss_e, gh_e, gw_e, _) in zip(got, eager):
+        assert rel_err(loss, loss_e) <= 1e-6 and rel_err(gh, gh_e) <= 1e-3 and rel_err(gw, gw_e) <= 1e-3
+        h64, w64 = hid.double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        ref, _, _ = ce64(h64 @ w64.T, t)
+        ref.backward()
+        tol = tolerance(torch.bfloat16, n=512)
+        assert rel_err(loss, ref) <= tol and rel_err(gh, h64.grad) <= tol and rel_err(gw, w64.grad) <= tol
+    hid, _, t = _flce_inputs(1024, 512, 32000, torch.bfloat16, 7)
+    a = hid.clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_linear_cross_entropy(a, w, t).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert L._GRAPHS.replays == 4
+
+
+def test_flce_graph_accumulates_micro_batches_and_reports_bad_labels_on_gpu():
+    """Two micro-batches forwarded before one backward (the second finds the graph leased and runs
+    eagerly) sum into the weight's gradient as eagerly; a bad label in a replayed call raises as the
+    eager pass does, and the next call replays again."""
+    from liger_compat.kernels import loss as L
+
+    L._GRAPHS.clear()
+    _device_errors._pending.clear()
+    _, w, _ = _flce_inputs(8, 256, 8000, torch.bfloat16, 43)
+    w.requires_grad_(True)
+    _graphed_calls(w, 3, 200, n=512)
+    batches = [(x[0].requires_grad_(True), x[2]) for x in (_flce_inputs(512, 256, 8000, torch.bfloat16, 300 + i) for i in range(2))]
+    sums = []
+    for graphs in (True, False):
+        _config.settings.flce_graphs = graphs
+        try:
+            w.grad = None
+            losses = [fused_linear_cross_entropy(h, w, t) for h, t in batches]
+            (losses[0] + 0.25 * losses[1]).backward()
+        finally:
+            _config.settings.flce_graphs = True
+        sums.append(w.grad.clone())
+    assert L._GRAPHS.replays == 2  # the graph's last call of the three, then the first micro-batch
+    assert rel_err(sums[0], sums[1]) <= 1e-3
+    h64, w64 = [x.double() for x in (batches[0][0], batches[1][0])], w.detach().double().requires_grad_(True)
+    (ce64(h64[0] @ w64.T, batches[0][1])[0] + 0.25 * ce64(h64[1] @ w64.T, batches[1][1])[0]).backward()
+    assert rel_err(sums[0], w64.grad) <= tolerance(torch.bfloat16, n=256)
+    hid, _, t = _flce_inputs(512, 256, 8000, torch.bfloat16, 44)
+    t[3] = 8000
+    with pytest.raises(TargetOutOfRangeError, match=r"holds 8000, outside the vocabulary \[0, 8000\)"):
+        loss = fused_linear_cross_entropy(hid.requires_grad_(True), w, t)
+        assert L._GRAPHS.replays == 3
+        loss.backward()
+        raise_target_errors()
+    assert not _device_errors._pending
+    got = _graphed_calls(w, 1, 400, n=512)
+    assert got[0][-1] == 4 and torch.isfinite(got[0][2])
+
+
 def _bad_label_call(kind, hid, w, t, reduction, compact_ignored=False):
     if kind == "flce":
         a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
