@@ -296,6 +296,16 @@ def time_family_paired(family: str, args) -> dict:
         return got
     model, kw, labels = got
     sides = {"native": liger_compat.revert, "patched": liger_compat.apply}
+    if getattr(args, "baseline", "native") == "nographs":  # both sides patched: the fused loss's graphs off / on
+        settings = liger_compat._config.settings
+
+        def graphs(on):
+            def switch():
+                liger_compat.apply()
+                settings.flce_graphs = on
+            return switch
+
+        sides = {"native": graphs(False), "patched": graphs(True)}
     for switch in sides.values():
         switch()
         _warm_up(model, kw, labels)
@@ -325,7 +335,7 @@ def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
            "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--vocab", str(args.vocab),
            "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
     if which == "paired":
-        cmd.append("--paired")
+        cmd += ["--paired", "--baseline", args.baseline]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     rows = {}
     for line in proc.stdout.splitlines():
@@ -393,9 +403,13 @@ def timing_markdown(rows: list[dict], meta: dict) -> str:
            f"rounds of {meta['steps']} steps a side, median), the ratio the median of the processes' ratios"
            if meta.get("paired") else
            f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)")
+    base, ours = ("graphs off", "graphs on") if meta.get("baseline") == "nographs" else ("native", "patched")
+    if meta.get("baseline") == "nographs":
+        how = how.replace("native and patched", "both sides") + (
+            "; both sides patched, the fused loss's CUDA graphs off (`LIGER_COMPAT_FLCE_GRAPHS=0`) and on")
     out = [f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
            f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; {how}", "",
-           "| family | ms native | ms patched | patched / native | native spread over processes |",
+           f"| family | ms {base} | ms {ours} | {ours} / {base} | {base} spread over processes |",
            "|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
@@ -406,7 +420,7 @@ def timing_markdown(rows: list[dict], meta: dict) -> str:
     timed_rows = [r for r in rows if "ratio" in r]
     if timed_rows:
         slower = [r["family"] for r in timed_rows if r["ratio"] > 1.0]
-        out += ["", f"patched slower than native on {len(slower)} of {len(timed_rows)} families"
+        out += ["", f"{ours} slower than {base} on {len(slower)} of {len(timed_rows)} families"
                 + (f": {', '.join(slower)}" if slower else "")]
     return "\n".join(out)
 
@@ -432,6 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--paired", action="store_true",
                     help="with --fresh: every process times both sides, interleaved (--rounds batches a side)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved batches a side and process (--paired)")
+    ap.add_argument("--baseline", choices=("native", "nographs"), default="native",
+                    help="with --paired: the side patched is timed against: native, or patched with the fused "
+                         "loss's CUDA graphs off (LIGER_COMPAT_FLCE_GRAPHS=0)")
     ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)  # one --fresh child
     args = ap.parse_args(argv)
     if args.small:
@@ -464,6 +481,8 @@ def main(argv=None) -> int:
     cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
     if args.fresh:
         meta.update(fresh=args.fresh, steps=args.steps, paired=args.paired, rounds=args.rounds)
+        if args.paired and args.baseline != "native":
+            meta["baseline"] = args.baseline
 
         def write_timing(rows: list[dict]) -> str:  # after every child process
             (out / f"{args.name}.json").write_text(json.dumps({"regenerate": cmd, "meta": meta, "rows": rows}, indent=2))
