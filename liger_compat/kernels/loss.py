@@ -644,7 +644,7 @@ _GRAPHS = _graphs.GraphCache()
 #: this small is host-bound (2 x 2048 tokens of a 128k-vocabulary, 1024-hidden model: 5.4e11);
 #: above it the launches hide behind the GPU's work, and a graph would keep a chunk of logits and
 #: the gradients reserved for nothing
-GRAPH_MAX_MACS = 2**39 + 2**36
+GRAPH_MAX_MACS = 2**39
 
 
 def _graphable(h, w, backend, knobs) -> bool:
