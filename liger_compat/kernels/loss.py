@@ -1022,6 +1022,11 @@ def fused_linear_cross_entropy(
     mode's two gradient matmuls block-sparse over the vocabulary sorted by mean logit after a dense
     first chunk whose first rows probe the softmax (``_sparse_grads_triton``; eager calls on a GPU
     with tensor descriptors, without a bias, label smoothing, z-loss or token accuracy).
+
+    On a GPU a scalar loss (``mean`` or ``sum``, with a gradient) of at most :data:`GRAPH_MAX_MACS`
+    rows x vocabulary x hidden replays its pass as a CUDA graph from the third call with the same
+    shapes, options and weight (``kernels/_graphs.py``; ``LIGER_COMPAT_FLCE_GRAPHS=0`` turns it off):
+    a host-bound small step's launches become one.
     """
     if not _dispatch.compiling():  # while tracing, the ops' real implementations poll
         _device_errors.poll()
