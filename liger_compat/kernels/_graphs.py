@@ -142,8 +142,8 @@ class GraphCache:
         """The outputs of ``body(*args)`` from this key's graph, with the lease on them, or None:
         the caller runs the pass eagerly (a call before :data:`CAPTURE_AT`, the graph leased, no
         room, a capture that failed, the cache stopped). ``args`` are tensors copied into the
-        graph's input buffers (their shapes and dtypes must be in ``key``), numbers filled into a
-        0-d fp32 buffer on ``device``, or None (``body`` gets None). ``body`` must be capturable
+        graph's input buffers on ``device`` (their shapes and dtypes must be in ``key``), numbers
+        filled into a 0-d fp32 buffer there, or None (``body`` gets None). ``body`` must be capturable
         (no host sync, no host read of device data)."""
         with self._lock:
             entry = self._graphs.get(key)
@@ -176,8 +176,11 @@ class GraphCache:
             return entry.outputs, lease
 
     def _capture(self, key, body, args, device) -> _Entry | None:
+        # on ``device`` whatever the argument's: a CPU tensor (``num_items_in_batch``) is copied in
+        # before the replay, as the eager pass's ``.to(device)`` would (a host-to-device copy inside
+        # the capture would fail it)
         inputs = tuple(None if a is None else
-                       torch.empty_like(a, memory_format=torch.contiguous_format) if isinstance(a, torch.Tensor)
+                       torch.empty(tuple(a.shape), dtype=a.dtype, device=device) if isinstance(a, torch.Tensor)
                        else torch.empty((), dtype=torch.float32, device=device) for a in args)
         graph = self._factory(device)
         try:

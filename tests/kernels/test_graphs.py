@@ -374,3 +374,23 @@ def test_the_compiled_paths_op_copies_its_outputs_out_of_the_graph(graphs):
         _close(gw, rgw)
         torch.testing.assert_close(hits, ((h @ w.T).argmax(-1) == t).float() * (t != -100))
         assert gb.numel() == 0 and not zl.any()
+
+
+def test_input_buffers_live_on_the_pass_device():
+    """A tensor argument elsewhere (a CPU ``num_items_in_batch`` for a GPU pass) gets its buffer on
+    the pass's device: it is copied in before the replay instead of inside the captured pass. The
+    meta device stands in for the GPU."""
+    made = []
+
+    class Recording(RerunGraph):
+        def capture(self, body, inputs):
+            made.append(inputs)
+            return super().capture(body, inputs)
+
+    cache = _graphs.GraphCache(factory=Recording)
+    meta = torch.device("meta")
+    x = torch.randn(4)
+    for _ in range(_graphs.CAPTURE_AT):
+        got = cache.run("k", lambda a, s: (a * 2,), (x, 7.0), meta)
+    assert got is not None and [t.device for t in made[0]] == [meta, meta]
+    assert made[0][0].shape == x.shape and made[0][0].dtype == x.dtype
