@@ -55,12 +55,11 @@ class Lease:
 
 
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs", "lease", "replays")
+    __slots__ = ("graph", "inputs", "outputs", "lease")
 
     def __init__(self, graph: Any, inputs: tuple, outputs: tuple) -> None:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
         self.lease: weakref.ref | None = None
-        self.replays = 0
 
     def busy(self) -> bool:
         return self.lease is not None and self.lease() is not None
@@ -169,7 +168,6 @@ class GraphCache:
                 elif a is not None:
                     buf.fill_(a)
             entry.graph.replay()
-            entry.replays += 1
             self.replays += 1
             lease = Lease()
             entry.lease = weakref.ref(lease)

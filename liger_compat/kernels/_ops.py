@@ -32,7 +32,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _config
 from . import _checks, _dispatch
 
 _NS = "liger_compat"
@@ -319,10 +318,8 @@ def _graphed_with_grads(h, w, b, target, scale, ignore_index, label_smoothing, l
     _device_errors.poll()
     _checks.target_range("target", target, w.shape[0], ignore_index, kernel_reports=True)
     opt = _opt(ignore_index, label_smoothing, lse_square_scale, softcap)
-    settings = _config.settings
-    key = ("flce_with_grads", tuple(h.shape), h.dtype, h.device, tuple(target.shape), target.dtype,
-           tuple(scale.shape), scale.dtype, _loss._layout(w), _loss._layout(b), opt, be, grads, knobs,
-           settings.flce_chunk_mb, settings.flce_fp32_grad_weight)
+    key = ("flce_with_grads", _loss.graph_key(h, w, b, target, opt, be, knobs), tuple(scale.shape), scale.dtype,
+           grads)
 
     def body(hs, ts, ss):
         bad = _device_errors.new_flag(hs.device)

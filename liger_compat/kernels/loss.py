@@ -663,12 +663,21 @@ def _layout(t):
     return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def graph_key(h, w, b, target, opt, backend, knobs) -> tuple:
+    """The part of a graphed pass's key that every caller shares (the eager Function's and the
+    compiled path's op, :func:`_graphed_pass` and ``_ops._graphed_with_grads``): the shapes and
+    dtypes of the rows and targets copied in, where and how the weight and bias lie, the options,
+    the knobs, and the settings :func:`_flce_pass` reads (``LIGER_COMPAT_FLCE_CHUNK_MB``,
+    ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``)."""
+    settings = _config.settings
+    return (tuple(h.shape), h.dtype, h.device, tuple(target.shape), target.dtype, _layout(w), _layout(b), opt,
+            backend, knobs, settings.flce_chunk_mb, settings.flce_fp32_grad_weight)
+
+
 def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs):
     """:func:`_saved_pass`'s outputs from a replayed CUDA graph, with the lease on them, or None
-    (run it eagerly). The key holds everything the pass reads besides the hidden rows, targets
-    and ``num_items_in_batch`` it copies in: their shapes and dtypes, the weight's and bias's
-    address and layout, the options, the knobs, and the settings the pass reads
-    (``LIGER_COMPAT_FLCE_CHUNK_MB``, ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``)."""
+    (run it eagerly). The key: :func:`graph_key`, the reduction, the gradients and extras asked for,
+    and the kind of ``num_items_in_batch`` (its value is copied in)."""
     if not _graphable(h, w, backend, knobs):
         return None
     if isinstance(num_items, torch.Tensor):
@@ -677,10 +686,7 @@ def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, wa
         items = None
     else:
         items, num_items = "number", float(num_items)
-    settings = _config.settings
-    key = (tuple(h.shape), h.dtype, h.device, tuple(target.shape), target.dtype, _layout(w), _layout(b), opt,
-           reduction, items, backend, needs, want_z, want_acc, knobs, settings.flce_chunk_mb,
-           settings.flce_fp32_grad_weight)
+    key = ("saved_pass", graph_key(h, w, b, target, opt, backend, knobs), reduction, items, needs, want_z, want_acc)
 
     def body(hs, ts, ns):
         return _saved_pass(hs, w, b, ts, ns, opt, reduction, backend, needs, want_z, want_acc, knobs)
