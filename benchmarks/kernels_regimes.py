@@ -36,7 +36,8 @@ HEADS = {
     "llama3-8b-32k": (32768, 4096, 128256, None),
 }
 #: implementation names, in the order measured
-IMPLS = ("liger_compat", "liger_compat sparse", "liger_compat rounded target", "liger_compat fp32 grad_weight",
+IMPLS = ("liger_compat", "liger_compat unshifted logits", "liger_compat sparse", "liger_compat rounded target",
+         "liger_compat fp32 grad_weight", "liger_compat fp32 grad_weight unshifted logits",
          "liger_compat fp32 grad_weight without target terms",
          "liger_compat lowmem",
          "liger_compat lowmem dense", "torch eager", "torch.compile",
@@ -78,7 +79,7 @@ def _impls(softcap):
     import torch
 
     from benchmarks.kernels_flce import _eager_loss
-    from liger_compat.kernels import _lowmem_triton, fused_linear_cross_entropy
+    from liger_compat.kernels import _logits_triton, _lowmem_triton, fused_linear_cross_entropy
     from liger_compat.kernels import loss as loss_mod
 
     from liger_compat import _config
@@ -109,6 +110,10 @@ def _impls(softcap):
         # exact-target correction), as before the correction
         "liger_compat rounded target": step_with(loss_mod, "_target_fix_mode", lambda *a: None),
     }
+    # the Triton logits GEMM storing the logits as a 16-bit product does, not tile-relative
+    out["liger_compat unshifted logits"] = step_with(_logits_triton, "SHIFT_LOGITS", False)
+    out["liger_compat fp32 grad_weight unshifted logits"] = step_with(
+        _config.settings, "flce_fp32_grad_weight", True, fn=step_with(_logits_triton, "SHIFT_LOGITS", False))
     # the fp32 sum of grad_weight with its target entries as stored in bf16 (no exact target terms)
     no_terms = step_with(loss_mod, "_target_terms", lambda: _NoTargetTerms)
     out["liger_compat fp32 grad_weight without target terms"] = step_with(

@@ -50,11 +50,12 @@ def _row_target(target_ptr, row, ignore_index, V):
 
 
 @triton.jit
-def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, softcap,
+def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, softcap, zshift,
                   HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
     """The row's target logit in fp32 from its hidden row and the target's weight row (and bias),
     and the row's lse with that value in place of the stored (rounded) one: ``s`` is the row's
-    sum of ``exp(z - m)`` over the stored logits. Returns ``(raw target logit, lse)``.
+    sum of ``exp(z - m)`` over the stored logits, ``zshift`` what the stored target logit is less
+    (tile-relative logits, ``_logits_triton``; else 0). Returns ``(raw target logit, lse)``.
 
     In a peaked row (``p_t`` near 1) the target's term is nearly all of ``s``, so the rounding of
     the stored target logit (up to 2^-9 of it in bf16: 0.06 at a logit of 20) moved the lse, and
@@ -70,7 +71,7 @@ def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w
     zt = tl.sum(acc, axis=0)
     if HAS_BIAS:
         zt += tl.load(b_ptr + tgt_safe).to(tl.float32)
-    zr = tl.load(row_ptr + tgt_safe).to(tl.float32)
+    zr = tl.load(row_ptr + tgt_safe).to(tl.float32) + zshift
     zc = zt
     if HAS_SOFTCAP:
         zc = softcap * _tanh(zt / softcap)
@@ -203,7 +204,7 @@ def _ce_row_kernel(
                 zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         if HAS_HEAD:
             zt, lse = _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
-                                    softcap, HAS_SOFTCAP, HAS_BIAS, BLOCK_H)
+                                    softcap, 0.0, HAS_SOFTCAP, HAS_BIAS, BLOCK_H)
         else:
             zt, lse = tl.load(row_ptr + tgt_safe).to(tl.float32), m + tl.log(s)
         _store_row_stats(row, zt, lse, zsum, best_idx, tgt, valid, in_range,
@@ -267,10 +268,12 @@ def _ce_combine_kernel(
     V, ignore_index, label_smoothing, lse_square_scale, softcap,
     h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_NB: tl.constexpr,
-    HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, SHIFT_BN: tl.constexpr,
 ):
     """Split variant, step 2: one program per row folds the row's ``NB`` partials (from step 1
-    or from the logits GEMM's epilogue) into lse, loss, z-loss and the argmax hit."""
+    or from the logits GEMM's epilogue) into lse, loss, z-loss and the argmax hit. ``SHIFT_BN``:
+    the logits are stored tile-relative (``_logits_triton``), each tile of that many columns less
+    its max partial; 0: as they are."""
     row = tl.program_id(0).to(tl.int64)
     tgt, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
     base = row * NB
@@ -295,11 +298,14 @@ def _ce_combine_kernel(
         if HAS_SMOOTHING:
             zsum += tl.sum(tl.load(part_z + base + nbs, mask=nmask, other=0.0), axis=0)
     row_ptr = logits_ptr + row * stride_l
+    zshift = tl.zeros([], tl.float32)
+    if SHIFT_BN > 0:
+        zshift = tl.load(part_m + base + tgt_safe // SHIFT_BN)
     if HAS_HEAD:
         zt, lse = _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
-                                softcap, HAS_SOFTCAP, HAS_BIAS, BLOCK_H)
+                                softcap, zshift, HAS_SOFTCAP, HAS_BIAS, BLOCK_H)
     else:
-        zt, lse = tl.load(row_ptr + tgt_safe).to(tl.float32), m + tl.log(s)
+        zt, lse = tl.load(row_ptr + tgt_safe).to(tl.float32) + zshift, m + tl.log(s)
     best_idx = tl.load(part_i + base + best_blk).to(tl.int64)
     _store_row_stats(row, zt, lse, zsum, best_idx, tgt, valid, in_range,
                      loss_ptr, zloss_ptr, lse_ptr, correct_ptr, bad_ptr, V, label_smoothing, lse_square_scale,
@@ -309,15 +315,18 @@ def _ce_combine_kernel(
 @triton.jit
 def _ce_grad_kernel(
     logits_ptr, stride_l, target_ptr, grad_ptr, stride_g, lse_ptr, scale_ptr, stride_scale, rest_ptr, xt_ptr,
-    V, ignore_index, label_smoothing, lse_square_scale, softcap, tq_ptr, ts_ptr, T,
+    V, ignore_index, label_smoothing, lse_square_scale, softcap, tq_ptr, ts_ptr, T, shift_ptr, NSH,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, TILE_STATS: tl.constexpr, TBN: tl.constexpr,
+    SHIFT_BN: tl.constexpr,
 ):
     """Split variant, step 3: each (row, block of V) program writes its block of the gradient and
     adds the block's softmax mass outside the target to ``rest_ptr[row]`` (the program holding the
     target also keeps its logit in ``xt_ptr[row]``): step 4 writes the target's entry from them.
     ``TILE_STATS``: per tile of ``TBN`` columns, the largest and the summed softmax entry outside
     the target (times the softcap's derivative: the gradient entry over the row's scale) go to
-    ``tq_ptr`` and ``ts_ptr`` (fp32 ``[rows, T]``), for the block-sparse gradient's filter."""
+    ``tq_ptr`` and ``ts_ptr`` (fp32 ``[rows, T]``), for the block-sparse gradient's filter.
+    ``SHIFT_BN``: tile-relative logits, column ``j`` less ``shift_ptr[row, j // SHIFT_BN]`` (fp32
+    ``[rows, NSH]``), added back on load."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     _, valid, in_range, tgt_safe = _row_target(target_ptr, row, ignore_index, V)
@@ -328,6 +337,10 @@ def _ce_grad_kernel(
     cols = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
     x = tl.load(logits_ptr + row * stride_l + cols, mask=mask, other=0.0).to(tl.float32)
+    if SHIFT_BN > 0:  # one load per tile of the block, broadcast over its columns (not one per column)
+        tiles = blk * (BLOCK_V // SHIFT_BN) + tl.arange(0, BLOCK_V // SHIFT_BN)
+        sh = tl.load(shift_ptr + row * NSH + tiles, mask=tiles < NSH, other=0.0)
+        x = tl.reshape(tl.reshape(x, [BLOCK_V // SHIFT_BN, SHIFT_BN]) + sh[:, None], [BLOCK_V])
     d, rest = _grad_block(x, cols, mask, lse, p_scale, label_smoothing / V * scale, (1.0 - label_smoothing) * scale,
                           tgt_safe, softcap, HAS_SOFTCAP)
     has_t = (tgt_safe >= blk * BLOCK_V) & (tgt_safe < blk * BLOCK_V + BLOCK_V)
@@ -400,9 +413,11 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     the weight and the bias or None, from which the statistics pass takes each target logit in
     fp32, :func:`_exact_target`).
 
-    ``partials`` = ``(max, sum-exp, argmax, row-sum)`` per (row, block of V), as written by
-    :func:`liger_compat.kernels._logits_triton.logits_with_partials`: the statistics then come
-    from them instead of a pass over the logits (split variant).
+    ``partials`` = ``(max, sum-exp, argmax, row-sum, shift)``, the first four per (row, block of
+    V), as written by :func:`liger_compat.kernels._logits_triton.logits_with_partials`: the
+    statistics then come from them instead of a pass over the logits (split variant); ``shift``
+    > 0: ``logits`` holds each tile of that many columns less its max partial (tile-relative), and
+    the passes add it back.
 
     ``target_fix`` = ``(fix, weight)``, with ``grad``: ``fix`` (fp32 ``[C, H]``) receives each row's
     exact-target correction, ``(d_t - stored d_t) * weight[target]`` (:func:`_store_target_fix`), for
@@ -452,8 +467,10 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         stride_scale = 0 if scale.dim() == 0 else scale.stride(0)
     else:
         scale, stride_scale = lse, 0
+    shift_bn = 0
     if partials is not None:
         variant = "split"
+        shift_bn = partials[4]
     target = target.contiguous()
     common = dict(HAS_SOFTCAP=opt.softcap is not None, HAS_SMOOTHING=opt.label_smoothing != 0.0)
     softcap = opt.softcap if opt.softcap is not None else 1.0
@@ -493,7 +510,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
         )
     else:
         block = SPLIT_BLOCK_V if dev.type == "cuda" else 256
-        block = min(block, next_pow2(v))
+        block = max(min(block, next_pow2(v)), shift_bn)  # whole tiles of tile-relative logits a block
         nb = cdiv(v, block)
         warps = 8 if dev.type == "cuda" else 1
         if stats:
@@ -507,13 +524,13 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
                     BLOCK_V=block, num_warps=warps, **common,
                 )
             else:
-                pm, ps, pi, pz = partials
+                pm, ps, pi, pz, _ = partials
             npart = pm.shape[1]
             _ce_combine_kernel[(c,)](
                 logits, logits.stride(0), target, loss, zl, lse, correct, bad, pm, ps, pz, pi, npart,
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, *head_args,
                 BLOCK_NB=min(next_pow2(npart), 1024), num_warps=4 if dev.type == "cuda" else 1,
-                **common, **head_common,
+                SHIFT_BN=shift_bn, **common, **head_common,
             )
         if grad is not None:
             # mass outside the target; target logit (one unbind: each indexing is a host-side op)
@@ -525,11 +542,17 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
                 rest_mass = rest_out
             else:
                 dt, tq, ts, tbn = xt, xt, xt, 16
+            if shift_bn:
+                shift = partials[0]
+                assert shift.shape == (c, cdiv(v, shift_bn)) and shift.is_contiguous() and block % shift_bn == 0
+            else:
+                shift = xt
             _ce_grad_kernel[(c, nb)](
                 logits, logits.stride(0), target, g, sg, lse, scale, stride_scale, rest_mass, xt,
                 v, opt.ignore_index, opt.label_smoothing, opt.lse_square_scale, softcap, tq, ts, tq.shape[-1],
+                shift, shift.shape[-1] if shift_bn else 0,
                 HAS_SOFTCAP=common["HAS_SOFTCAP"], BLOCK_V=block, num_warps=warps, TILE_STATS=sparse is not None,
-                TBN=tbn,
+                TBN=tbn, SHIFT_BN=shift_bn,
             )
             _ce_target_grad_kernel[(c,)](
                 target, g, sg, lse, scale, stride_scale, rest_mass, xt,

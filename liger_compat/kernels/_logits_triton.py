@@ -8,6 +8,16 @@ blocks of one weight block in a row, so each ``[BLOCK_N, H]`` slice of the weigh
 DRAM once and is reused from L2 by the row blocks. Operands and the result move through tensor
 descriptors (TMA on Hopper). The statistics are taken from the logits as stored (rounded to
 the output dtype, softcap applied), i.e. exactly what the gradient pass reads back.
+
+Tile-relative logits (:data:`SHIFT_LOGITS`, without softcap): each row of a tile is stored less
+its fp32 maximum over the tile, which is that tile's max partial, so a logit is ``stored + max``
+(``_ce_triton`` adds it back). A 16-bit store of ``z`` loses up to 2^-9 of ``|z|`` (0.06 at a
+logit of 30), and ``exp`` turns that absolute error into the relative error of every softmax
+entry; stored less the tile's maximum, the entries that carry the tile's softmax mass are within
+a few units of 0, where the rounding is finer by the ratio of the magnitudes, whatever offset
+the row's logits share. The argmax and the row sum then come from the fp32 accumulator, as the
+low-memory mode's do: the index of the largest logit, where a 16-bit store could tie it with a
+neighbour (``torch.argmax`` of 16-bit logits takes the first of tied ones).
 """
 
 from __future__ import annotations
@@ -17,16 +27,19 @@ import torch
 from ._ce_triton import _tanh
 from ._dispatch import triton, tl, cdiv
 
-__all__ = ["logits_with_partials", "supported"]
+__all__ = ["logits_with_partials", "supported", "absolute_logits"]
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize) on CUDA
 CONFIG = (128, 256, 64, 8, 3, False)
+#: store each tile's logits less their fp32 row maximum (without softcap; see the module's doc).
+#: Off: the logits as a 16-bit product stores them (the benchmarks' A/B)
+SHIFT_LOGITS = True
 
 
 @triton.jit
 def _logits_kernel(
     a_desc, b_desc, c_desc, pm_ptr, ps_ptr, pi_ptr, pz_ptr, M, N, K, NB, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, SHIFT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
@@ -42,23 +55,40 @@ def _logits_kernel(
             a = a_desc.load([off_m, ks * BK])
             b = b_desc.load([off_n, ks * BK])
             acc = tl.dot(a, b.T, acc)
-        c = acc.to(c_desc.dtype)
-        c_desc.store([off_m, off_n], c)
         cols = off_n + tl.arange(0, BN)
-        z = c.to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
-        z = tl.where((cols < N)[None, :], z, float("-inf"))
-        m = tl.max(z, axis=1)
-        s = tl.sum(tl.exp(z - m[:, None]), axis=1)
+        cmask = (cols < N)[None, :]
+        if SHIFT:  # the tile less its fp32 row maximum (the max partial): stored + max is the logit
+            # argmax and row sum from the fp32 accumulator, taken before the store (fewer live registers)
+            z = tl.where(cmask, acc, float("-inf"))
+            m = tl.max(z, axis=1)
+            best = tl.argmax(z, axis=1)
+            zsum = m
+            if HAS_SMOOTHING:
+                zsum = tl.sum(tl.where(cmask, acc, 0.0), axis=1)
+            c = (acc - m[:, None]).to(c_desc.dtype)
+            c_desc.store([off_m, off_n], c)
+            s = tl.sum(tl.where(cmask, tl.exp(c.to(tl.float32)), 0.0), axis=1)
+        else:
+            c = acc.to(c_desc.dtype)
+            c_desc.store([off_m, off_n], c)
+            z = c.to(tl.float32)
+            if HAS_SOFTCAP:
+                z = softcap * _tanh(z / softcap)
+            z = tl.where(cmask, z, float("-inf"))
+            m = tl.max(z, axis=1)
+            s = tl.sum(tl.exp(z - m[:, None]), axis=1)
+            best = tl.argmax(z, axis=1)
+            zsum = m
+            if HAS_SMOOTHING:
+                zsum = tl.sum(tl.where(cmask, z, 0.0), axis=1)
         rows = off_m + tl.arange(0, BM)
         out = rows.to(tl.int64) * NB + pid_n
         rmask = rows < M
         tl.store(pm_ptr + out, m, mask=rmask)
         tl.store(ps_ptr + out, s, mask=rmask)
-        tl.store(pi_ptr + out, tl.argmax(z, axis=1).to(tl.int32) + off_n, mask=rmask)
+        tl.store(pi_ptr + out, best.to(tl.int32) + off_n, mask=rmask)
         if HAS_SMOOTHING:
-            tl.store(pz_ptr + out, tl.sum(tl.where((cols < N)[None, :], z, 0.0), axis=1), mask=rmask)
+            tl.store(pz_ptr + out, zsum, mask=rmask)
 
 
 _CAPABLE: dict[object, bool] = {}
@@ -100,7 +130,10 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def logits_with_partials(hc, w, out, opt, config=None):
-    """``out[:] = hc @ w.T``; returns the partials ``(pm, ps, pi, pz)``, each ``[rows, NB]``."""
+    """``out[:] = hc @ w.T``, each tile of ``BN`` columns less its rows' maxima where the logits are
+    shifted (:data:`SHIFT_LOGITS`, no softcap); returns the partials ``(pm, ps, pi, pz, shift)``,
+    the first four ``[rows, NB]``, ``shift`` the tile width ``BN`` when ``out`` holds tile-relative
+    logits (logit ``[r, j]`` = ``out[r, j] + pm[r, j // BN]``), else 0."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = hc.shape
@@ -126,11 +159,22 @@ def logits_with_partials(hc, w, out, opt, config=None):
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
     tiles = cdiv(m, bm) * nb
     grid = (min(programs, tiles),)
+    shift = SHIFT_LOGITS and opt.softcap is None
     _logits_kernel[grid](
         a_desc, b_desc, c_desc, pm, ps, pi, pz, m, n, k, nb,
         opt.softcap if opt.softcap is not None else 1.0,
-        HAS_SOFTCAP=opt.softcap is not None, HAS_SMOOTHING=opt.label_smoothing != 0.0,
+        HAS_SOFTCAP=opt.softcap is not None, HAS_SMOOTHING=opt.label_smoothing != 0.0, SHIFT=shift,
         BM=bm, BN=bn, BK=bk, NUM_PROGRAMS=grid[0], WARP_SPECIALIZE=ws,
         num_warps=warps, num_stages=stages,
     )
-    return pm, ps, pi, pz
+    return pm, ps, pi, pz, bn if shift else 0
+
+
+def absolute_logits(out: torch.Tensor, partials) -> torch.Tensor:
+    """The logits themselves (fp32) from ``out`` and the partials that :func:`logits_with_partials`
+    wrote with it: ``out`` plus each tile's max partial where the tiles are stored tile-relative."""
+    pm, shift = partials[0], partials[4]
+    z = out.float()
+    if shift:
+        z += pm.repeat_interleave(shift, dim=1)[:, : out.shape[1]]
+    return z

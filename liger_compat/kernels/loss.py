@@ -667,11 +667,17 @@ def graph_key(h, w, b, target, opt, backend, knobs) -> tuple:
     """The part of a graphed pass's key that every caller shares (the eager Function's and the
     compiled path's op, :func:`_graphed_pass` and ``_ops._graphed_with_grads``): the shapes and
     dtypes of the rows and targets copied in, where and how the weight and bias lie, the options,
-    the knobs, and the settings :func:`_flce_pass` reads (``LIGER_COMPAT_FLCE_CHUNK_MB``,
-    ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``)."""
+    the knobs, the settings :func:`_flce_pass` reads (``LIGER_COMPAT_FLCE_CHUNK_MB``,
+    ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``) and, on the Triton path, whether the logits GEMM
+    stores tile-relative logits (``_logits_triton.SHIFT_LOGITS``)."""
     settings = _config.settings
+    shift = None
+    if backend == "triton":
+        from . import _logits_triton
+
+        shift = _logits_triton.SHIFT_LOGITS
     return (tuple(h.shape), h.dtype, h.device, tuple(target.shape), target.dtype, _layout(w), _layout(b), opt,
-            backend, knobs, settings.flce_chunk_mb, settings.flce_fp32_grad_weight)
+            backend, knobs, settings.flce_chunk_mb, settings.flce_fp32_grad_weight, shift)
 
 
 def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs):

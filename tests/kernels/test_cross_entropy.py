@@ -394,7 +394,8 @@ def test_logits_gemm_kernel_values_and_row_statistics(monkeypatch, dtype, opts):
     """The Triton logits GEMM alone: ``out = hidden @ weight.T`` against float64, and its per-tile
     statistics (max, sum of exp(z - max), argmax, row sum) against the same statistics computed
     in float64 from ``out`` as stored. 20 x 72 logits over K = 24: partial row, column and K tiles
-    (the interpreter's tiles are 16 x 32 x 16)."""
+    (the interpreter's tiles are 16 x 32 x 16). Without softcap the tiles are stored tile-relative:
+    each row of a tile less its maximum (the max partial), whose entry there is exactly 0."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     import liger_compat.kernels._logits_triton as lt
@@ -408,20 +409,35 @@ def test_logits_gemm_kernel_values_and_row_statistics(monkeypatch, dtype, opts):
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
     assert lt.supported(hc, w)
-    pm, ps, pi, pz = lt.logits_with_partials(hc, w, out, CEOptions(**opts))
-    assert rel_err(out, hc.double() @ w.double().T) <= tolerance(dtype, n=k, ulps=1)  # one rounding to dtype
+    pm, ps, pi, pz, shift = lt.logits_with_partials(hc, w, out, CEOptions(**opts))
+    ref = hc.double() @ w.double().T
+    assert shift == (0 if "softcap" in opts else bn)
+    z_abs = lt.absolute_logits(out, (pm, ps, pi, pz, shift)).double()
+    assert rel_err(z_abs, ref) <= tolerance(dtype, n=k, ulps=1)  # one rounding to dtype (of a smaller value)
     z = out.double()
     if "softcap" in opts:
         z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    else:  # tile-relative: each tile's row maximum is stored as 0, and the max partial is the fp32 one
+        for j in range(pm.shape[1]):
+            blk = out[:, j * bn:(j + 1) * bn].double()
+            assert torch.equal(blk.amax(1), torch.zeros(m, dtype=torch.float64))
+            assert rel_err(pm[:, j], ref[:, j * bn:(j + 1) * bn].amax(1)) <= tolerance(torch.float32, n=k)
     tol = tolerance(torch.float32, n=bn)
     for j in range(pm.shape[1]):
         blk = z[:, j * bn:(j + 1) * bn]
         mx = blk.amax(1)
-        assert rel_err(pm[:, j], mx) <= tol
         assert rel_err(ps[:, j], torch.exp(blk - mx[:, None]).sum(1)) <= tol
-        # the index of a maximum (bf16 rounding makes ties likely: any of them is right)
-        picked = blk.gather(1, (pi[:, j].long() - j * bn)[:, None])[:, 0]
-        assert torch.equal(picked, blk.amax(1)) and bool(((pi[:, j] >= j * bn) & (pi[:, j] < j * bn + blk.shape[1])).all())
+        picked = (pi[:, j].long() - j * bn)[:, None]
+        assert bool(((picked >= 0) & (picked < blk.shape[1])).all())
+        if "softcap" in opts:
+            assert rel_err(pm[:, j], mx) <= tol
+            # the index of a maximum as stored (16-bit rounding makes ties likely: any of them is right)
+            assert torch.equal(blk.gather(1, picked)[:, 0], mx)
+        else:  # the argmax of the logits rounded to dtype: within one rounding of the exact maximum
+            exact = ref[:, j * bn:(j + 1) * bn]
+            top = exact.amax(1)
+            ulp = torch.finfo(dtype).eps * top.abs()
+            assert bool((exact.gather(1, picked)[:, 0] >= top - 2 * ulp).all())
         if "label_smoothing" in opts:
             assert rel_err(pz[:, j], blk.sum(1), blk.abs().sum(1).norm().item()) <= tol
 
@@ -457,6 +473,69 @@ def test_flce_triton_logits_gemm_with_fused_statistics(monkeypatch, opts, dtype,
     tol = tolerance(dtype, n=72)
     assert rel_err(out.loss, ref) <= tol
     assert abs(out.token_accuracy.item() - acc.item()) <= 1.0 / kept  # one 16-bit argmax tie may flip
+    for mine, theirs in zip(ps, p64):
+        assert rel_err(mine.grad, theirs.grad) <= tol
+
+
+@pytest.mark.parametrize("dtype, offset", [(torch.float16, 1000.0), (torch.bfloat16, 256.0)])
+def test_tile_relative_logits_keep_the_softmax_under_a_shared_offset(monkeypatch, dtype, offset):
+    """The softmax is blind to an offset every logit of a row shares (a trained head's log-prior
+    feature is one), but a 16-bit store of the logits is not: at a logit of ``offset`` its rounding
+    moves each one by up to 0.25 (fp16 at 1000) or 1 (bf16 at 256), and every softmax entry by that
+    factor of e. Stored tile-relative (``_logits_triton.SHIFT_LOGITS``), the entries that hold
+    the mass sit near 0, so the loss's gradients stay within the dtype's tolerance of float64;
+    stored as the product rounds them, they do not (checked here too, so the premise holds)."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    import liger_compat.kernels._logits_triton as lt
+
+    if dtype == torch.bfloat16:
+        _bf16_dot_under_the_interpreter(monkeypatch)
+    g = torch.Generator().manual_seed(int(offset) + 7)
+    n, hd, v = 24, 32, 96
+    hid = torch.randn(n, hd, generator=g)
+    hid[:, 0] = 1.0  # the constant feature that carries the offset
+    w = torch.randn(v, hd, generator=g) / hd**0.5
+    w[:, 0] = offset
+    hid, w = hid.to(dtype), w.to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    p64 = [x.double().requires_grad_(True) for x in (hid, w)]
+    ref, _, _ = ce64(p64[0] @ p64[1].T, t)
+    ref.backward()
+    tol = tolerance(dtype, n=v)
+
+    def errors():
+        ps = [x.clone().requires_grad_(True) for x in (hid, w)]
+        loss = fused_linear_cross_entropy(ps[0], ps[1], t, logits_impl="triton")
+        loss.backward()
+        # grad_hidden's offset column is sum_j d_j * offset, 0 in exact arithmetic: what is left of
+        # the 16-bit gradient's roundings there is no matter of the logits' store, so it is left out
+        return [rel_err(loss, ref), rel_err(ps[0].grad[:, 1:], p64[0].grad[:, 1:]), rel_err(ps[1].grad, p64[1].grad)]
+
+    shifted = errors()
+    assert max(shifted) <= tol, shifted
+    monkeypatch.setattr(lt, "SHIFT_LOGITS", False)
+    rounded = errors()
+    assert max(rounded[1:]) > 2 * tol, rounded  # the logits as a 16-bit product stores them
+
+
+@pytest.mark.parametrize("v", [8, 16, 40])
+def test_tile_relative_logits_narrower_than_a_tile(v):
+    """A vocabulary narrower than the logits GEMM's tile (the interpreter's is 32 columns), or
+    ending in a partial one: the gradient pass takes whole tiles a block, so each column gets its
+    own tile's maximum back. Loss and gradients against float64."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    hid, w, _, t = _inputs(v, 12, 16, v, torch.float16, 0.2, False)
+    ps = [x.clone().requires_grad_(True) for x in (hid, w)]
+    loss = fused_linear_cross_entropy(ps[0], ps[1], t, logits_impl="triton")
+    loss.backward()
+    p64 = [x.double().requires_grad_(True) for x in (hid, w)]
+    ref, _, _ = ce64(p64[0] @ p64[1].T, t)
+    ref.backward()
+    tol = tolerance(torch.float16, n=v)
+    assert rel_err(loss, ref) <= tol
     for mine, theirs in zip(ps, p64):
         assert rel_err(mine.grad, theirs.grad) <= tol
 

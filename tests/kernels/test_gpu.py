@@ -470,6 +470,40 @@ def test_flce_fp32_grad_weight_rounds_once_on_gpu(logits_impl, n, kept, monkeypa
     assert got <= 0.75 * rel_err(out[False][2], gw64)
 
 
+def test_flce_tile_relative_logits_under_a_shared_offset_on_gpu(monkeypatch):
+    """bf16 logits of spread 4 sharing an offset of 256 (a constant hidden feature times a weight
+    column of 256), 2048 rows, hidden 1024, 32000 columns, the Triton logits GEMM: stored tile-relative
+    (``_logits_triton.SHIFT_LOGITS``), grad_hidden (less the offset's column, 0 in exact arithmetic)
+    and grad_weight are within 2x the error of rounding their float64 values to bf16; stored as a
+    bf16 product (bf16's spacing at 256 is 2), at least 4x further off."""
+    import liger_compat.kernels._logits_triton as lt
+
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**16, ())))
+    n, hd, v = 2048, 1024, 32000
+    hid = torch.randn(n, hd, device="cuda", generator=g)
+    hid[:, 0] = 1.0
+    w = torch.randn(v, hd, device="cuda", generator=g) * (4 / hd**0.5)  # logits of spread 4: mass on a few
+    w[:, 0] = 256.0
+    hid, w = hid.bfloat16(), w.bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+    p64 = [x.double().requires_grad_(True) for x in (hid, w)]
+    g64 = torch.autograd.grad(torch.nn.functional.cross_entropy(p64[0] @ p64[1].t(), t, ignore_index=-100), p64)
+    g64 = (g64[0][:, 1:], g64[1])
+    floor = [rel_err(x.to(torch.bfloat16), x) for x in g64]
+
+    def errors():
+        a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ga, gb = torch.autograd.grad(fused_linear_cross_entropy(a, b, t, logits_impl="triton"), (a, b))
+        return [rel_err(ga[:, 1:], g64[0]), rel_err(gb, g64[1])]
+
+    shifted = errors()
+    monkeypatch.setattr(lt, "SHIFT_LOGITS", False)
+    rounded = errors()
+    for got, fl, off in zip(shifted, floor, rounded):
+        assert got <= 2 * fl and off >= 4 * got, (shifted, floor, rounded)
+
+
 @pytest.mark.parametrize("logits_impl", ["cublas", "triton"])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_flce_bf16_peaked_rows_past_the_rounding_of_their_logits_on_gpu(logits_impl, softcap):

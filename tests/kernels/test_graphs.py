@@ -201,6 +201,24 @@ def test_the_key_holds_what_the_pass_reads(graphs, change, monkeypatch):
     _close(hh.grad, gh)
 
 
+def test_the_key_holds_how_the_triton_logits_are_stored(monkeypatch):
+    """On the Triton path the key holds whether the logits GEMM stores tile-relative logits
+    (``_logits_triton.SHIFT_LOGITS``): a graph captured one way never replays for the other."""
+    pytest.importorskip("triton")
+    from liger_compat.kernels import _logits_triton
+    from liger_compat.kernels import loss as loss_mod
+
+    h, w, t = torch.randn(4, H), torch.randn(V, H), torch.randint(0, V, (4,))
+    opt = loss_mod.CEOptions()
+
+    def key(backend):
+        return loss_mod.graph_key(h, w, None, t, opt, backend, loss_mod.DEFAULT_KNOBS)
+
+    shifted, torch_key = key("triton"), key("torch")
+    monkeypatch.setattr(_logits_triton, "SHIFT_LOGITS", not _logits_triton.SHIFT_LOGITS)
+    assert key("triton") != shifted and key("torch") == torch_key
+
+
 def test_num_items_in_batch_is_an_input_of_the_graph(graphs):
     """Gradient accumulation's divisor changes each step: a number or a tensor, copied in, never
     captured as a constant."""
