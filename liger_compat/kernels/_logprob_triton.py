@@ -8,7 +8,10 @@ by ``(row, block)`` programs and transformed in fp32 on load:
   (entropy), ``sum exp(2 (z - m))`` (``log sum p^2``), ``sum z`` (mean logit) and the block's
   argmax (first index on ties); one program per row folds them into the row's log-sum-exp,
   the target's log-prob, entropy, ``log sum p^2``, mean logit and whether the target is the
-  (first) argmax. Rows whose target is ``ignore_index`` get zeros.
+  (first) argmax. Rows whose target is ``ignore_index`` get zeros. With the rows' hidden states
+  and the weight (``head``), the target's logit is taken in fp32 from them instead of as stored,
+  and its term in those sums replaced: a 16-bit store loses up to 2^-9 of it (0.06 at a logit of
+  30), which is the log-prob's own error wherever the target holds most of the row's mass.
 * gradient: each (row, block) program overwrites its block (in place when ``grad`` is the
   logits) with ``d / dx`` of ``g_lp * log p_target + g_ent * entropy`` for per-row upstream
   gradients ``g_lp``, ``g_ent`` (either may be absent):
@@ -67,9 +70,10 @@ def _lp_partial_kernel(
 def _lp_combine_kernel(
     logits_ptr, stride_l, target_ptr, pm_ptr, ps_ptr, pxs_ptr, psq_ptr, pz_ptr, pi_ptr, NB,
     lp_ptr, ent_ptr, sq_ptr, mean_ptr, top1_ptr, lse_ptr,
-    V, ignore_index, logit_scale, softcap, inv_t,
+    V, ignore_index, logit_scale, softcap, inv_t, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H,
     HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr,
-    HAS_TOP1: tl.constexpr, BLOCK_NB: tl.constexpr,
+    HAS_TOP1: tl.constexpr, BLOCK_NB: tl.constexpr, HAS_HEAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tgt = tl.load(target_ptr + row).to(tl.int64)
@@ -107,9 +111,32 @@ def _lp_combine_kernel(
             best_blk = tl.where(take, bi, best_blk)
             best = tl.where(take, bm, best)
         m = m_new
-    lse = m + tl.log(s)
     xt = tl.load(logits_ptr + row * stride_l + tgt_safe).to(tl.float32)
     zt = _transform(xt, logit_scale, softcap, inv_t, HAS_SOFTCAP)
+    if HAS_HEAD:  # the target's logit in fp32 from its hidden row and weight row, its terms replaced
+        offs = tl.arange(0, BLOCK_H)
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for k in range(0, H, BLOCK_H):
+            ks = k + offs
+            km = ks < H
+            a = tl.load(h_ptr + row * stride_h + ks, mask=km, other=0.0).to(tl.float32)
+            bw = tl.load(w_ptr + tgt_safe * stride_w + ks, mask=km, other=0.0).to(tl.float32)
+            acc += a * bw
+        xe = tl.sum(acc, axis=0)
+        if HAS_BIAS:
+            xe += tl.load(b_ptr + tgt_safe).to(tl.float32)
+        ze = _transform(xe, logit_scale, softcap, inv_t, HAS_SOFTCAP)
+        er = tl.exp(zt - m)
+        ee = tl.exp(ze - m)
+        s = tl.where(valid, tl.maximum(s - er + ee, ee), s)  # the other terms are >= 0
+        if HAS_ENTROPY:
+            xs = tl.where(valid, xs - er * zt + ee * ze, xs)
+        if HAS_SQ:
+            sq = tl.where(valid, tl.maximum(sq - er * er + ee * ee, ee * ee), sq)
+        if HAS_MEAN:
+            zs = tl.where(valid, zs - zt + ze, zs)
+        zt = tl.where(valid, ze, zt)
+    lse = m + tl.log(s)
     tl.store(lp_ptr + row, tl.where(valid, zt - lse, 0.0))
     tl.store(lse_ptr + row, lse)
     if HAS_ENTROPY:
@@ -203,7 +230,7 @@ def _block(v: int, device: torch.device) -> tuple[int, int]:
     return min(block, next_pow2(v)), (8 if device.type == "cuda" else 1)
 
 
-def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None):
+def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None, head=None):
     """Same contract as :func:`liger_compat.kernels.logprob.lp_rows_torch`."""
     c, v = logits.shape
     dev = logits.device
@@ -235,10 +262,18 @@ def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse
                 logits, logits.stride(0), pm, ps, pxs, psq, pz, pi, nb, v, *scal,
                 BLOCK_V=block, num_warps=warps, **flags,
             )
+            if head is not None:
+                hh, hw, hb = head
+                assert hh.shape[0] == c and hw.shape[0] == v and hh.stride(-1) == 1 and hw.stride(-1) == 1
+                head_args = (hh, hh.stride(0), hw, hw.stride(0), hb if hb is not None else hw, hh.shape[1])
+                head_flags = dict(HAS_HEAD=True, HAS_BIAS=hb is not None, BLOCK_H=min(next_pow2(hh.shape[1]), 512))
+            else:
+                head_args = (logits, 0, logits, 0, logits, 0)
+                head_flags = dict(HAS_HEAD=False, HAS_BIAS=False, BLOCK_H=16)
             _lp_combine_kernel[(c,)](
                 logits, logits.stride(0), target, pm, ps, pxs, psq, pz, pi, nb,
-                lp, ent, sq, mean, top1, lse, v, opt.ignore_index, *scal,
-                BLOCK_NB=min(next_pow2(nb), 1024), num_warps=4 if dev.type == "cuda" else 1, **flags,
+                lp, ent, sq, mean, top1, lse, v, opt.ignore_index, *scal, *head_args,
+                BLOCK_NB=min(next_pow2(nb), 1024), num_warps=4 if dev.type == "cuda" else 1, **flags, **head_flags,
             )
         stats = (
             lp,

@@ -8,6 +8,9 @@ and the mean logit, of the distribution over ``z = softcap * tanh(logits * logit
 processed in chunks like :func:`~liger_compat.kernels.loss.fused_linear_cross_entropy`: one
 matmul makes a chunk's logits, the row kernel (Triton in ``_logprob_triton.py``, the torch
 reference :func:`lp_rows_torch` here) reduces them, and only one chunk of logits exists at a time.
+With 16-bit logits the row kernel takes each target logit in fp32 from the row's hidden state and
+the target's weight row (:data:`EXACT_TARGET`): a 16-bit store rounds it by up to 2^-9 of its size,
+and where the row's mass is spread that rounding is most of the log-prob's error.
 
 Backward takes arbitrary per-row upstream gradients of ``log_probs`` and ``entropy``: it
 recomputes each chunk's logits, turns them in place into ``d / d logits`` and makes that chunk's
@@ -52,6 +55,9 @@ __all__ = ["fused_linear_logprobs", "LogProbOutput", "FIELDS", "lp_rows_torch"]
 #: per-token fields, in the order of :class:`LogProbOutput`
 FIELDS = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
 GRAD_MODES = ("recompute", "uniform", "sum")
+#: the statistics pass takes each target logit in fp32 from the row's hidden state and the target's
+#: weight row when the chunk's logits are 16-bit (off: as stored, the benchmarks' and tests' A/B)
+EXACT_TARGET = True
 
 
 class LogProbOutput(NamedTuple):
@@ -91,25 +97,37 @@ def _transform_torch(x: torch.Tensor, opt: LPOptions):
     return y * opt.inv_t, t
 
 
-def lp_rows_torch(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None):
+def lp_rows_torch(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None, head=None):
     """Reference for the row kernel on ``logits[C, V]`` (the matmul's output, before the transform).
 
     Without ``lse``: returns ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, lse)``
     per row (fp32 / bool; fields not asked for in ``opt`` are ``None``; ignored rows 0). With
     ``grad``: writes ``d (g_lp * log_probs + g_ent * entropy) / d logits`` into ``grad`` (which may
     be ``logits`` itself); ``g_lp`` is a 0-d or ``[C]`` tensor, ``g_ent`` ``[C]``, either ``None``.
+    ``head`` = ``(hidden rows, weight, bias or None)``, without ``lse``: each valid row's target
+    logit is taken in fp32 from them instead of as stored (the argmax stays the stored logits').
     """
     c, v = logits.shape
     z, t = _transform_torch(logits, opt)
     valid = (target != opt.ignore_index) & (target >= 0) & (target < v)
     tgt = torch.where(valid, target, torch.zeros_like(target)).long()
     stats = None
+    top1 = valid & (z.argmax(-1) == tgt) if (lse is None and opt.is_top1) else None
+    if lse is None and head is not None:
+        hh, hw, hb = head
+        xe = (hh.float() * hw.index_select(0, tgt).float()).sum(-1)
+        if hb is not None:
+            xe = xe + hb.index_select(0, tgt).float()
+        ze, _ = _transform_torch(xe, opt)
+        z_st = z
+        z = z.clone()  # the gradient below reads the stored logits
+        z.scatter_(1, tgt[:, None], torch.where(valid, ze, z.gather(1, tgt[:, None]).squeeze(1))[:, None])
     if lse is None:
         lse = torch.logsumexp(z, dim=-1)
         zero = torch.zeros((), dtype=torch.float32, device=z.device)
         lp = torch.where(valid, z.gather(1, tgt[:, None]).squeeze(1) - lse, zero)
         log_p = z - lse[:, None]
-        ent = sq = mean = top1 = None
+        ent = sq = mean = None
         if opt.entropy:
             entropy = -(log_p.exp() * log_p).sum(-1)
             ent = torch.where(valid, entropy, zero)
@@ -117,9 +135,9 @@ def lp_rows_torch(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=
             sq = torch.where(valid, torch.logsumexp(2.0 * log_p, dim=-1), zero)
         if opt.mean_logits:
             mean = torch.where(valid, z.mean(-1), zero)
-        if opt.is_top1:
-            top1 = valid & (z.argmax(-1) == tgt)
         stats = (lp, ent, sq, mean, top1, lse)
+        if head is not None:
+            z = z_st
     if grad is not None:
         log_p = z - lse[:, None]
         p = log_p.exp()
@@ -231,7 +249,10 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
         pick = lambda x: None if x is None else (x if x.dim() == 0 else x[sl])  # noqa: E731
         ent_c = pick(entropy)
         if stats:
-            st = _lp_rows(backend, logits, tc, opt)
+            # each target logit in fp32 from its rows (a 16-bit store rounds it by up to 2^-9)
+            head = (hc, wc, bc) if (EXACT_TARGET and logits.element_size() < 4 and hc.stride(-1) == 1
+                                    and wc.stride(-1) == 1) else None
+            st = _lp_rows(backend, logits, tc, opt, head=head)
             for i, x in enumerate(st):
                 if x is not None:
                     out[i][sl] = x
