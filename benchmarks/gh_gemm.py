@@ -15,30 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 from . import _results
+from .kernels_common import event_ms
 
 #: (name, chunk rows, vocabulary, hidden): the chunk the fused loss runs at each head
 HEADS = (("llama3-8b", 2048, 128256, 4096), ("qwen2-7b", 2048, 152064, 3584), ("llama3.2-1b", 2048, 128256, 2048),
          ("gemma2-9b", 1024, 256000, 3584), ("small step", 2048, 128256, 1024))
-
-
-def _ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         w = (torch.randn(v, hdim, device="cuda", generator=g) * 0.02).bfloat16()
         out = torch.empty(rows, hdim, device="cuda", dtype=torch.bfloat16)
         c = torch.zeros(rows, hdim, device="cuda", dtype=torch.float32)
-        bf16 = _ms(lambda: torch.mm(d, w, out=out), args.reps)
-        fp32 = _ms(lambda: torch.addmm(c, d, w, out_dtype=torch.float32, out=c), args.reps)
-        cast = _ms(lambda: out.copy_(c), args.reps)
+        bf16 = event_ms(lambda: torch.mm(d, w, out=out), args.reps)
+        fp32 = event_ms(lambda: torch.addmm(c, d, w, out_dtype=torch.float32, out=c), args.reps)
+        cast = event_ms(lambda: out.copy_(c), args.reps)
         rows_out.append(dict(head=name, rows=rows, vocab=v, hidden=hdim, bf16_ms=bf16, fp32_ms=fp32, cast_ms=cast,
                              ratio=(fp32 + cast) / bf16))
         print(rows_out[-1], flush=True)

@@ -41,6 +41,21 @@ def add(**row):
 # ---------------------------------------------------------------------------------------------
 
 
+def event_ms(fn, reps: int) -> float:
+    """Median ms of ``reps`` calls of ``fn``, each between two CUDA events (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def bench_ms(fn, rep_ms=None):
     from triton.testing import do_bench
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 from . import _results
+from .kernels_common import event_ms
 from .regimes import REGIMES, make_inputs
 
 #: name -> (rows, hidden, vocabulary)
@@ -39,20 +39,6 @@ def _ref64(h, w, t, chunk=1024):
         ent.append(-(logp.exp() * logp).sum(-1))
         del z, logp
     return torch.cat(lp), torch.cat(ent)
-
-
-def _ms(fn, reps):
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"{key}_lp_max"] = float(e.abs().max())
                     row[f"{key}_ent_rms"] = float(ee.pow(2).mean().sqrt())
                     if args.device == "cuda":
-                        row[f"{key}_ms"] = _ms(lambda: fused_linear_logprobs(h, w, t, want=("log_probs", "entropy")),
+                        row[f"{key}_ms"] = event_ms(lambda: fused_linear_logprobs(h, w, t, want=("log_probs", "entropy")),
                                                args.reps)
                 finally:
                     lp_mod.EXACT_TARGET = True

@@ -50,16 +50,9 @@ def _row_target(target_ptr, row, ignore_index, V):
 
 
 @triton.jit
-def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, softcap, zshift,
-                  HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The row's target logit in fp32 from its hidden row and the target's weight row (and bias),
-    and the row's lse with that value in place of the stored (rounded) one: ``s`` is the row's
-    sum of ``exp(z - m)`` over the stored logits, ``zshift`` what the stored target logit is less
-    (tile-relative logits, ``_logits_triton``; else 0). Returns ``(raw target logit, lse)``.
-
-    In a peaked row (``p_t`` near 1) the target's term is nearly all of ``s``, so the rounding of
-    the stored target logit (up to 2^-9 of it in bf16: 0.06 at a logit of 20) moved the lse, and
-    with it every other ``p_j`` and the target's ``p_t - 1``, by several per cent."""
+def _target_logit(row, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, HAS_BIAS: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """The row's raw target logit in fp32: its hidden row times the target's weight row (plus bias)."""
     offs = tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_H], tl.float32)
     for k in range(0, H, BLOCK_H):
@@ -71,6 +64,21 @@ def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w
     zt = tl.sum(acc, axis=0)
     if HAS_BIAS:
         zt += tl.load(b_ptr + tgt_safe).to(tl.float32)
+    return zt
+
+
+@triton.jit
+def _exact_target(m, s, row, row_ptr, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, softcap, zshift,
+                  HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The row's target logit in fp32 from its hidden row and the target's weight row (and bias),
+    and the row's lse with that value in place of the stored (rounded) one: ``s`` is the row's
+    sum of ``exp(z - m)`` over the stored logits, ``zshift`` what the stored target logit is less
+    (tile-relative logits, ``_logits_triton``; else 0). Returns ``(raw target logit, lse)``.
+
+    In a peaked row (``p_t`` near 1) the target's term is nearly all of ``s``, so the rounding of
+    the stored target logit (up to 2^-9 of it in bf16: 0.06 at a logit of 20) moved the lse, and
+    with it every other ``p_j`` and the target's ``p_t - 1``, by several per cent."""
+    zt = _target_logit(row, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, HAS_BIAS, BLOCK_H)
     zr = tl.load(row_ptr + tgt_safe).to(tl.float32) + zshift
     zc = zt
     if HAS_SOFTCAP:
@@ -391,6 +399,19 @@ def _ce_target_grad_kernel(
         tl.store(res_ptr + row, _target_residual(d_t, stored.to(tl.float32), valid & in_range))
 
 
+def head_launch_args(head, logits):
+    """The launch arguments of :func:`_target_logit`'s callers for ``head`` = (the rows' hidden
+    states, the weight, the bias or None), or placeholders (``HAS_HEAD=False``) for None:
+    ``(pointer and size arguments, constexpr flags)``."""
+    if head is None:
+        return (logits, 0, logits, 0, logits, 0), dict(HAS_HEAD=False, HAS_BIAS=False, BLOCK_H=16)
+    hh, hw, hb = head
+    c, v = logits.shape
+    assert hh.shape[0] == c and hw.shape[0] == v and hh.stride(-1) == 1 and hw.stride(-1) == 1
+    args = (hh, hh.stride(0), hw, hw.stride(0), hb if hb is not None else hw, hh.shape[1])
+    return args, dict(HAS_HEAD=True, HAS_BIAS=hb is not None, BLOCK_H=min(next_pow2(hh.shape[1]), 512))
+
+
 #: Values of ``variant``: "split" (the default): rows are cut into blocks of V spread over
 #: programs (partial, combine and gradient launches; fills the GPU even for a few hundred rows);
 #: "row": one program streams a whole row (one launch).
@@ -476,14 +497,7 @@ def ce_rows_triton(logits, target, opt, *, scale=None, grad=None, lse=None, vari
     softcap = opt.softcap if opt.softcap is not None else 1.0
     g = grad if grad is not None else logits
     sg = grad.stride(0) if grad is not None else 0
-    if stats and head is not None:
-        hh, hw, hb = head
-        assert hh.shape[0] == c and hw.shape[0] == v and hh.stride(-1) == 1 and hw.stride(-1) == 1
-        head_args = (hh, hh.stride(0), hw, hw.stride(0), hb if hb is not None else hw, hh.shape[1])
-        head_common = dict(HAS_HEAD=True, HAS_BIAS=hb is not None, BLOCK_H=min(next_pow2(hh.shape[1]), 512))
-    else:
-        head_args = (logits, 0, logits, 0, logits, 0)
-        head_common = dict(HAS_HEAD=False, HAS_BIAS=False, BLOCK_H=16)
+    head_args, head_common = head_launch_args(head if stats else None, logits)
     if target_fix is not None:
         fix, fw = target_fix
         assert grad is not None and fix.shape == (c, fw.shape[1]) and fix.dtype == f32 and fix.stride(-1) == 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._ce_triton import _tanh
+from ._ce_triton import _tanh, _target_logit, head_launch_args
 from ._dispatch import triton, tl, cdiv, next_pow2
 
 __all__ = ["lp_rows_triton"]
@@ -114,17 +114,7 @@ def _lp_combine_kernel(
     xt = tl.load(logits_ptr + row * stride_l + tgt_safe).to(tl.float32)
     zt = _transform(xt, logit_scale, softcap, inv_t, HAS_SOFTCAP)
     if HAS_HEAD:  # the target's logit in fp32 from its hidden row and weight row, its terms replaced
-        offs = tl.arange(0, BLOCK_H)
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for k in range(0, H, BLOCK_H):
-            ks = k + offs
-            km = ks < H
-            a = tl.load(h_ptr + row * stride_h + ks, mask=km, other=0.0).to(tl.float32)
-            bw = tl.load(w_ptr + tgt_safe * stride_w + ks, mask=km, other=0.0).to(tl.float32)
-            acc += a * bw
-        xe = tl.sum(acc, axis=0)
-        if HAS_BIAS:
-            xe += tl.load(b_ptr + tgt_safe).to(tl.float32)
+        xe = _target_logit(row, tgt_safe, h_ptr, stride_h, w_ptr, stride_w, b_ptr, H, HAS_BIAS, BLOCK_H)
         ze = _transform(xe, logit_scale, softcap, inv_t, HAS_SOFTCAP)
         er = tl.exp(zt - m)
         ee = tl.exp(ze - m)
@@ -262,14 +252,7 @@ def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse
                 logits, logits.stride(0), pm, ps, pxs, psq, pz, pi, nb, v, *scal,
                 BLOCK_V=block, num_warps=warps, **flags,
             )
-            if head is not None:
-                hh, hw, hb = head
-                assert hh.shape[0] == c and hw.shape[0] == v and hh.stride(-1) == 1 and hw.stride(-1) == 1
-                head_args = (hh, hh.stride(0), hw, hw.stride(0), hb if hb is not None else hw, hh.shape[1])
-                head_flags = dict(HAS_HEAD=True, HAS_BIAS=hb is not None, BLOCK_H=min(next_pow2(hh.shape[1]), 512))
-            else:
-                head_args = (logits, 0, logits, 0, logits, 0)
-                head_flags = dict(HAS_HEAD=False, HAS_BIAS=False, BLOCK_H=16)
+            head_args, head_flags = head_launch_args(head, logits)
             _lp_combine_kernel[(c,)](
                 logits, logits.stride(0), target, pm, ps, pxs, psq, pz, pi, nb,
                 lp, ent, sq, mean, top1, lse, v, opt.ignore_index, *scal, *head_args,
