@@ -11,7 +11,8 @@ by ``(row, block)`` programs and transformed in fp32 on load:
   (first) argmax. Rows whose target is ``ignore_index`` get zeros. With the rows' hidden states
   and the weight (``head``), the target's logit is taken in fp32 from them instead of as stored,
   and its term in those sums replaced: a 16-bit store loses up to 2^-9 of it (0.06 at a logit of
-  30), which is the log-prob's own error wherever the target holds most of the row's mass.
+  30), which is most of the log-prob's error wherever the row's mass is spread over many tokens
+  (the other logits' roundings average out in the log-sum-exp).
 * gradient: each (row, block) program overwrites its block (in place when ``grad`` is the
   logits) with ``d / dx`` of ``g_lp * log p_target + g_ent * entropy`` for per-row upstream
   gradients ``g_lp``, ``g_ent`` (either may be absent):
