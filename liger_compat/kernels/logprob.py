@@ -48,7 +48,7 @@ import torch
 
 from . import _checks, _dispatch, _device_errors
 from .errors import ShapeMismatchError, TargetOutOfRangeError
-from .loss import FLCE_CHUNK_BYTES_CPU, _chunk_rows
+from .loss import FLCE_CHUNK_BYTES_CPU, _chunk_rows, target_logits_torch
 
 __all__ = ["fused_linear_logprobs", "LogProbOutput", "FIELDS", "lp_rows_torch"]
 
@@ -112,32 +112,28 @@ def lp_rows_torch(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=
     valid = (target != opt.ignore_index) & (target >= 0) & (target < v)
     tgt = torch.where(valid, target, torch.zeros_like(target)).long()
     stats = None
-    top1 = valid & (z.argmax(-1) == tgt) if (lse is None and opt.is_top1) else None
-    if lse is None and head is not None:
-        hh, hw, hb = head
-        xe = (hh.float() * hw.index_select(0, tgt).float()).sum(-1)
-        if hb is not None:
-            xe = xe + hb.index_select(0, tgt).float()
-        ze, _ = _transform_torch(xe, opt)
-        z_st = z
-        z = z.clone()  # the gradient below reads the stored logits
-        z.scatter_(1, tgt[:, None], torch.where(valid, ze, z.gather(1, tgt[:, None]).squeeze(1))[:, None])
     if lse is None:
-        lse = torch.logsumexp(z, dim=-1)
+        # the statistics' logits: with ``head`` each valid target's in fp32, out of place (the
+        # gradient below reads the stored ones)
+        zs = z
+        if head is not None:
+            ze, _ = _transform_torch(target_logits_torch(head, tgt), opt)
+            zs = z.scatter(1, tgt[:, None], torch.where(valid, ze, z.gather(1, tgt[:, None]).squeeze(1))[:, None])
+        lse = torch.logsumexp(zs, dim=-1)
         zero = torch.zeros((), dtype=torch.float32, device=z.device)
-        lp = torch.where(valid, z.gather(1, tgt[:, None]).squeeze(1) - lse, zero)
-        log_p = z - lse[:, None]
-        ent = sq = mean = None
+        lp = torch.where(valid, zs.gather(1, tgt[:, None]).squeeze(1) - lse, zero)
+        log_p = zs - lse[:, None]
+        ent = sq = mean = top1 = None
         if opt.entropy:
             entropy = -(log_p.exp() * log_p).sum(-1)
             ent = torch.where(valid, entropy, zero)
         if opt.log_sum_sq:
             sq = torch.where(valid, torch.logsumexp(2.0 * log_p, dim=-1), zero)
         if opt.mean_logits:
-            mean = torch.where(valid, z.mean(-1), zero)
+            mean = torch.where(valid, zs.mean(-1), zero)
+        if opt.is_top1:  # the stored logits' argmax, as the Triton path's
+            top1 = valid & (z.argmax(-1) == tgt)
         stats = (lp, ent, sq, mean, top1, lse)
-        if head is not None:
-            z = z_st
     if grad is not None:
         log_p = z - lse[:, None]
         p = log_p.exp()

@@ -85,6 +85,14 @@ class CEOptions:
 # --------------------------------------------------------------------------------------------
 
 
+def target_logits_torch(head: tuple, tgt: torch.Tensor) -> torch.Tensor:
+    """Each row's raw target logit in fp32 from ``head`` = (hidden rows, weight, bias or None):
+    the torch reference of ``_ce_triton._target_logit``."""
+    hh, hw, hb = head
+    zt = (hh.float() * hw.index_select(0, tgt).float()).sum(-1)
+    return zt if hb is None else zt + hb.index_select(0, tgt).float()
+
+
 def ce_rows_torch(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -118,10 +126,7 @@ def ce_rows_torch(
         z = t * opt.softcap
     z_exact = None
     if lse is None and head is not None:
-        hh, hw, hb = head
-        zt_raw = (hh.float() * hw.index_select(0, tgt).float()).sum(-1)
-        if hb is not None:
-            zt_raw = zt_raw + hb.index_select(0, tgt).float()
+        zt_raw = target_logits_torch(head, tgt)
         if opt.softcap is not None:
             zt_raw = opt.softcap * torch.tanh(zt_raw / opt.softcap)
         z_exact = z.scatter(1, tgt[:, None], zt_raw[:, None])  # out of place: z may be logits itself
