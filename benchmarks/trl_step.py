@@ -18,7 +18,11 @@ warm-up, the peak allocated memory over them, and the first logged loss. Impleme
 * ``trl_liger_compat``: ``import liger_compat`` first, default settings;
 * ``trl_liger_compat_recompute`` (only when named): the same, with the log-prob head's backward
   recomputing the logits where the default keeps their gradient (``kernels.logprob.KEEP_GRAD_MAX_BYTES``
-  set to 0): the per-token weighted heads of DPO, GRPO and KTO.
+  set to 0): the per-token weighted heads of DPO, GRPO and KTO;
+* ``trl_liger_compat_all_rows`` (only when named): the same, with trl's head scoring every row
+  (``trl.trainer.utils._use_triton`` answering False, as trl does off Triton devices) instead of
+  gathering the labelled rows with a boolean mask, whose size the host reads (two host syncs in the
+  forward, two in the backward): what those syncs cost a step.
 
 Each runs in a fresh interpreter.
 
@@ -59,9 +63,9 @@ import time
 from . import _results
 from .e2e import MODELS
 
-IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat", "trl_liger_compat_recompute")
+IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat", "trl_liger_compat_recompute", "trl_liger_compat_all_rows")
 #: the default implementations (``trl_liger_compat_recompute``, an A/B of the log-prob head's kept
-#: gradient, runs when named)
+#: gradient, and ``trl_liger_compat_all_rows``, of trl's row gathering, run when named)
 DEFAULT_IMPLS = IMPLS[:3]
 TRAINERS = ("sft", "dpo")
 TRAINER_CLASSES = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}
@@ -189,6 +193,10 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
             from liger_compat.kernels import logprob
 
             logprob.KEEP_GRAD_MAX_BYTES = 0
+        if impl == "trl_liger_compat_all_rows":  # trl's head scores every row: no boolean-mask gather
+            import trl.trainer.utils as trl_utils
+
+            trl_utils._use_triton = lambda device: False
     import copy
     import tempfile
 
