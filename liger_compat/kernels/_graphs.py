@@ -14,7 +14,10 @@ settings it reads). The graph's outputs are its own buffers, overwritten by the 
 replay hands out a :class:`Lease` with them: until the caller drops its reference (after reading or copying
 the outputs it keeps) a call with the same key runs eagerly instead of replaying over them. The
 lease is an object the caller holds (the autograd context); when it is freed without being
-released (a loss never backpropagated) the graph is free again.
+released (a loss never backpropagated) the graph is free again. A caller that cannot hold a lease
+until its consumer is done (a custom op inside a compiled graph, whose outputs the compiled
+backward keeps) hands on :func:`alias` of an output instead of a copy: the graph does not replay
+while any tensor shares an output's storage (its storage use count, taken at capture, is exceeded).
 
 Bounds: at most :data:`MAX_GRAPHS` graphs are kept (the least recently used one is dropped with its
 memory; a leased one never); a key that failed to capture is never tried again; and once
@@ -54,15 +57,35 @@ class Lease:
     __slots__ = ("__weakref__",)
 
 
+def storage_uses(t: torch.Tensor | None) -> int:
+    """How many tensors (views, aliases, autograd's saved copies: every ``TensorImpl``) share the
+    storage of ``t`` now, plus the one storage object this call makes (0 for None)."""
+    return 0 if t is None else torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs", "lease")
+    __slots__ = ("graph", "inputs", "outputs", "lease", "uses")
 
     def __init__(self, graph: Any, inputs: tuple, outputs: tuple) -> None:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
         self.lease: weakref.ref | None = None
+        #: each output's storage uses with nobody else holding it (taken at capture)
+        self.uses = tuple(storage_uses(t) for t in outputs)
 
     def busy(self) -> bool:
-        return self.lease is not None and self.lease() is not None
+        """A lease on the outputs is held, or a tensor outside the graph still shares an output's
+        storage (an alias the caller handed on instead of a copy, :func:`alias`, or anything made
+        from it: a view of a view keeps the storage, not the view it came from)."""
+        if self.lease is not None and self.lease() is not None:
+            return True
+        return any(storage_uses(t) > n for t, n in zip(self.outputs, self.uses) if t is not None)
+
+
+def alias(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A new tensor on the storage of graph output ``t``: the graph that wrote it does not replay
+    while it, or any tensor made from it that shares its storage, is alive (:meth:`_Entry.busy`).
+    Handed on in place of a copy where the caller cannot say when its consumer is done with it."""
+    return None if t is None else t.detach()
 
 
 class CudaGraph:

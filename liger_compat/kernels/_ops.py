@@ -306,9 +306,11 @@ def _graphed_with_grads(h, w, b, target, scale, ignore_index, label_smoothing, l
     """:func:`flce_with_grads`'s outputs from the fused loss's CUDA graphs (``loss._GRAPHS``, the
     same rule as the eager path's, :func:`liger_compat.kernels.loss._graphable`), or None (run it
     eagerly). A compiled graph keeps the op's outputs until its backward, which this op does not
-    see: every output is copied out of the graph's buffers (grad_weight's copy is GPU time a
-    host-bound step has to spare) and the graph is free again at once."""
-    from . import _device_errors
+    see: the loss and the per-row outputs (which a caller may keep past the next call) are copied
+    out of the graph's buffers; the gradients, which only the op's backward reads, are handed on
+    as aliases of them (:func:`_graphs.alias`: no copy of grad_weight), and the graph does not
+    replay while any tensor still shares their storage (a later call meanwhile runs eagerly)."""
+    from . import _device_errors, _graphs
     from . import loss as _loss
 
     be = _backend("fused_linear_cross_entropy", backend, h.device)
@@ -332,9 +334,10 @@ def _graphed_with_grads(h, w, b, target, scale, ignore_index, label_smoothing, l
     if got is None:
         return None
     outs, lease = got
-    loss, zl, hits, gh, gw, gb = (None if t is None else t.clone() for t in outs[:6])
+    loss, zl, hits = (None if t is None else t.clone() for t in outs[:3])
+    gh, gw, gb = (_graphs.alias(t) for t in outs[3:6])
     _device_errors.watch(outs[6], "fused_linear_cross_entropy", w.shape[0], ignore_index)
-    del outs, lease  # copied: the graph is free for the next call
+    del outs, lease  # from here the gradients' aliases alone keep the graph from replaying
     _device_errors.poll()
     return (loss, zl, hits, gh if gh is not None else _empty(h), gw if gw is not None else _empty(w),
             gb if gb is not None else _empty(h))

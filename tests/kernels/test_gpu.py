@@ -194,6 +194,64 @@ def test_flce_graph_accumulates_micro_batches_and_reports_bad_labels_on_gpu():
     assert got[0][-1] == 4 and torch.isfinite(got[0][2])
 
 
+def _compiled_calls(w, calls, seed, reset_grad, graphs=True):
+    """``calls`` compiled scalar fused losses (the custom op path) of fresh bf16 rows against ``w``,
+    each backpropagated; ``w.grad`` set to None before each (``reset_grad``) or accumulated over
+    them. Per call: rows, targets, loss, grad_hidden, a copy of ``w.grad`` and the replays so far."""
+    from liger_compat.kernels import loss as L
+
+    step = torch.compile(lambda a, t: fused_linear_cross_entropy(a, w, t), fullgraph=True)
+    old = _config.settings.flce_graphs
+    _config.settings.flce_graphs = graphs
+    out = []
+    try:
+        w.grad = None
+        for i in range(calls):
+            hid, _, t = _flce_inputs(1024, w.shape[1], w.shape[0], torch.bfloat16, seed + i)
+            a = hid.clone().requires_grad_(True)
+            if reset_grad:
+                w.grad = None
+            loss = step(a, t)
+            loss.backward()
+            # copies: the compiled backward may hand a graph buffer on as a gradient (a held one keeps
+            # the graph from replaying, which the accumulated w.grad exercises)
+            out.append((hid, t, loss.detach().clone(), a.grad.clone(), w.grad.clone(), L._GRAPHS.replays))
+            del a, loss
+    finally:
+        _config.settings.flce_graphs = old
+    return out
+
+
+@pytest.mark.parametrize("reset_grad", [True, False])
+def test_flce_graph_under_torch_compile_equals_the_eager_pass_on_gpu(reset_grad):
+    """Under torch.compile the loss's custom op replays the same graph and hands its gradients on
+    without copying them: with ``w.grad`` reset before each step every call from the third replays;
+    accumulated over the steps (where the weight's gradient may keep the op's buffer alive) the
+    calls that find it held run eagerly. Either way each step's loss, grad_hidden and ``w.grad`` are
+    those of the same steps with the graphs off, and within bf16 tolerance of float64."""
+    from liger_compat.kernels import loss as L
+
+    L._GRAPHS.clear()
+    _, w, _ = _flce_inputs(8, 512, 32000, torch.bfloat16, 61)
+    w.requires_grad_(True)
+    got = _compiled_calls(w, 6, 500, reset_grad)
+    replays = got[-1][-1]
+    assert L._GRAPHS.captures == 1 and replays >= 1, L._GRAPHS.failures
+    if reset_grad:
+        assert [r[-1] for r in got] == [0, 0, 1, 2, 3, 4]
+    eager = _compiled_calls(w, 6, 500, reset_grad, graphs=False)
+    assert L._GRAPHS.replays == replays
+    acc = None
+    for (hid, t, loss, gh, gw, _), (_, _, loss_e, gh_e, gw_e, _) in zip(got, eager):
+        assert rel_err(loss, loss_e) <= 1e-6 and rel_err(gh, gh_e) <= 1e-3 and rel_err(gw, gw_e) <= 1e-3
+        h64, w64 = hid.double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        ref, _, _ = ce64(h64 @ w64.T, t)
+        ref.backward()
+        acc = w64.grad if (reset_grad or acc is None) else acc + w64.grad
+        tol = tolerance(torch.bfloat16, n=512)
+        assert rel_err(loss, ref) <= tol and rel_err(gh, h64.grad) <= tol and rel_err(gw, acc) <= tol
+
+
 def _bad_label_call(kind, hid, w, t, reduction, compact_ignored=False):
     if kind == "flce":
         a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)

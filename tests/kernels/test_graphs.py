@@ -371,27 +371,85 @@ def test_a_backward_that_raises_frees_the_graph(graphs, monkeypatch):
     _close(hh.grad, _ref64(h, w.detach(), t)[1])
 
 
-def test_the_compiled_paths_op_copies_its_outputs_out_of_the_graph(graphs):
-    """``flce_with_grads`` (what a compiled step calls) replays the same graphs; a compiled graph
-    keeps the op's outputs until its backward, so each call's outputs are its own tensors, right
-    after later replays."""
-    op = torch.ops.liger_compat.flce_with_grads
+def _op_call(w):
+    """One ``flce_with_grads`` call (what a compiled step calls) on fresh rows: (outputs, h, t)."""
+    h, _, t = _inputs()
+    scale = (1.0 / (t != -100).sum()).float().reshape(())
+    out = torch.ops.liger_compat.flce_with_grads(h, w, None, t, scale, -100, 0.0, 0.0, None, True, True, False, "auto",
+                                                 "auto", False, "split")
+    return out, h, t
+
+
+def _check_op(out, h, w, t):
+    loss, zl, hits, gh, gw, gb = out
+    ref, rgh, rgw = _ref64(h, w, t)
+    _close(loss, ref)
+    _close(gh, rgh)
+    _close(gw, rgw)
+    torch.testing.assert_close(hits, ((h @ w.T).argmax(-1) == t).float() * (t != -100))
+    assert gb.numel() == 0 and not zl.any()
+
+
+def _graph_buffers(graphs):
+    (entry,) = graphs._graphs.values()
+    return entry.outputs
+
+
+def test_the_compiled_paths_op_hands_on_its_gradients_without_a_copy(graphs):
+    """``flce_with_grads`` replays the same graphs. Its gradients (read by its backward alone) are
+    the graph's own buffers, not copies; its loss and per-row outputs are copies. Dropped before the
+    next call, as a compiled step's backward drops them, every call from the third replays."""
     w = torch.randn(V, H) / H**0.5
-    outs = []
-    for _ in range(5):
-        h, _, t = _inputs()
-        valid = (t != -100).sum()
-        scale = (1.0 / valid).float().reshape(())
-        outs.append((op(h, w, None, t, scale, -100, 0.0, 0.0, None, True, True, False, "auto", "auto", False, "split"),
-                     h, t))
+    for i in range(5):
+        out, h, t = _op_call(w)
+        _check_op(out, h, w, t)
+        if i >= 2:
+            bufs = _graph_buffers(graphs)
+            assert out[4].untyped_storage().data_ptr() == bufs[4].untyped_storage().data_ptr()  # grad_weight
+            assert out[3].untyped_storage().data_ptr() == bufs[3].untyped_storage().data_ptr()  # grad_hidden
+            assert out[0].untyped_storage().data_ptr() != bufs[0].untyped_storage().data_ptr()  # the loss: a copy
+        del out
     assert graphs.captures == 1 and graphs.replays == 3
-    for (loss, zl, hits, gh, gw, gb), h, t in outs:
-        ref, rgh, rgw = _ref64(h, w, t)
-        _close(loss, ref)
-        _close(gh, rgh)
-        _close(gw, rgw)
-        torch.testing.assert_close(hits, ((h @ w.T).argmax(-1) == t).float() * (t != -100))
-        assert gb.numel() == 0 and not zl.any()
+
+
+def test_the_compiled_paths_op_never_replays_over_gradients_still_held(graphs):
+    """A compiled graph keeps the op's gradients until its backward: while any of them (or a tensor
+    made from one, sharing its storage) is alive, a call runs eagerly and what is held keeps its
+    values; once they are gone the graph replays again."""
+    w = torch.randn(V, H) / H**0.5
+    held = [_op_call(w) for _ in range(5)]  # two forwards before a backward, and more
+    assert graphs.captures == 1 and graphs.replays == 1  # the third call; the 4th and 5th ran eagerly
+    for out, h, t in held:
+        _check_op(out, h, w, t)
+    # only a view of a view of the replayed call's grad_weight kept: its storage still counts
+    out, h, t = held[2]
+    want = _ref64(h, w, t)[2]
+    kept = out[4][1:][:, :4]
+    del held, out
+    after, h2, t2 = _op_call(w)
+    assert graphs.replays == 1
+    _check_op(after, h2, w, t2)
+    _close(kept, want[1:, :4])
+    del after, kept
+    again, h3, t3 = _op_call(w)
+    assert graphs.replays == 2
+    _check_op(again, h3, w, t3)
+
+
+def test_a_kept_loss_does_not_hold_the_graph(graphs):
+    """The loss a caller keeps past the next step (``loss = model(...).loss`` is bound after the next
+    forward has run) is a copy: the next call replays and the kept loss keeps its value."""
+    w = torch.randn(V, H) / H**0.5
+    for _ in range(2):
+        _op_call(w)
+    out, h, t = _op_call(w)
+    loss, zl, hits = out[:3]
+    ref = _ref64(h, w, t)[0]
+    del out
+    nxt, h2, t2 = _op_call(w)
+    assert graphs.replays == 2
+    _close(loss, ref)
+    _check_op(nxt, h2, w, t2)
 
 
 def test_input_buffers_live_on_the_pass_device():
