@@ -103,24 +103,34 @@ def test_flce_all_ignored_and_bad_targets_on_gpu(monkeypatch):
     torch.cuda.synchronize()
 
 
-def _graphed_calls(w, calls, seed, n=1024, graphs=True, **kw):
-    """``calls`` scalar fused losses of fresh bf16 rows against the one weight ``w``, each's loss and
-    gradients (``w.grad`` reset before each)."""
+def _graphed_calls(w, calls, seed, n=1024, graphs=True, compiled=False, reset_grad=True, **kw):
+    """``calls`` scalar fused losses of fresh bf16 rows against the one weight ``w``, each
+    backpropagated, eagerly or in a ``torch.compile``d function (the custom op path); ``w.grad`` set
+    to None before each (``reset_grad``) or accumulated over them. Per call: rows, targets, loss,
+    grad_hidden, ``w.grad`` and the replays so far; the tensors copies (a compiled backward may hand
+    a graph buffer on as a gradient, and a held one keeps the graph from replaying)."""
     from liger_compat.kernels import loss as L
 
+    def loss_of(a, t):
+        return fused_linear_cross_entropy(a, w, t, **kw)
+
+    step = torch.compile(loss_of, fullgraph=True) if compiled else loss_of
+    old = _config.settings.flce_graphs
+    _config.settings.flce_graphs = graphs
     out = []
-    for i in range(calls):
-        hid, _, t = _flce_inputs(n, w.shape[1], w.shape[0], torch.bfloat16, seed + i)
-        a = hid.clone().requires_grad_(True)
+    try:
         w.grad = None
-        old = _config.settings.flce_graphs
-        _config.settings.flce_graphs = graphs
-        try:
-            loss = fused_linear_cross_entropy(a, w, t, **kw)
+        for i in range(calls):
+            hid, _, t = _flce_inputs(n, w.shape[1], w.shape[0], torch.bfloat16, seed + i)
+            a = hid.clone().requires_grad_(True)
+            if reset_grad:
+                w.grad = None
+            loss = step(a, t)
             loss.backward()
-        finally:
-            _config.settings.flce_graphs = old
-        out.append((hid, t, loss.detach(), a.grad, w.grad, L._GRAPHS.replays))
+            out.append((hid, t, loss.detach().clone(), a.grad.clone(), w.grad.clone(), L._GRAPHS.replays))
+            del a, loss
+    finally:
+        _config.settings.flce_graphs = old
     return out
 
 
@@ -194,34 +204,6 @@ def test_flce_graph_accumulates_micro_batches_and_reports_bad_labels_on_gpu():
     assert got[0][-1] == 4 and torch.isfinite(got[0][2])
 
 
-def _compiled_calls(w, calls, seed, reset_grad, graphs=True):
-    """``calls`` compiled scalar fused losses (the custom op path) of fresh bf16 rows against ``w``,
-    each backpropagated; ``w.grad`` set to None before each (``reset_grad``) or accumulated over
-    them. Per call: rows, targets, loss, grad_hidden, a copy of ``w.grad`` and the replays so far."""
-    from liger_compat.kernels import loss as L
-
-    step = torch.compile(lambda a, t: fused_linear_cross_entropy(a, w, t), fullgraph=True)
-    old = _config.settings.flce_graphs
-    _config.settings.flce_graphs = graphs
-    out = []
-    try:
-        w.grad = None
-        for i in range(calls):
-            hid, _, t = _flce_inputs(1024, w.shape[1], w.shape[0], torch.bfloat16, seed + i)
-            a = hid.clone().requires_grad_(True)
-            if reset_grad:
-                w.grad = None
-            loss = step(a, t)
-            loss.backward()
-            # copies: the compiled backward may hand a graph buffer on as a gradient (a held one keeps
-            # the graph from replaying, which the accumulated w.grad exercises)
-            out.append((hid, t, loss.detach().clone(), a.grad.clone(), w.grad.clone(), L._GRAPHS.replays))
-            del a, loss
-    finally:
-        _config.settings.flce_graphs = old
-    return out
-
-
 @pytest.mark.parametrize("reset_grad", [True, False])
 def test_flce_graph_under_torch_compile_equals_the_eager_pass_on_gpu(reset_grad):
     """Under torch.compile the loss's custom op replays the same graph and hands its gradients on
@@ -234,12 +216,12 @@ def test_flce_graph_under_torch_compile_equals_the_eager_pass_on_gpu(reset_grad)
     L._GRAPHS.clear()
     _, w, _ = _flce_inputs(8, 512, 32000, torch.bfloat16, 61)
     w.requires_grad_(True)
-    got = _compiled_calls(w, 6, 500, reset_grad)
+    got = _graphed_calls(w, 6, 500, compiled=True, reset_grad=reset_grad)
     replays = got[-1][-1]
     assert L._GRAPHS.captures == 1 and replays >= 1, L._GRAPHS.failures
     if reset_grad:
         assert [r[-1] for r in got] == [0, 0, 1, 2, 3, 4]
-    eager = _compiled_calls(w, 6, 500, reset_grad, graphs=False)
+    eager = _graphed_calls(w, 6, 500, graphs=False, compiled=True, reset_grad=reset_grad)
     assert L._GRAPHS.replays == replays
     acc = None
     for (hid, t, loss, gh, gw, _), (_, _, loss_e, gh_e, gw_e, _) in zip(got, eager):

@@ -438,7 +438,8 @@ def test_the_compiled_paths_op_never_replays_over_gradients_still_held(graphs):
 
 def test_a_kept_loss_does_not_hold_the_graph(graphs):
     """The loss a caller keeps past the next step (``loss = model(...).loss`` is bound after the next
-    forward has run) is a copy: the next call replays and the kept loss keeps its value."""
+    forward has run) and the per-row outputs are copies: the next call replays and the kept loss
+    keeps its value."""
     w = torch.randn(V, H) / H**0.5
     for _ in range(2):
         _op_call(w)
