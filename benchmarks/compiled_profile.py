@@ -10,7 +10,8 @@ or under a setting of ours) runs in its own fresh process: warm-up steps (compil
 - the host: median time to enqueue one whole step with the GPU drained before it and no
   synchronisation inside (what the Python, dynamo guards and launches cost, whatever the GPU does);
 - the GPU: a ``torch.profiler`` trace of a few steps: the kernels' own time per step (one stream:
-  their sum is the GPU's busy time), launches per step and the kernels taking the most time.
+  their sum is the GPU's busy time), launches per step and the kernels taking the most time, and
+  where the GPU idles, by the host code whose launch ended each idle stretch (``benchmarks.gpu_gaps``).
 
 A step whose wall time is well above its GPU time is host-bound: its host column says by how much.
 Writes ``<name>.json`` and ``<name>.md`` under ``--out``, naming the command that regenerates them.
@@ -142,13 +143,21 @@ def one(model: str, shape: str, impl: str, steps: int, warmup: int, prof_steps: 
             launches += 1
     busy = sum(per_kernel.values()) / prof_steps / 1e3
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    import tempfile
+
+    from . import gpu_gaps
+
+    with tempfile.TemporaryDirectory() as tdir:  # where the GPU idles, by the host code it waited for
+        path = f"{tdir}/trace.json"
+        prof.export_chrome_trace(path)
+        idle_text, idle = gpu_gaps.summarize(gpu_gaps.load(path), prof_steps, rows=12)
     phases = _phases(run, opt, ids, labels, cg, steps)
     syncs = _syncs(run, opt, ids, labels, cg)
     hot = _cprofile(run, opt, ids, labels, cg, steps=10)
     return {"phases_ms": phases, "syncs": syncs, "cprofile": hot, "model": model, "shape": shape, "impl": impl, "status": "ok",
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
             "step_ms": statistics.median(walls) * 1e3, "host_ms": statistics.median(hosts) * 1e3,
-            "gpu_busy_ms": busy, "launches_per_step": launches / prof_steps,
+            "gpu_busy_ms": busy, "launches_per_step": launches / prof_steps, "idle": idle, "idle_text": idle_text,
             "top_kernels": [{"kernel": k, "ms_per_step": v / prof_steps / 1e3} for k, v in top]}
 
 
@@ -176,6 +185,8 @@ def _markdown(rows: list[dict], cmd: str) -> str:
         lines += ["", f"host ms per step: forward call {ph['forward']:.2f}, backward call {ph['backward']:.2f}, "
                   f"optimizer {ph['optimizer']:.2f}; host syncs in one step: {len(r['syncs'])}"]
         lines += [f"- sync: `{x}`" for x in r["syncs"]]
+        if r.get("idle_text"):
+            lines += ["", r["idle_text"]]
         lines += ["", "| function (cProfile, most own time) | calls / step | own ms / step | cum ms / step |",
                   "|---|---:|---:|---:|"]
         lines += [f"| `{c['function']}` | {c['calls_per_step']:.0f} | {c['own_ms_per_step']:.3f} | "

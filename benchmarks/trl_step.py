@@ -42,8 +42,9 @@ of each phase of the step (data, forward + loss, backward, optimizer, logging: r
 script marks on the trainer's own methods), the host syncs (``cudaStreamSynchronize``,
 ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, synchronous copies, and the aten ops that read
 a value on the host: ``item`` / ``_local_scalar_dense``, ``nonzero``, ``equal``, ``masked_select``),
-the GPU kernel time against the wall time, and the top operators by self CPU and by GPU time. The
-result row gets the phase times and sync counts.
+the GPU kernel time against the wall time, the top operators by self CPU and by GPU time, and on CUDA
+where the GPU idles (:mod:`benchmarks.gpu_gaps`: the idle stretches by the phase and host code whose
+launch ended them). The result row gets the phase times, sync counts and idle summary.
 
 ``--sync-stacks`` (CUDA) runs one more step under ``torch.cuda.set_sync_debug_mode("warn")`` and
 records each host sync it makes with the innermost frames of its stack (the row's ``sync_sites``,
@@ -60,7 +61,7 @@ import subprocess
 import sys
 import time
 
-from . import _results
+from . import _results, gpu_gaps
 from .e2e import MODELS
 
 IMPLS = ("trl", "trl_liger_kernel", "trl_liger_compat", "trl_liger_compat_recompute", "trl_liger_compat_all_rows")
@@ -124,7 +125,8 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
                "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::masked_select",
                "aten::is_nonzero")
 #: trainer methods whose calls are marked as phases of the step in the profile
-PHASES = {"get_batch_samples": "data", "compute_loss": "forward+loss", "_maybe_log_save_evaluate": "logging"}
+PHASES = {"training_step": "step", "get_batch_samples": "data", "compute_loss": "forward+loss",
+          "_maybe_log_save_evaluate": "logging"}
 
 
 def _mark_phases(trainer) -> None:
@@ -147,7 +149,7 @@ def _mark_phases(trainer) -> None:
     trainer.accelerator.backward = marked(trainer.accelerator.backward, "backward")
 
 
-def _profile_summary(prof, n_steps: int, wall_ms: float) -> tuple[str, dict]:
+def _profile_summary(prof, n_steps: int, wall_ms: float, trace: list | None = None) -> tuple[str, dict]:
     ev = prof.key_averages()
     per = lambda x: x / n_steps / 1e3  # noqa: E731  (us in total -> ms per step)
     # from the raw host events: the averaged entries read 0 ms for every phase in the H100 run (on
@@ -178,6 +180,10 @@ def _profile_summary(prof, n_steps: int, wall_ms: float) -> tuple[str, dict]:
     except Exception:  # no GPU events (CPU smoke run)
         pass
     summary = {"phases_ms": phases, "syncs_per_step": syncs, "gpu_self_ms": kernels_ms, "profiled_wall_ms": wall_ms}
+    if trace:
+        text, idle = gpu_gaps.summarize(trace, n_steps)
+        lines += ["", text]
+        summary["idle"] = idle
     return "\n".join(lines), summary
 
 
@@ -260,6 +266,11 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
             if "prof" in prof_state and state.global_step == last_timed + profile_steps:
                 prof_state["wall_ms"] = (time.perf_counter() - prof_state["t0"]) * 1e3 / profile_steps
                 prof_state["prof"].__exit__(None, None, None)
+                if cuda:  # where the GPU idles, from the trace (benchmarks.gpu_gaps)
+                    with tempfile.TemporaryDirectory() as tdir:
+                        path = os.path.join(tdir, "trace.json")
+                        prof_state["prof"].export_chrome_trace(path)
+                        prof_state["trace"] = gpu_gaps.load(path)
             if stack_step is not None and state.global_step == stack_step + 1:
                 sites.__exit__(None, None, None)
 
@@ -300,7 +311,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
     if sites is not None:
         res["sync_sites"] = sites.found
     if "wall_ms" in prof_state:
-        text, summary = _profile_summary(prof_state["prof"], profile_steps, prof_state["wall_ms"])
+        text, summary = _profile_summary(prof_state["prof"], profile_steps, prof_state["wall_ms"], prof_state.get("trace"))
         res["profile"] = summary
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)

@@ -355,3 +355,81 @@ def test_no_script_or_doc_runs_a_benchmark_as_a_file():
         if path.is_file() and path.suffix in {".md", ".sh", ".py", ""}:
             found += [f"{path.relative_to(root)}: {m.group(0)}" for m in as_file.finditer(path.read_text())]
     assert not found, found
+
+
+def _random_trace(gen, n_kernels: int):
+    """Kernels at integer microseconds, overlapping at times as on two streams, each launched from
+    a host op of its own at a random time before it starts (some after the previous kernel's end)."""
+    import torch
+
+    events, t = [], 0
+    for i in range(n_kernels):
+        t += int(torch.randint(0, 30, (1,), generator=gen))
+        dur = int(torch.randint(1, 20, (1,), generator=gen))
+        lead = int(torch.randint(0, 40, (1,), generator=gen))
+        tid = i  # one thread per launch: the ranges of one thread nest, which the other test covers
+        events.append({"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": t, "dur": dur, "args": {"correlation": i}})
+        events.append({"ph": "X", "cat": "cpu_op", "name": f"op{i}", "ts": t - lead - 1, "dur": 1, "pid": 0, "tid": tid})
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t - lead - 1, "dur": 1,
+                       "pid": 0, "tid": tid, "args": {"correlation": i}})
+    return events
+
+
+def test_gpu_gaps_sum_to_the_idle_microseconds_of_the_timeline():
+    import torch
+
+    from benchmarks import gpu_gaps
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for _ in range(20):
+        events = _random_trace(gen, int(torch.randint(2, 60, (1,), generator=gen)))
+        kernels = [e for e in events if e["cat"] == "kernel"]
+        first = min(e["ts"] for e in kernels)
+        last = max(e["ts"] + e["dur"] for e in kernels)
+        busy = torch.zeros(last - first, dtype=torch.bool)
+        for e in kernels:
+            busy[e["ts"] - first:e["ts"] + e["dur"] - first] = True
+        found = gpu_gaps.gaps(events, min_us=1)
+        assert sum(g["us"] for g in found) == int((~busy).sum())
+        launch_ts = {e["args"]["correlation"]: e["ts"] for e in events if e["cat"] == "cuda_runtime"}
+        for g in found:  # each gap ends where a kernel starts; late: launched after the gap began
+            k = next(e for e in kernels if e["name"] == g["next"])
+            assert k["ts"] == g["start"] + g["us"] and not busy[g["start"] - first]
+            assert g["late"] == (launch_ts[k["args"]["correlation"]] > g["start"])
+            assert g["chain"] == [f"op{k['args']['correlation']}"]
+
+
+def test_gpu_gaps_name_the_ranges_open_at_the_launch_and_the_wait_before_it():
+    from benchmarks import gpu_gaps
+
+    def x(cat, name, ts, dur, tid=1, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        x("user_annotation", "phase:step", 0, 200), x("user_annotation", "phase:forward+loss", 5, 100),
+        x("cpu_op", "aten::mm", 10, 3), x("cuda_runtime", "cudaLaunchKernel", 11, 1, corr=1),
+        x("kernel", "mm_kernel", 20, 20, corr=1),
+        x("cpu_op", "aten::item", 41, 20), x("cuda_runtime", "cudaStreamSynchronize", 42, 13),
+        x("cpu_op", "MyHead", 65, 30), x("cpu_op", "aten::add", 70, 3), x("cuda_runtime", "cudaLaunchKernel", 71, 1, corr=2),
+        x("kernel", "add_kernel", 75, 5, corr=2),
+        x("cpu_op", "aten::mul", 150, 2), x("cuda_runtime", "cudaLaunchKernel", 74, 1, corr=3),
+        x("kernel", "mul_kernel", 90, 5, corr=3),
+        x("cpu_op", "autograd::engine", 100, 50, tid=2), x("cuda_runtime", "cudaLaunchKernel", 120, 1, tid=2, corr=4),
+        x("kernel", "bwd_kernel", 130, 5, tid=2, corr=4),
+    ]
+    found = gpu_gaps.gaps(events, min_us=5)
+    assert [(g["start"], g["us"], g["next"]) for g in found] == [(40, 35, "add_kernel"), (80, 10, "mul_kernel"),
+                                                                   (95, 35, "bwd_kernel")]
+    assert found[0]["chain"] == ["phase:step", "phase:forward+loss", "MyHead", "aten::add"]
+    assert found[0]["late"] and found[0]["after_wait"]
+    assert not found[1]["late"] and not found[1]["after_wait"]  # launched at 74, before the gap began
+    assert found[2]["chain"] == ["autograd::engine"] and found[2]["late"]
+    text, summary = gpu_gaps.summarize(events, n_steps=1, min_us=5)
+    assert summary["idle_ms"] == pytest.approx(0.080)
+    assert summary["by_phase_ms"] == pytest.approx({"forward+loss": 0.045, "outside the phases": 0.035})
+    assert "| forward+loss | MyHead > aten::add | 0.035 | 1.0 | 0.035 | 0.035 |" in text
+    with pytest.raises(SystemExit):
+        gpu_gaps.main(["trace.json", "--steps", "0"])
