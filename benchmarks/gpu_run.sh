@@ -9,7 +9,8 @@
 # (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes), step_phases
 # (PHASES_ARGS: a small step's host time by phase, and its CUDA runtime calls),
 # compiled_profile (PROFILE_ARGS: a compiled step's GPU-busy and host time per implementation), op_host
-# (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), gh_gemm (GH_GEMM_ARGS: the loss's
+# (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), logprob_rows (LP_ROWS_ARGS: the
+# log-prob head's row passes over one chunk by block width and warps), gh_gemm (GH_GEMM_ARGS: the loss's
 # grad_hidden product to a bf16 against an fp32 result),
 # module_host (host time per module call, native and patched), skip_analysis (SKIP_ARGS: the
 # sparse backward's rule in exact fp32 at GPU sizes), sparse_grads_profile (SPARSE_ARGS: one chunk of the
@@ -54,6 +55,7 @@ for step in "$@"; do
     trl_step) python3 -m benchmarks.trl_step --out "$OUT" ${TRL_ARGS:-} >"$OUT/trl_step.log" 2>&1 ;;
     models_gpu) python3 -m benchmarks.models_gpu --out "$OUT" ${MODELS_ARGS:-} >"$OUT/models_gpu.log" 2>&1 ;;
     compiled_profile) python3 -m benchmarks.compiled_profile --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/compiled_profile.log" 2>&1 ;;
+    logprob_rows) python3 -m benchmarks.logprob_rows --out "$OUT" ${LP_ROWS_ARGS:-} >"$OUT/logprob_rows.log" 2>&1 ;;
     gh_gemm) python3 -m benchmarks.gh_gemm --out "$OUT" ${GH_GEMM_ARGS:-} >"$OUT/gh_gemm.log" 2>&1 ;;
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
