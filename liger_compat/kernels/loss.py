@@ -453,6 +453,13 @@ def _exact_gw_rows(backend, h, w, m, rows, need_gw, knobs) -> int:
     return min(m, max(rows, EXACT_GW_ROWS // rows * rows))
 
 
+def _zero_deferred(buffers: list) -> list:
+    """Zero the compacted pass's outputs whose skipped rows must read 0 (see :func:`_flce_pass`)."""
+    for x in buffers:
+        x.zero_()
+    return []
+
+
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
     ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
@@ -473,7 +480,11 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             idx = None
     m = n if idx is None else idx.numel()
     rows = _chunk_rows(max(m, 1), v, hdim, h.element_size(), backend, dev)
-    new = torch.empty if idx is None else torch.zeros  # skipped rows must read as zero
+    # skipped rows must read as zero: with ``idx`` those buffers are zeroed once the first chunk's
+    # logits GEMM is queued (:func:`_zero_deferred`), so that after the sync above the GPU gets its
+    # first large launch before the small ones
+    new = torch.empty
+    deferred: list = []
     # one chunk of every row: its statistics are the rows' own (no buffers to copy them into)
     single = idx is None and 0 < m <= rows
     gather = want_stats and not single
@@ -483,6 +494,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     zl = new(n, dtype=f32, device=dev) if gather else None
     correct = new(n, dtype=torch.bool, device=dev) if gather else None
     gh = new(h.shape, dtype=h.dtype, device=dev) if need_gh else None
+    if idx is not None:
+        deferred = [x for x in (loss, zl, correct, gh) if x is not None]
     # grad_weight summed over the chunks: in fp32 by the torch reference; on the GPU in the weight's
     # dtype (one rounding a chunk). With LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT (:func:`_exact_gw_rows`)
     # ``keep`` rows' gradients stay in the buffer for each product, summed in fp32 with each row's
@@ -520,22 +533,26 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         if idx is None:
             hc, tc = h[start:end], target[start:end]
             sc = scale if scale.dim() == 0 else scale[start:end]
-        else:
+        else:  # the rows' targets and scales gathered once the GEMM is queued
             ic = idx[start:end]
-            hc, tc = h.index_select(0, ic), target.index_select(0, ic)
-            sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
+            hc = h.index_select(0, ic)
         logits = buf[start - kept:end - kept] if keep else buf[: end - start]
         extra = {}
         sparse = sp is not None
         wc = sp.ws if sparse else w  # the sparse chunk's columns are in the sorted order
-        if sparse:
-            tc_head, tc = tc, sp.sorted_targets(tc)
         if fused_stats is not None:
             extra["partials"] = fused_stats(hc, wc, logits, opt)
         elif b is not None:
             torch.addmm(b, hc, wt, out=logits)
         else:
             torch.mm(hc, wc.t(), out=logits)
+        if deferred:
+            deferred = _zero_deferred(deferred)
+        if idx is not None:
+            tc = target.index_select(0, ic)
+            sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
+        if sparse:
+            tc_head, tc = tc, sp.sorted_targets(tc)
         if want_stats:
             extra["bad"] = bad
         if logits.element_size() < 4:  # each target logit in fp32, not as stored (peaked rows' lse)
@@ -619,6 +636,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         hc = tc = sc = st = None  # free this chunk's gathered rows before the next gather
         start = end
     del buf
+    if deferred:  # no chunk ran (every row ignored)
+        deferred = _zero_deferred(deferred)
     if keep:  # the targets' exact terms into the fp32 sum (rounded once below)
         _target_terms().add_target_terms(gw, h, _rows_targets(target, idx), res, idx)
     if sp is not None:

@@ -331,6 +331,68 @@ def test_flce_host_operations_per_chunk(monkeypatch):
     assert three["zeros"] == 1 + 3 and not three["new_zeros"] and not three["fill_"], three
 
 
+#: torch operations that launch nothing on a GPU (allocation without a fill, views)
+_NO_LAUNCH = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "t", "transpose", "squeeze",
+              "unsqueeze", "as_strided", "detach", "alias", "expand", "reshape", "lift_fresh"}
+
+
+def test_flce_compaction_queues_the_logits_gemm_right_after_its_sync(monkeypatch):
+    """With ``compact_ignored=True`` the pass reads the kept rows' count on the host (``nonzero``,
+    a sync that drains the GPU's queue). After it the first chunk's gathered rows and its logits
+    GEMM are the first launches: the zero fills of the outputs' skipped rows and the chunk's
+    targets come after the GEMM, not each as a small launch the idle GPU waits for."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import liger_compat.kernels.loss as ce_mod
+
+    inside = [0]
+    real_run = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        inside[0] += 1
+        try:
+            return real_run(self, *a, **k)
+        finally:
+            inside[0] -= 1
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    v = 64
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * v * 8)  # 8 rows a chunk
+    hid, w, _, t = _inputs(int(torch.randint(0, 2**31, ())), 30, 16, v, torch.float32, 0.0, False)
+    t[torch.randperm(30)[:7]] = -100
+    hid.requires_grad_(True)
+    w.requires_grad_(True)
+    with Record() as rec:
+        out = fused_linear_cross_entropy(hid, w, t, compact_ignored=True, return_token_accuracy=True,
+                                         reduction="none")
+    ops = rec.ops
+    first_mm = ops.index("mm", ops.index("nonzero"))
+    launched = [o for o in ops[ops.index("nonzero") + 1:first_mm] if o not in _NO_LAUNCH]
+    assert launched == ["index_select"], ops[ops.index("nonzero"):first_mm + 1]
+    assert "zero_" in ops[first_mm:] and "zeros" not in ops[ops.index("nonzero"):first_mm]
+    # the skipped rows still read 0, the kept ones as the uncompacted pass has them
+    ref = fused_linear_cross_entropy(hid.detach(), w.detach(), t, compact_ignored=False, return_token_accuracy=True,
+                                     reduction="none")
+    ignored = t == -100
+    assert torch.equal(out.loss[ignored], torch.zeros(7)) and not out.token_accuracy[ignored].any()
+    assert torch.allclose(out.loss[~ignored], ref.loss[~ignored], rtol=1e-5, atol=1e-6)
+    out.loss.sum().backward()
+    assert torch.equal(hid.grad[ignored], torch.zeros(7, 16))
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_flce_statistics_written_in_place_over_chunks(monkeypatch, reduction):
     """Several uncompacted chunks on the Triton path: each row's loss, z-loss and token accuracy
