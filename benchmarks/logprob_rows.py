@@ -17,28 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 from . import _results
-
-
-def _time(fn, reps: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def run(rows: int, vocab: int, blocks: list[int], warps: list[int], reps: int) -> tuple[list[dict], dict]:
@@ -46,6 +28,8 @@ def run(rows: int, vocab: int, blocks: list[int], warps: list[int], reps: int) -
 
     from liger_compat.kernels import _logprob_triton as lpt
     from liger_compat.kernels.logprob import LPOptions
+
+    from .kernels_common import event_ms as _time
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)

@@ -272,15 +272,11 @@ FLCE_OPS_PER_CHUNK = 23
 FLCE_OPS_PER_CALL = 24
 
 
-def _flce_host_ops(monkeypatch, chunks: int, rows: int, **kw):
-    """The torch operations (by name) of one warm eager fused-loss forward + backward of ``chunks``
-    chunks of ``rows`` rows on the Triton path, those inside the Triton interpreter's launches left out."""
-    import collections
-
+def _record_ops(monkeypatch):
+    """A ``TorchDispatchMode`` whose ``ops`` lists the torch operations run under it, by name and in
+    order, those inside the Triton interpreter's launches left out."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
-
-    import liger_compat.kernels.loss as ce_mod
 
     inside = [0]
     real_run = InterpretedFunction.run
@@ -292,26 +288,36 @@ def _flce_host_ops(monkeypatch, chunks: int, rows: int, **kw):
         finally:
             inside[0] -= 1
 
-    class Count(TorchDispatchMode):
+    class Record(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.ops = collections.Counter()
+            self.ops = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not inside[0]:
-                self.ops[func.overloadpacket.__name__] += 1
+                self.ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(InterpretedFunction, "run", run)
+    return Record()
+
+
+def _flce_host_ops(monkeypatch, chunks: int, rows: int, **kw):
+    """The torch operations (by name) of one warm eager fused-loss forward + backward of ``chunks``
+    chunks of ``rows`` rows on the Triton path, those inside the Triton interpreter's launches left out."""
+    import collections
+
+    import liger_compat.kernels.loss as ce_mod
+
     v = 64
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * v * rows)
     hid, w, _, t = _inputs(5, rows * chunks, 16, v, torch.float16, 0.0, False)
     hid.requires_grad_(True)
     w.requires_grad_(True)
     fused_linear_cross_entropy(hid, w, t, compact_ignored=False, **kw).backward()  # warm: first-call work
-    with Count() as c:
+    with _record_ops(monkeypatch) as rec:
         fused_linear_cross_entropy(hid, w, t, compact_ignored=False, **kw).backward()
-    return c.ops
+    return collections.Counter(rec.ops)
 
 
 def test_flce_host_operations_per_chunk(monkeypatch):
@@ -343,39 +349,15 @@ def test_flce_compaction_queues_the_logits_gemm_right_after_its_sync(monkeypatch
     targets come after the GEMM, not each as a small launch the idle GPU waits for."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.interpreter import InterpretedFunction
-
     import liger_compat.kernels.loss as ce_mod
 
-    inside = [0]
-    real_run = InterpretedFunction.run
-
-    def run(self, *a, **k):
-        inside[0] += 1
-        try:
-            return real_run(self, *a, **k)
-        finally:
-            inside[0] -= 1
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0]:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    monkeypatch.setattr(InterpretedFunction, "run", run)
     v = 64
     monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * v * 8)  # 8 rows a chunk
     hid, w, _, t = _inputs(int(torch.randint(0, 2**31, ())), 30, 16, v, torch.float32, 0.0, False)
     t[torch.randperm(30)[:7]] = -100
     hid.requires_grad_(True)
     w.requires_grad_(True)
-    with Record() as rec:
+    with _record_ops(monkeypatch) as rec:
         out = fused_linear_cross_entropy(hid, w, t, compact_ignored=True, return_token_accuracy=True,
                                          reduction="none")
     ops = rec.ops
