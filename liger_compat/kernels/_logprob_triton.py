@@ -221,8 +221,12 @@ def _block(v: int, device: torch.device) -> tuple[int, int]:
     return min(block, next_pow2(v)), (8 if device.type == "cuda" else 1)
 
 
-def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None, head=None):
-    """Same contract as :func:`liger_compat.kernels.logprob.lp_rows_torch`."""
+def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse=None, entropy=None, head=None,
+                   out=None):
+    """Same contract as :func:`liger_compat.kernels.logprob.lp_rows_torch`; ``out`` (with the
+    statistics): ``(log_probs, entropy, log_sum_sq, mean_logits, is_top1, lse)``, the chunk's rows of
+    the caller's buffers (fp32, ``is_top1`` bool; ``None`` for a field not asked for), which the
+    combine launch writes instead of new tensors."""
     c, v = logits.shape
     dev = logits.device
     f32 = torch.float32
@@ -234,12 +238,19 @@ def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse
     scal = (opt.logit_scale, opt.softcap if opt.softcap is not None else 1.0, opt.inv_t)
     stats = None
     if lse is None:
-        lp = torch.empty(c, dtype=f32, device=dev)
-        lse = torch.empty(c, dtype=f32, device=dev)
-        ent = torch.empty(c, dtype=f32, device=dev) if opt.entropy else lp
-        sq = torch.empty(c, dtype=f32, device=dev) if opt.log_sum_sq else lp
-        mean = torch.empty(c, dtype=f32, device=dev) if opt.mean_logits else lp
-        top1 = torch.empty(c, dtype=torch.int8, device=dev) if opt.is_top1 else lp
+        if out is not None:
+            lp, ent, sq, mean, top1, lse = out
+            ent = ent if opt.entropy else lp
+            sq = sq if opt.log_sum_sq else lp
+            mean = mean if opt.mean_logits else lp
+            top1 = top1.view(torch.int8) if opt.is_top1 else lp
+        else:
+            lp = torch.empty(c, dtype=f32, device=dev)
+            lse = torch.empty(c, dtype=f32, device=dev)
+            ent = torch.empty(c, dtype=f32, device=dev) if opt.entropy else lp
+            sq = torch.empty(c, dtype=f32, device=dev) if opt.log_sum_sq else lp
+            mean = torch.empty(c, dtype=f32, device=dev) if opt.mean_logits else lp
+            top1 = torch.empty(c, dtype=torch.int8, device=dev) if opt.is_top1 else lp
         if c:
             pm = torch.empty((c, nb), dtype=f32, device=dev)
             ps = torch.empty_like(pm)

@@ -212,11 +212,15 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
     m = n if idx is None else idx.numel()
     rows = _rows_per_chunk(max(m, 1), v, hdim, torch.finfo(cdt).bits // 8, backend, dev)
     out = None
+    # the Triton row kernel writes each chunk's statistics into these rows' slices (every row when no
+    # row is skipped: no fill, no copy launches)
+    direct = stats and backend == "triton" and idx is None
     if stats:
-        z = lambda: torch.zeros(n, dtype=f32, device=dev)  # noqa: E731
+        new = torch.empty if direct else torch.zeros
+        z = lambda: new(n, dtype=f32, device=dev)  # noqa: E731
         out = [z(), z() if opt.entropy else None, z() if opt.log_sum_sq else None,
                z() if opt.mean_logits else None,
-               torch.zeros(n, dtype=torch.bool, device=dev) if opt.is_top1 else None, z()]
+               new(n, dtype=torch.bool, device=dev) if opt.is_top1 else None, z()]
     # every row of grad_hidden is written when no row is skipped; the first chunk writes grad_weight
     gh = (torch.empty if idx is None else torch.zeros)((n, hdim), dtype=cdt, device=dev) if need_gh else None
     # grad_weight sums every chunk's product: in fp32 on the torch path and for fp32 weights (e.g. an
@@ -248,10 +252,13 @@ def _pass(h, w, b, target, opt, backend, cdt, idx, *, stats, grads, g_lp=None, g
             # each target logit in fp32 from its rows (a 16-bit store rounds it by up to 2^-9)
             head = (hc, wc, bc) if (EXACT_TARGET and logits.element_size() < 4 and hc.stride(-1) == 1
                                     and wc.stride(-1) == 1) else None
-            st = _lp_rows(backend, logits, tc, opt, head=head)
-            for i, x in enumerate(st):
-                if x is not None:
-                    out[i][sl] = x
+            if direct:
+                st = _lp_rows(backend, logits, tc, opt, head=head, out=[None if x is None else x[sl] for x in out])
+            else:
+                st = _lp_rows(backend, logits, tc, opt, head=head)
+                for i, x in enumerate(st):
+                    if x is not None:
+                        out[i][sl] = x
             lse_c = st[5]
             if st[1] is not None:
                 ent_c = st[1]

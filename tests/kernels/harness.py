@@ -37,3 +37,33 @@ def tolerance(dtype, *, n: int = 1, ulps: float = 4.0) -> float:
 
     eps = 2.0 ** -10 if dtype == "tf32" else torch.finfo(dtype).eps
     return ulps * (eps + n ** 0.5 * torch.finfo(torch.float32).eps)
+
+
+def record_ops(monkeypatch):
+    """A ``TorchDispatchMode`` whose ``ops`` lists the torch operations run under it, by name and in
+    order, those inside the Triton interpreter's launches left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    inside = [0]
+    real_run = InterpretedFunction.run
+
+    def run(self, *a, **k):
+        inside[0] += 1
+        try:
+            return real_run(self, *a, **k)
+        finally:
+            inside[0] -= 1
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    return Record()

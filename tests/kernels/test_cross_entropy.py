@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from liger_compat import _config
 from liger_compat.kernels import CrossEntropyOutput, cross_entropy, fused_linear_cross_entropy, last_backend
-from harness import examples, expected_backend, tolerance
+from harness import examples, expected_backend, record_ops, tolerance
 from reference64 import ce64, ce_grad_terms, ce_units, rel_err
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -272,36 +272,6 @@ FLCE_OPS_PER_CHUNK = 23
 FLCE_OPS_PER_CALL = 24
 
 
-def _record_ops(monkeypatch):
-    """A ``TorchDispatchMode`` whose ``ops`` lists the torch operations run under it, by name and in
-    order, those inside the Triton interpreter's launches left out."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.interpreter import InterpretedFunction
-
-    inside = [0]
-    real_run = InterpretedFunction.run
-
-    def run(self, *a, **k):
-        inside[0] += 1
-        try:
-            return real_run(self, *a, **k)
-        finally:
-            inside[0] -= 1
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0]:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    monkeypatch.setattr(InterpretedFunction, "run", run)
-    return Record()
-
-
 def _flce_host_ops(monkeypatch, chunks: int, rows: int, **kw):
     """The torch operations (by name) of one warm eager fused-loss forward + backward of ``chunks``
     chunks of ``rows`` rows on the Triton path, those inside the Triton interpreter's launches left out."""
@@ -315,7 +285,7 @@ def _flce_host_ops(monkeypatch, chunks: int, rows: int, **kw):
     hid.requires_grad_(True)
     w.requires_grad_(True)
     fused_linear_cross_entropy(hid, w, t, compact_ignored=False, **kw).backward()  # warm: first-call work
-    with _record_ops(monkeypatch) as rec:
+    with record_ops(monkeypatch) as rec:
         fused_linear_cross_entropy(hid, w, t, compact_ignored=False, **kw).backward()
     return collections.Counter(rec.ops)
 
@@ -357,7 +327,7 @@ def test_flce_compaction_queues_the_logits_gemm_right_after_its_sync(monkeypatch
     t[torch.randperm(30)[:7]] = -100
     hid.requires_grad_(True)
     w.requires_grad_(True)
-    with _record_ops(monkeypatch) as rec:
+    with record_ops(monkeypatch) as rec:
         out = fused_linear_cross_entropy(hid, w, t, compact_ignored=True, return_token_accuracy=True,
                                          reduction="none")
     ops = rec.ops

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from liger_compat.kernels import last_backend
 from liger_compat.kernels.logprob import FIELDS, fused_linear_logprobs
-from harness import examples, expected_backend, tolerance
+from harness import examples, expected_backend, record_ops, tolerance
 from reference64 import logprobs64, rel_err
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -231,6 +231,35 @@ def test_all_rows_ignored_gives_zeros_and_zero_gradient():
     assert torch.all(out.log_probs == 0) and torch.all(out.entropy == 0) and not out.is_top1.any()
     out.log_probs.sum().backward()
     assert hid.grad is not None and torch.all(hid.grad == 0)
+
+
+def test_statistics_over_chunks_are_written_in_place(monkeypatch):
+    """Several chunks on the Triton path: every field of every row (ignored rows 0) against float64,
+    each chunk's statistics written by its combine launch into the batch's rows: no fill of the
+    outputs and no copy of a chunk's rows into them."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    from liger_compat.kernels import logprob as lp_mod
+
+    v = 70
+    monkeypatch.setattr(lp_mod, "FLCE_CHUNK_BYTES_CPU", 4 * v * 7)  # 7 rows a chunk
+    hid, w, _, t, _, _ = _inputs(int(torch.randint(0, 2**31, ())), 31, 24, v, torch.float32, 0.3, False)
+    want = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
+    with record_ops(monkeypatch) as rec:
+        out = fused_linear_logprobs(hid, w, t, want=want, temperature=0.7)
+    ref = logprobs64(hid, w, None, t, temperature=0.7)
+    tol = tolerance(torch.float32, n=v)
+    for name, r in zip(("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits"), ref):
+        got = getattr(out, name)
+        if name == "is_top1":  # where float64's best two logits are further apart than fp32 resolves
+            ok = _top1_agrees(got, hid, w, None, t, {"temperature": 0.7, "softcap": None, "logit_scale": 1.0},
+                              torch.float32)
+            assert torch.equal(got[ok], r.bool()[ok]), name
+        else:
+            assert rel_err(got, r) <= tol, name
+    ignored = t == -100
+    assert not out.log_probs[ignored].any() and not out.entropy[ignored].any()
+    assert not {"zeros", "zero_", "fill_", "copy_"} & set(rec.ops), sorted(set(rec.ops))
 
 
 def test_batched_shape_and_flat_target():
