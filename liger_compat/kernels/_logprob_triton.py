@@ -238,19 +238,16 @@ def lp_rows_triton(logits, target, opt, *, grad=None, g_lp=None, g_ent=None, lse
     scal = (opt.logit_scale, opt.softcap if opt.softcap is not None else 1.0, opt.inv_t)
     stats = None
     if lse is None:
-        if out is not None:
-            lp, ent, sq, mean, top1, lse = out
-            ent = ent if opt.entropy else lp
-            sq = sq if opt.log_sum_sq else lp
-            mean = mean if opt.mean_logits else lp
-            top1 = top1.view(torch.int8) if opt.is_top1 else lp
-        else:
-            lp = torch.empty(c, dtype=f32, device=dev)
-            lse = torch.empty(c, dtype=f32, device=dev)
-            ent = torch.empty(c, dtype=f32, device=dev) if opt.entropy else lp
-            sq = torch.empty(c, dtype=f32, device=dev) if opt.log_sum_sq else lp
-            mean = torch.empty(c, dtype=f32, device=dev) if opt.mean_logits else lp
-            top1 = torch.empty(c, dtype=torch.int8, device=dev) if opt.is_top1 else lp
+        if out is None:
+            new = lambda dtype=f32: torch.empty(c, dtype=dtype, device=dev)  # noqa: E731
+            out = (new(), new() if opt.entropy else None, new() if opt.log_sum_sq else None,
+                   new() if opt.mean_logits else None, new(torch.bool) if opt.is_top1 else None, new())
+        lp, ent, sq, mean, top1, lse = out
+        # a field not asked for: its pointer is the log-probs' (the kernel does not write it)
+        ent = ent if opt.entropy else lp
+        sq = sq if opt.log_sum_sq else lp
+        mean = mean if opt.mean_logits else lp
+        top1 = top1.view(torch.int8) if opt.is_top1 else lp
         if c:
             pm = torch.empty((c, nb), dtype=f32, device=dev)
             ps = torch.empty_like(pm)

@@ -453,13 +453,6 @@ def _exact_gw_rows(backend, h, w, m, rows, need_gw, knobs) -> int:
     return min(m, max(rows, EXACT_GW_ROWS // rows * rows))
 
 
-def _zero_deferred(buffers: list) -> list:
-    """Zero the compacted pass's outputs whose skipped rows must read 0 (see :func:`_flce_pass`)."""
-    for x in buffers:
-        x.zero_()
-    return []
-
-
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
     ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
@@ -480,22 +473,18 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             idx = None
     m = n if idx is None else idx.numel()
     rows = _chunk_rows(max(m, 1), v, hdim, h.element_size(), backend, dev)
-    # skipped rows must read as zero: with ``idx`` those buffers are zeroed once the first chunk's
-    # logits GEMM is queued (:func:`_zero_deferred`), so that after the sync above the GPU gets its
-    # first large launch before the small ones
-    new = torch.empty
-    deferred: list = []
     # one chunk of every row: its statistics are the rows' own (no buffers to copy them into)
     single = idx is None and 0 < m <= rows
     gather = want_stats and not single
     # the Triton row kernel writes each chunk's statistics into these rows' slices (no copy launches)
     direct = gather and backend == "triton" and idx is None
-    loss = new(n, dtype=f32, device=dev) if gather else None
-    zl = new(n, dtype=f32, device=dev) if gather else None
-    correct = new(n, dtype=torch.bool, device=dev) if gather else None
-    gh = new(h.shape, dtype=h.dtype, device=dev) if need_gh else None
-    if idx is not None:
-        deferred = [x for x in (loss, zl, correct, gh) if x is not None]
+    loss = torch.empty(n, dtype=f32, device=dev) if gather else None
+    zl = torch.empty(n, dtype=f32, device=dev) if gather else None
+    correct = torch.empty(n, dtype=torch.bool, device=dev) if gather else None
+    gh = torch.empty(h.shape, dtype=h.dtype, device=dev) if need_gh else None
+    # with ``idx`` the skipped rows of these must read 0: they are zeroed once the first chunk's logits
+    # GEMM is queued, so that after the sync above the GPU gets its first large launch before the small ones
+    unzeroed = [x for x in (loss, zl, correct, gh) if x is not None] if idx is not None else []
     # grad_weight summed over the chunks: in fp32 by the torch reference; on the GPU in the weight's
     # dtype (one rounding a chunk). With LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT (:func:`_exact_gw_rows`)
     # ``keep`` rows' gradients stay in the buffer for each product, summed in fp32 with each row's
@@ -546,8 +535,9 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
             torch.addmm(b, hc, wt, out=logits)
         else:
             torch.mm(hc, wc.t(), out=logits)
-        if deferred:
-            deferred = _zero_deferred(deferred)
+        for x in unzeroed:
+            x.zero_()
+        unzeroed = []
         if idx is not None:
             tc = target.index_select(0, ic)
             sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
@@ -636,8 +626,8 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         hc = tc = sc = st = None  # free this chunk's gathered rows before the next gather
         start = end
     del buf
-    if deferred:  # no chunk ran (every row ignored)
-        deferred = _zero_deferred(deferred)
+    for x in unzeroed:  # no chunk ran (every row ignored)
+        x.zero_()
     if keep:  # the targets' exact terms into the fp32 sum (rounded once below)
         _target_terms().add_target_terms(gw, h, _rows_targets(target, idx), res, idx)
     if sp is not None:
