@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from . import _results
+from . import _results, gpu_gaps
 
 DEFAULT_IMPLS = ("native_compiled", "liger_compat_compiled", "liger_compat_keep_compiled",
                  "liger_compat_flce_compiled", "liger_compat_noflce_compiled", "liger_compat_shims_compiled")
@@ -143,14 +143,8 @@ def one(model: str, shape: str, impl: str, steps: int, warmup: int, prof_steps: 
             launches += 1
     busy = sum(per_kernel.values()) / prof_steps / 1e3
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
-    import tempfile
-
-    from . import gpu_gaps
-
-    with tempfile.TemporaryDirectory() as tdir:  # where the GPU idles, by the host code it waited for
-        path = f"{tdir}/trace.json"
-        prof.export_chrome_trace(path)
-        idle_text, idle = gpu_gaps.summarize(gpu_gaps.load(path), prof_steps, rows=12)
+    # where the GPU idles, by the host code it waited for
+    idle_text, idle = gpu_gaps.summarize(gpu_gaps.from_profiler(prof), prof_steps, rows=12)
     phases = _phases(run, opt, ids, labels, cg, steps)
     syncs = _syncs(run, opt, ids, labels, cg)
     hot = _cprofile(run, opt, ids, labels, cg, steps=10)

@@ -19,8 +19,13 @@ from collections import defaultdict
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 #: trace categories of host ranges that can enclose a launch
 HOST_CATS = ("cpu_op", "user_annotation", "python_function")
-#: CUDA runtime calls that wait for the device
+#: CUDA runtime calls that wait for the device (and every synchronous ``cudaMemcpy*``: :func:`is_wait`)
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def is_wait(name: str) -> bool:
+    """Whether a CUDA runtime call of this name waits for the device."""
+    return name in WAITS or (name.startswith("cudaMemcpy") and "Async" not in name)
 
 
 class _Thread:
@@ -66,7 +71,7 @@ def gaps(events: list[dict], min_us: float = 5.0) -> list[dict]:
             corr = (e.get("args") or {}).get("correlation")
             if corr is not None:
                 launches[corr] = e
-            if e["name"] in WAITS or (e["name"].startswith("cudaMemcpy") and "Async" not in e["name"]):
+            if is_wait(e["name"]):
                 waits.append(e["ts"] + e["dur"])
         elif cat in HOST_CATS:
             threads[(e.get("pid"), e.get("tid"))].append(e)
@@ -87,8 +92,7 @@ def gaps(events: list[dict], min_us: float = 5.0) -> list[dict]:
             k = bisect.bisect_left(waits, busy_until)
             waited = k < len(waits) and waits[k] <= e["ts"]
             out.append({"start": busy_until, "us": e["ts"] - busy_until, "next": e["name"], "late": late,
-                        "after_wait": waited, "chain": [r["name"] for r in chain],
-                        "thread": launch.get("tid") if launch else None})
+                        "after_wait": waited, "chain": [r["name"] for r in chain]})
         busy_until = end if busy_until is None else max(busy_until, end)
     return out
 
@@ -144,6 +148,17 @@ def load(path: str) -> list[dict]:
     with open(path) as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def from_profiler(prof) -> list[dict]:
+    """The events of a finished ``torch.profiler.profile``, through its Chrome trace."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tdir:
+        path = os.path.join(tdir, "trace.json")
+        prof.export_chrome_trace(path)
+        return load(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,10 +120,10 @@ def _preference_rows(n_pairs: int, seq: int, vocab_size: int, seed: int = 1) -> 
     return {"prompt": prompts, "chosen": [" " + c for c in chosen], "rejected": [" " + r for r in rejected]}
 
 
-#: profiler event names that wait for the GPU (runtime calls) or read a device value on the host (aten)
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-               "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::masked_select",
-               "aten::is_nonzero")
+#: profiler event names that read a device value on the host (aten); the CUDA runtime calls that wait
+#: for the GPU are ``gpu_gaps.is_wait``'s
+HOST_READS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::masked_select",
+              "aten::is_nonzero")
 #: trainer methods whose calls are marked as phases of the step in the profile
 PHASES = {"training_step": "step", "get_batch_samples": "data", "compute_loss": "forward+loss",
           "_maybe_log_save_evaluate": "logging"}
@@ -164,9 +164,8 @@ def _profile_summary(prof, n_steps: int, wall_ms: float, trace: list | None = No
         phases["optimizer"] = per(sum(e.cpu_time_total for e in opt))
     syncs = {}
     for e in ev:
-        for name in SYNC_EVENTS:
-            if e.key == name or (name == "cudaMemcpy" and e.key.startswith("cudaMemcpy") and "Async" not in e.key):
-                syncs[e.key] = syncs.get(e.key, 0) + e.count / n_steps
+        if e.key in HOST_READS or gpu_gaps.is_wait(e.key):
+            syncs[e.key] = syncs.get(e.key, 0) + e.count / n_steps
     gpu_attr = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
     kernels_ms = per(sum(getattr(e, gpu_attr, 0) for e in ev if e.device_type.name == "CPU"))
     lines = [f"profile of {n_steps} steps; per step: wall {wall_ms:.2f} ms, GPU self time of all ops {kernels_ms:.2f} ms",
@@ -267,10 +266,7 @@ def _one(model_name: str, shape: str, impl: str, steps: int, warmup: int, profil
                 prof_state["wall_ms"] = (time.perf_counter() - prof_state["t0"]) * 1e3 / profile_steps
                 prof_state["prof"].__exit__(None, None, None)
                 if cuda:  # where the GPU idles, from the trace (benchmarks.gpu_gaps)
-                    with tempfile.TemporaryDirectory() as tdir:
-                        path = os.path.join(tdir, "trace.json")
-                        prof_state["prof"].export_chrome_trace(path)
-                        prof_state["trace"] = gpu_gaps.load(path)
+                    prof_state["trace"] = gpu_gaps.from_profiler(prof_state["prof"])
             if stack_step is not None and state.global_step == stack_step + 1:
                 sites.__exit__(None, None, None)
 

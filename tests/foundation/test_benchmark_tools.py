@@ -433,3 +433,22 @@ def test_gpu_gaps_name_the_ranges_open_at_the_launch_and_the_wait_before_it():
     assert "| forward+loss | MyHead > aten::add | 0.035 | 1.0 | 0.035 | 0.035 |" in text
     with pytest.raises(SystemExit):
         gpu_gaps.main(["trace.json", "--steps", "0"])
+
+
+def test_gpu_gaps_read_a_profilers_trace():
+    """``from_profiler`` hands back a real profiler's events (CPU here: host ranges, no device
+    activity, so no idle stretch)."""
+    import torch
+
+    from benchmarks import gpu_gaps
+
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("phase:step"):
+            (x @ x).sum()
+    events = gpu_gaps.from_profiler(prof)
+    names = {e.get("name") for e in events if e.get("ph") == "X"}
+    assert {"phase:step", "aten::mm"} <= names
+    assert gpu_gaps.gaps(events) == []
+    assert gpu_gaps.is_wait("cudaMemcpy") and gpu_gaps.is_wait("cudaMemcpy2D")
+    assert not gpu_gaps.is_wait("cudaMemcpyAsync") and not gpu_gaps.is_wait("cudaLaunchKernel")
