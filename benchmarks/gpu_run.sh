@@ -10,7 +10,8 @@
 # (PHASES_ARGS: a small step's host time by phase, and its CUDA runtime calls),
 # compiled_profile (PROFILE_ARGS: a compiled step's GPU-busy and host time per implementation), op_host
 # (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), logprob_rows (LP_ROWS_ARGS: the
-# log-prob head's row passes over one chunk by block width and warps), gh_gemm (GH_GEMM_ARGS: the loss's
+# log-prob head's row passes over one chunk by block width and warps), kernel_leave_out (LEAVE_OUT_ARGS: a
+# family's small step with each of our kernels left out in turn, in one process), gh_gemm (GH_GEMM_ARGS: the loss's
 # grad_hidden product to a bf16 against an fp32 result),
 # module_host (host time per module call, native and patched), skip_analysis (SKIP_ARGS: the
 # sparse backward's rule in exact fp32 at GPU sizes), sparse_grads_profile (SPARSE_ARGS: one chunk of the
@@ -55,6 +56,7 @@ for step in "$@"; do
     trl_step) python3 -m benchmarks.trl_step --out "$OUT" ${TRL_ARGS:-} >"$OUT/trl_step.log" 2>&1 ;;
     models_gpu) python3 -m benchmarks.models_gpu --out "$OUT" ${MODELS_ARGS:-} >"$OUT/models_gpu.log" 2>&1 ;;
     compiled_profile) python3 -m benchmarks.compiled_profile --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/compiled_profile.log" 2>&1 ;;
+    kernel_leave_out) python3 -m benchmarks.kernel_leave_out --out "$OUT" ${LEAVE_OUT_ARGS:-} >>"$OUT/kernel_leave_out.log" 2>&1 ;;
     logprob_rows) python3 -m benchmarks.logprob_rows --out "$OUT" ${LP_ROWS_ARGS:-} >"$OUT/logprob_rows.log" 2>&1 ;;
     gh_gemm) python3 -m benchmarks.gh_gemm --out "$OUT" ${GH_GEMM_ARGS:-} >"$OUT/gh_gemm.log" 2>&1 ;;
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;

@@ -452,3 +452,65 @@ def test_gpu_gaps_read_a_profilers_trace():
     assert gpu_gaps.gaps(events) == []
     assert gpu_gaps.is_wait("cudaMemcpy") and gpu_gaps.is_wait("cudaMemcpy2D")
     assert not gpu_gaps.is_wait("cudaMemcpyAsync") and not gpu_gaps.is_wait("cudaLaunchKernel")
+
+
+def test_leave_out_interval_is_the_binomial_order_statistics_of_the_median():
+    """The median's distribution-free 95 % interval: order statistics k and n + 1 - k with k the
+    largest such that P(Binomial(n, 1/2) < k) <= 2.5 %, checked against the binomial sums."""
+    import math
+
+    import torch
+
+    from benchmarks import kernel_leave_out
+
+    def below(n, k):  # P(Binomial(n, 1/2) < k)
+        return sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    for n in range(6, 90):
+        xs = (torch.rand(n, dtype=torch.float64) + 0.5).tolist()  # distinct values (torch's seeded generator)
+        lo, hi = kernel_leave_out.median_interval(xs)
+        srt = sorted(xs)
+        k = srt.index(lo) + 1  # 1-based order statistic of the lower end
+        assert hi == srt[n - k], n
+        assert below(n, k) <= 0.025 < below(n, k + 1), (n, k)
+        assert lo <= sorted(xs)[(n - 1) // 2] <= hi
+    assert kernel_leave_out.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few for 95 %: the range
+
+
+def test_leave_out_pairs_each_side_with_native_round_by_round():
+    """A side's ratio is the median of its per-round ratios to native (host drift between rounds
+    cancels), not the ratio of the two medians; every side leads one round in each len(sides)."""
+    from benchmarks import kernel_leave_out
+
+    row = {"family": "f", "ms_rounds": {"native": [10.0, 20.0, 40.0], "all": [12.0, 21.0, 44.0],
+                                         "none": [10.0, 20.0, 40.0]}}
+    assert kernel_leave_out.paired(row, "all") == pytest.approx(1.1)  # rounds: 1.2, 1.05, 1.1
+    assert sorted(row["ms_rounds"]["all"])[1] / sorted(row["ms_rounds"]["native"])[1] == pytest.approx(1.05)
+    names = list(kernel_leave_out.sides_of("llama"))
+    assert names[:3] == ["native", "all", "none"] and "without swiglu" in names and "without geglu" not in names
+    assert "without geglu" in kernel_leave_out.sides_of("gemma2")
+    leads = {kernel_leave_out.rotated(names, r)[0] for r in range(len(names))}
+    assert leads == set(names)
+    assert all(sorted(kernel_leave_out.rotated(names, r)) == sorted(names) for r in range(10))
+
+
+def test_leave_out_times_every_side_in_one_fresh_process_on_cpu(tmp_path):
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_leave_out", "--device", "cpu", "--seq", "8",
+                          "--hidden", "64", "--vocab", "96", "--layers", "1", "--rounds", "2", "--families",
+                          "llama,gemma2,no_such_family", "--out", str(tmp_path), "--name", "lo"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "lo.json").read_text())
+    rows = {r["family"]: r for r in data["rows"]}
+    assert set(rows["llama"]["ms_rounds"]) == {"native", "all", "none", "without fused_linear_cross_entropy",
+                                               "without rms_norm", "without rope", "without swiglu"}
+    assert all(len(v) == 2 and min(v) > 0 for v in rows["llama"]["ms_rounds"].values())
+    assert "without geglu" in rows["gemma2"]["ms_rounds"] and "skipped" in rows["no_such_family"]
+    md = (tmp_path / "lo.md").read_text()
+    assert md.startswith("regenerate: `python -m benchmarks.kernel_leave_out --device cpu")
+    llama_line = next(line for line in md.splitlines() if line.startswith("| llama |"))
+    skipped_line = next(line for line in md.splitlines() if line.startswith("| no_such_family |"))
+    assert llama_line.count("|") == skipped_line.count("|") == 11 and llama_line.endswith("/ 2 |")

@@ -91,7 +91,7 @@ def test_benchmark_commands_name_the_files_they_write():
                 "benchmarks.sparse_grads_profile": "sparse_grads_profile",
                 "benchmarks.upstream_model_tests": "upstream_model_tests",
                 "benchmarks.step_phases": "step_phases", "benchmarks.logprob_precision": "logprob_precision",
-                "benchmarks.logprob_rows": "logprob_rows"}
+                "benchmarks.logprob_rows": "logprob_rows", "benchmarks.kernel_leave_out": "kernel_leave_out"}
     for stem in stems:
         cmd = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())["regenerate"]
         m = re.match(r"python -m (benchmarks\.\w+)", cmd)
