@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import liger_compat
+from benchmarks import models_gpu
 from liger_compat import _config
 
 #: the kernels whose leaving out is timed: the layer kernels and the loss (the MLP's activation
@@ -64,8 +65,6 @@ def rotated(names: list[str], r: int) -> list[str]:
 
 def time_sides(family: str, args) -> dict:
     """In this process: each side's median step time (ms) over ``args.rounds`` interleaved rounds."""
-    from benchmarks import models_gpu
-
     got = models_gpu._timing_model(family, args)
     if isinstance(got, dict):
         return got
@@ -169,13 +168,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default="qwen3_5_text,qwen3_5,qwen3_5_moe_text,deepseek_v4,llama")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=128256)
+    models_gpu.add_model_args(ap, "qwen3_5_text,qwen3_5,qwen3_5_moe_text,deepseek_v4,llama")
     ap.add_argument("--steps", type=int, default=1, help="timed steps a side and round (after one untimed)")
     ap.add_argument("--rounds", type=int, default=40, help="interleaved rounds a side")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny sizes advised)")

@@ -425,15 +425,20 @@ def timing_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default=",".join(f.name for f in FAMILIES))
+def add_model_args(ap: argparse.ArgumentParser, families: str) -> None:
+    """The families and the model and batch sizes that :func:`make_model` and :func:`batch` read."""
+    ap.add_argument("--families", default=families)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=128256)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap, ",".join(f.name for f in FAMILIES))
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="models_gpu", help="result files <name>.json and <name>.md")
