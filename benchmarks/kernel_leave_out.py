@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -102,9 +103,8 @@ def time_sides(family: str, args) -> dict:
 
 def _child(family: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.kernel_leave_out", "--child", "--families", family,
-           "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
-           "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--vocab", str(args.vocab),
-           "--steps", str(args.steps), "--rounds", str(args.rounds), "--device", args.device]
+           *models_gpu.model_argv(args), "--steps", str(args.steps), "--rounds", str(args.rounds),
+           "--device", args.device]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -123,8 +123,6 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     """A distribution-free interval for the median of ``values``: the order statistics k and
     n + 1 - k, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (the whole range
     where n is too small for the level)."""
-    import math
-
     xs, n = sorted(values), len(values)
     k, below = 0, 0.0
     while k < n // 2:
@@ -135,10 +133,12 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return (xs[k - 1], xs[n - k]) if k else (xs[0], xs[-1])
 
 
+#: the table's columns of kernels left out: the header, and the kernels a family's side may name
+_LEFT_OUT = (("loss", (LOSS,)), ("rms_norm", (NORM,)), ("rope", (ROPE,)), ("swiglu / geglu", ("swiglu", "geglu")))
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     """One table: per family each side's time against native's, paired by round."""
-    kernels = [LOSS, NORM, ROPE, "swiglu / geglu"]
-    short = {LOSS: "loss", NORM: "rms_norm", ROPE: "rope", "swiglu / geglu": "swiglu / geglu"}
     out = [f"A family's small training step with each of our kernels left out in turn, against native, in one "
            f"process; transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
            f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; one fresh "
@@ -148,21 +148,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "round, with a distribution-free 95 % interval for the `all` one. A kernel with `without K` below `all` costs this family more than it gives at this shape; "
            "`none` is patched with every kernel off (the shims' dispatch alone).", "",
            "| family | ms native | all | none | "
-           + " | ".join(f"without {short[k]}" for k in kernels) + " | all: 95 % interval | rounds all < native |",
-           "|---|---:|---:|---:|" + "---:|" * len(kernels) + "---|---:|"]
+           + " | ".join(f"without {label}" for label, _ in _LEFT_OUT) + " | all: 95 % interval | rounds all < native |",
+           "|---|---:|---:|---:|" + "---:|" * len(_LEFT_OUT) + "---|---:|"]
     for r in rows:
         if "ms_rounds" not in r:
-            out.append(f"| {r['family']} | {r.get('skipped') or r.get('error', '?')} |" + " |" * (len(kernels) + 4))
+            out.append(f"| {r['family']} | {r.get('skipped') or r.get('error', '?')} |" + " |" * (len(_LEFT_OUT) + 4))
             continue
         ms = r["ms_rounds"]
         cells = []
-        for k in kernels:
-            name = next((s for s in ms if s.startswith("without ") and s[8:] in k.split(" / ")), None)
-            cells.append(f"{paired(r, name):.3f}" if name else "")
-        wins = sum(a < b for a, b in zip(ms["all"], ms["native"]))
-        lo, hi = median_interval([a / b for a, b in zip(ms["all"], ms["native"])])
-        out.append(f"| {r['family']} | {statistics.median(ms['native']):.2f} | {paired(r, 'all'):.3f} | "
-                   f"{paired(r, 'none'):.3f} | " + " | ".join(cells) + f" | {lo:.3f}-{hi:.3f} | {wins} / {len(ms['all'])} |")
+        for _, names in _LEFT_OUT:
+            side = next((f"without {k}" for k in names if f"without {k}" in ms), None)
+            cells.append(f"{paired(r, side):.3f}" if side else "")
+        ratios = [a / b for a, b in zip(ms["all"], ms["native"])]
+        lo, hi = median_interval(ratios)
+        out.append(f"| {r['family']} | {statistics.median(ms['native']):.2f} | {statistics.median(ratios):.3f} | "
+                   f"{paired(r, 'none'):.3f} | " + " | ".join(cells)
+                   + f" | {lo:.3f}-{hi:.3f} | {sum(x < 1 for x in ratios)} / {len(ratios)} |")
     return "\n".join(out)
 
 

@@ -331,9 +331,7 @@ def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
     else:
         env.pop("LIGER_COMPAT_DISABLE", None)
     cmd = [sys.executable, "-m", "benchmarks.models_gpu", "--time-only", "--families", ",".join(families),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
-           "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--vocab", str(args.vocab),
-           "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
+           *model_argv(args), "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
     if which == "paired":
         cmd += ["--paired", "--baseline", args.baseline]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -434,6 +432,12 @@ def add_model_args(ap: argparse.ArgumentParser, families: str) -> None:
     ap.add_argument("--intermediate", type=int, default=0)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=128256)
+
+
+def model_argv(args) -> list[str]:
+    """The sizes of :func:`add_model_args` as command-line arguments, for a child process."""
+    return ["--batch", str(args.batch), "--seq", str(args.seq), "--hidden", str(args.hidden),
+            "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--vocab", str(args.vocab)]
 
 
 def main(argv=None) -> int:
