@@ -19,6 +19,22 @@ and the host's drift (a host-bound step moves 10-25 % between rounds of one proc
 A kernel whose leaving out makes the step faster costs this family more than it gives at this
 shape: its ``without K`` ratio is below the ``all`` one.
 
+Where a side's extra time goes: each timed step also records the host's time in the forward (to the
+loss), in ``backward()`` and waiting for the GPU after it (``time.perf_counter``, the GPU drained
+before the step), and the caching allocator's device allocations and frees in the step; a second
+table gives ``all`` and ``none`` minus native in milliseconds per phase, medians over rounds.
+
+``--modules``: also each module class's forward host time a step (inclusive: a class's time
+contains its children's; forward hooks on every module, on every side alike), and, after the timed
+rounds, one step a side under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs it makes
+and the lines of code that make them.
+
+``--compile default`` or ``--compile reduce-overhead``: the step runs on ``torch.compile(model,
+mode=...)`` and the sides are native and all only (a compiled graph does not read the ``kernels``
+setting at each call); each side compiles in its warm-up (TorchDynamo keeps one entry per side: the
+patched and native forwards are different functions), and the row counts the graphs compiled
+after the warm-up (0 when every timed step ran the graph of its side).
+
 Writes ``<name>.json`` and ``<name>.md`` under ``--out`` (default benchmarks/results), each naming
 the command that regenerates it, after every family.
 """
@@ -64,6 +80,115 @@ def rotated(names: list[str], r: int) -> list[str]:
     return names[k:] + names[:k]
 
 
+#: a step's phases (host milliseconds unless named otherwise), recorded beside its time
+PHASES = ("forward", "backward", "wait", "device_allocs", "device_frees")
+
+
+def _alloc_counts() -> tuple[int, int]:
+    if not torch.cuda.is_available():
+        return 0, 0
+    st = torch.cuda.memory_stats()
+    return st.get("num_device_alloc", 0), st.get("num_device_free", 0)
+
+
+def timed_phases(step_model, kw, labels, steps: int) -> tuple[float, dict[str, float]]:
+    """Median ms of ``steps`` steps after one untimed (CUDA events on the GPU, wall time on the CPU)
+    and the median of each of :data:`PHASES`: the host's time to the loss, in ``backward()`` and
+    waiting for the GPU after it (the GPU drained before each step), and the device allocations
+    and frees of the caching allocator during the step."""
+    times, phases = [], {k: [] for k in PHASES}
+    cuda = labels.is_cuda
+    for i in range(steps + 1):
+        step_model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            a0, f0 = _alloc_counts()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        loss = step_model(**kw, labels=labels, use_cache=False).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if i == 0:
+            continue
+        if cuda:
+            times.append(start.elapsed_time(end))
+            a1, f1 = _alloc_counts()
+            phases["device_allocs"].append(a1 - a0)
+            phases["device_frees"].append(f1 - f0)
+        else:
+            times.append((t3 - t0) * 1e3)
+            phases["device_allocs"].append(0)
+            phases["device_frees"].append(0)
+        phases["forward"].append((t1 - t0) * 1e3)
+        phases["backward"].append((t2 - t1) * 1e3)
+        phases["wait"].append((t3 - t2) * 1e3)
+    return statistics.median(times), {k: statistics.median(v) for k, v in phases.items()}
+
+
+class ModuleClock:
+    """Forward hooks on every module of a model: each class's inclusive host milliseconds since the
+    last :meth:`take`."""
+
+    def __init__(self, model):
+        self.ms: dict[str, float] = {}
+        self._starts: list[float] = []
+        self._handles = []
+        for m in model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post))
+
+    def _pre(self, module, args):
+        self._starts.append(time.perf_counter())
+
+    def _post(self, module, args, out):
+        name = type(module).__name__
+        self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - self._starts.pop()) * 1e3
+
+    def take(self) -> dict[str, float]:
+        got, self.ms, self._starts = self.ms, {}, []
+        return got
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def host_syncs(model, kw, labels) -> dict[str, int]:
+    """One step under ``torch.cuda.set_sync_debug_mode("warn")``: ``file:line`` of each host sync's
+    call site -> count (every thread's: the warnings filter is the process's)."""
+    import warnings
+
+    if not labels.is_cuda:
+        return {}
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(**kw, labels=labels, use_cache=False).loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+    return where
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
 def time_sides(family: str, args) -> dict:
     """In this process: each side's median step time (ms) over ``args.rounds`` interleaved rounds."""
     got = models_gpu._timing_model(family, args)
@@ -71,6 +196,10 @@ def time_sides(family: str, args) -> dict:
         return got
     model, kw, labels = got
     sides = sides_of(family)
+    step_model = model
+    if args.compile:
+        sides = {k: v for k, v in sides.items() if k in ("native", "all")}
+        step_model = torch.compile(model, mode=None if args.compile == "default" else args.compile)
     settings = _config.settings
     saved = settings.kernels
 
@@ -84,27 +213,62 @@ def time_sides(family: str, args) -> dict:
         settings.kernels = kernels
 
     times: dict[str, list[float]] = {s: [] for s in sides}
+    phases: dict[str, dict[str, list[float]]] = {s: {k: [] for k in PHASES} for s in sides}
+    modules: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+    syncs: dict[str, dict[str, int]] = {}
+    clock = None
+    warm_graphs: dict[str, int] = {}
     try:
-        for name, kernels in sides.items():  # every side compiles and warms its kernels first
-            switch(kernels)
-            models_gpu._warm_up(model, kw, labels)
+        for _ in range(2 if args.compile else 1):  # compiled: every side's graph exists before any timing
+            for name, kernels in sides.items():  # every side compiles and warms its kernels first
+                switch(kernels)
+                before = _compiled_graphs()
+                models_gpu._warm_up(step_model, kw, labels)
+                warm_graphs.setdefault(name, _compiled_graphs() - before)
+        if args.compile and not all(warm_graphs.values()):  # a side ran another side's graph
+            raise RuntimeError(f"a side compiled no graph of its own in its warm-up: {warm_graphs}")
+        graphs = _compiled_graphs()
+        if args.modules:
+            clock = ModuleClock(model)
         for r in range(args.rounds):
             for name in rotated(list(sides), r):
                 switch(sides[name])
-                times[name].append(models_gpu.timed(model, kw, labels, args.steps))
+                if clock is not None:
+                    clock.take()
+                ms, ph = timed_phases(step_model, kw, labels, args.steps)
+                times[name].append(ms)
+                for k, v in ph.items():
+                    phases[name][k].append(v)
+                if clock is not None:  # the untimed step's and the timed steps' forwards: per step
+                    modules[name].append({k: v / (args.steps + 1) for k, v in clock.take().items()})
+        graphs = _compiled_graphs() - graphs
+        if clock is not None:
+            clock.remove()
+        if args.modules:
+            for name, kernels in sides.items():
+                switch(kernels)
+                syncs[name] = host_syncs(step_model, kw, labels)
     finally:
+        if clock is not None:
+            clock.remove()
         liger_compat.apply()
         settings.kernels = saved
-    del model, got
+    del model, step_model, got
     models_gpu._release()
-    return {"family": family, "ms": {s: statistics.median(v) for s, v in times.items()},
-            "ms_rounds": times}
+    row = {"family": family, "ms": {s: statistics.median(v) for s, v in times.items()},
+           "ms_rounds": times, "phases_rounds": phases}
+    if args.modules:
+        row["modules_rounds"], row["host_syncs"] = modules, syncs
+    if args.compile:
+        row["graphs_after_warm_up"] = graphs
+        row["graphs_in_warm_up"] = warm_graphs
+    return row
 
 
 def _child(family: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.kernel_leave_out", "--child", "--families", family,
            *models_gpu.model_argv(args), "--steps", str(args.steps), "--rounds", str(args.rounds),
-           "--device", args.device]
+           "--device", args.device, *(["--compile", args.compile] if args.compile else []), *(["--modules"] if args.modules else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -143,7 +307,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"process; transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
            f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; one fresh "
            f"process a family, its sides interleaved ({meta['rounds']} rounds of {meta['steps']} "
-           f"step{'s' if meta['steps'] != 1 else ''} a side, the order rotating every round)", "",
+           f"step{'s' if meta['steps'] != 1 else ''} a side, the order rotating every round)"
+           + (f"; each side's step on `torch.compile(model, mode={meta['compile']!r})`, native against all only"
+              if meta.get("compile") else ""), "",
            "Each ratio is a side's time over native's, the median over rounds of the two sides' times in the same "
            "round, with a distribution-free 95 % interval for the `all` one. A kernel with `without K` below `all` costs this family more than it gives at this shape; "
            "`none` is patched with every kernel off (the shims' dispatch alone).", "",
@@ -161,9 +327,51 @@ def markdown(rows: list[dict], meta: dict) -> str:
             cells.append(f"{paired(r, side):.3f}" if side else "")
         ratios = [a / b for a, b in zip(ms["all"], ms["native"])]
         lo, hi = median_interval(ratios)
+        none = f"{paired(r, 'none'):.3f}" if "none" in ms else ""
         out.append(f"| {r['family']} | {statistics.median(ms['native']):.2f} | {statistics.median(ratios):.3f} | "
-                   f"{paired(r, 'none'):.3f} | " + " | ".join(cells)
-                   + f" | {lo:.3f}-{hi:.3f} | {sum(x < 1 for x in ratios)} / {len(ratios)} |")
+                   f"{none} | " + " | ".join(cells)
+                   + f" | {lo:.3f}-{hi:.3f} | {sum(x < 1 for x in ratios)} / {len(ratios)} |"
+                   + (f" graphs compiled after the warm-up: {r['graphs_after_warm_up']}"
+                      if "graphs_after_warm_up" in r else ""))
+    phased = [r for r in rows if "phases_rounds" in r]
+    if phased:
+        out += ["", "Where the difference goes: a side's time minus native's in the same round, median over rounds, in "
+                "ms: the step (GPU events), the host's forward (to the loss), its `backward()` call and its wait for "
+                "the GPU after it (the GPU drained before each step); and the caching allocator's device "
+                "allocations + frees a step (median), the side's against native's.", "",
+                "| family | side | step | forward | backward | wait | device allocs + frees a step |",
+                "|---|---|---:|---:|---:|---:|---|"]
+        for r in phased:
+            ms, ph = r["ms_rounds"], r["phases_rounds"]
+            for side in ("all", "none"):
+                if side not in ph:
+                    continue
+                diff = [f"{statistics.median(a - b for a, b in zip(ms[side], ms['native'])):+.2f}"]
+                for k in ("forward", "backward", "wait"):
+                    diff.append(f"{statistics.median(a - b for a, b in zip(ph[side][k], ph['native'][k])):+.2f}")
+                allocs = [statistics.median(a + f for a, f in zip(ph[s]['device_allocs'], ph[s]['device_frees']))
+                          for s in (side, "native")]
+                out.append(f"| {r['family']} | {side} | " + " | ".join(diff) + f" | {allocs[0]:g} against {allocs[1]:g} |")
+    moduled = [r for r in rows if "modules_rounds" in r]
+    if moduled:
+        out += ["", "Forward host time by module class (inclusive of its children), the side's minus native's in the "
+                "same round, median over rounds, ms a step: the classes whose difference is largest. Host syncs: one "
+                "step a side under `torch.cuda.set_sync_debug_mode(\"warn\")`, each sync's call site.", "",
+                "| family | side | largest differences by module class, ms | host syncs a step: side (native) | where, side |",
+                "|---|---|---|---|---|"]
+        for r in moduled:
+            mods = r["modules_rounds"]
+            for side in ("all", "none"):
+                if side not in mods:
+                    continue
+                names = set().union(*mods[side], *mods["native"])
+                diffs = {n: statistics.median(a.get(n, 0.0) - b.get(n, 0.0) for a, b in zip(mods[side], mods["native"]))
+                         for n in names}
+                top = sorted(diffs.items(), key=lambda kv: -abs(kv[1]))[:6]
+                syncs = r["host_syncs"]
+                where = ", ".join(f"{k} x{v}" for k, v in sorted(syncs.get(side, {}).items(), key=lambda kv: -kv[1])[:4])
+                out.append(f"| {r['family']} | {side} | " + ", ".join(f"{n} {d:+.2f}" for n, d in top)
+                           + f" | {sum(syncs.get(side, {}).values())} ({sum(syncs.get('native', {}).values())}) | {where} |")
     return "\n".join(out)
 
 
@@ -173,6 +381,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1, help="timed steps a side and round (after one untimed)")
     ap.add_argument("--rounds", type=int, default=40, help="interleaved rounds a side")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny sizes advised)")
+    ap.add_argument("--compile", choices=("default", "reduce-overhead"), default=None,
+                    help="the step on torch.compile(model, mode=...): native against all only")
+    ap.add_argument("--modules", action="store_true",
+                    help="also each module class's forward host time, and one step's host syncs a side")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="kernel_leave_out", help="result files <name>.json and <name>.md")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one family, this process
@@ -197,6 +409,8 @@ def main(argv=None) -> int:
                 gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", batch=args.batch,
                 seq=args.seq, hidden=args.hidden, layers=args.layers, vocab=args.vocab, steps=args.steps,
                 rounds=args.rounds)
+    if args.compile:
+        meta["compile"] = args.compile
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

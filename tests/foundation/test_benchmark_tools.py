@@ -500,7 +500,7 @@ def test_leave_out_times_every_side_in_one_fresh_process_on_cpu(tmp_path):
 
     out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_leave_out", "--device", "cpu", "--seq", "8",
                           "--hidden", "64", "--vocab", "96", "--layers", "1", "--rounds", "2", "--families",
-                          "llama,gemma2,no_such_family", "--out", str(tmp_path), "--name", "lo"],
+                          "llama,gemma2,no_such_family", "--modules", "--out", str(tmp_path), "--name", "lo"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads((tmp_path / "lo.json").read_text())
@@ -508,9 +508,42 @@ def test_leave_out_times_every_side_in_one_fresh_process_on_cpu(tmp_path):
     assert set(rows["llama"]["ms_rounds"]) == {"native", "all", "none", "without fused_linear_cross_entropy",
                                                "without rms_norm", "without rope", "without swiglu"}
     assert all(len(v) == 2 and min(v) > 0 for v in rows["llama"]["ms_rounds"].values())
+    phases = rows["llama"]["phases_rounds"]  # every side's phases, one value a round
+    assert set(phases) == set(rows["llama"]["ms_rounds"])
+    assert all(len(v) == 2 and min(v) >= 0 for side in phases.values() for v in side.values())
+    assert all(min(side["forward"]) > 0 and min(side["backward"]) > 0 for side in phases.values())
     assert "without geglu" in rows["gemma2"]["ms_rounds"] and "skipped" in rows["no_such_family"]
     md = (tmp_path / "lo.md").read_text()
     assert md.startswith("regenerate: `python -m benchmarks.kernel_leave_out --device cpu")
     llama_line = next(line for line in md.splitlines() if line.startswith("| llama |"))
     skipped_line = next(line for line in md.splitlines() if line.startswith("| no_such_family |"))
     assert llama_line.count("|") == skipped_line.count("|") == 11 and llama_line.endswith("/ 2 |")
+    phase_lines = [line for line in md.splitlines() if line.startswith("| llama | ")][1:]
+    assert [line.split(" | ")[1] for line in phase_lines] == ["all", "none"] * 2  # phases, then modules
+    mods = rows["llama"]["modules_rounds"]  # per side and round: each module class's forward ms a step
+    assert set(mods) == set(rows["llama"]["ms_rounds"]) and all(len(v) == 2 for v in mods.values())
+    for side in ("native", "all"):
+        for per_round in mods[side]:
+            assert per_round["LlamaForCausalLM"] >= per_round["LlamaModel"] >= per_round["LlamaRMSNorm"] > 0
+    assert rows["llama"]["host_syncs"] == {s: {} for s in rows["llama"]["ms_rounds"]}  # CPU: none counted
+
+
+def test_leave_out_compiled_gives_each_side_its_own_graph_on_cpu(tmp_path):
+    """Under --compile the native and patched sides alternate on one compiled model: each side
+    compiles a graph of its own in its warm-up and none is compiled while timing."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_leave_out", "--device", "cpu", "--seq", "8",
+                          "--hidden", "64", "--vocab", "96", "--layers", "1", "--rounds", "2", "--families", "llama",
+                          "--compile", "default", "--out", str(tmp_path), "--name", "lo"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads((tmp_path / "lo.json").read_text())["rows"][0]
+    assert "error" not in row, row.get("error")
+    assert set(row["ms_rounds"]) == {"native", "all"}
+    assert row["graphs_in_warm_up"]["native"] >= 1 and row["graphs_in_warm_up"]["all"] >= 1
+    assert row["graphs_after_warm_up"] == 0
+    md = (tmp_path / "lo.md").read_text()
+    assert "torch.compile(model, mode='default')" in md and "graphs compiled after the warm-up: 0" in md
