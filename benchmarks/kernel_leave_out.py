@@ -198,7 +198,12 @@ def time_sides(family: str, args) -> dict:
     sides = sides_of(family)
     step_model = model
     if args.compile:
-        sides = {k: v for k, v in sides.items() if k in ("native", "all")}
+        if not args.compile_leave_out:
+            sides = {k: v for k, v in sides.items() if k in ("native", "all")}
+        dyn = torch._dynamo.config  # one cache entry a side at most
+        for limit in ("cache_size_limit", "recompile_limit"):
+            if hasattr(dyn, limit):
+                setattr(dyn, limit, max(getattr(dyn, limit), 4 * len(sides)))
         step_model = torch.compile(model, mode=None if args.compile == "default" else args.compile)
     settings = _config.settings
     saved = settings.kernels
@@ -225,8 +230,13 @@ def time_sides(family: str, args) -> dict:
                 before = _compiled_graphs()
                 models_gpu._warm_up(step_model, kw, labels)
                 warm_graphs.setdefault(name, _compiled_graphs() - before)
-        if args.compile and not all(warm_graphs.values()):  # a side ran another side's graph
+        if args.compile and not (warm_graphs["native"] and warm_graphs["all"]):  # one ran the other's graph
             raise RuntimeError(f"a side compiled no graph of its own in its warm-up: {warm_graphs}")
+        # a kernels setting that the traced code does not guard on gives a side no graph of its own:
+        # it would time another side's graph, so it is left out
+        shared = [name for name, n in warm_graphs.items() if args.compile and not n]
+        for name in shared:
+            del sides[name], times[name], phases[name], modules[name]
         graphs = _compiled_graphs()
         if args.modules:
             clock = ModuleClock(model)
@@ -262,13 +272,15 @@ def time_sides(family: str, args) -> dict:
     if args.compile:
         row["graphs_after_warm_up"] = graphs
         row["graphs_in_warm_up"] = warm_graphs
+        row["sides_without_own_graph"] = shared
     return row
 
 
 def _child(family: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.kernel_leave_out", "--child", "--families", family,
            *models_gpu.model_argv(args), "--steps", str(args.steps), "--rounds", str(args.rounds),
-           "--device", args.device, *(["--compile", args.compile] if args.compile else []), *(["--modules"] if args.modules else [])]
+           "--device", args.device, *(["--compile", args.compile] if args.compile else []), *(["--modules"] if args.modules else []),
+           *(["--compile-leave-out"] if args.compile_leave_out else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -308,8 +320,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
            f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; one fresh "
            f"process a family, its sides interleaved ({meta['rounds']} rounds of {meta['steps']} "
            f"step{'s' if meta['steps'] != 1 else ''} a side, the order rotating every round)"
-           + (f"; each side's step on `torch.compile(model, mode={meta['compile']!r})`, native against all only"
-              if meta.get("compile") else ""), "",
+           + (f"; each side's step on `torch.compile(model, mode={meta['compile']!r})`, "
+              + ("each side a graph of its own (a side without one left out)" if meta.get("compile_leave_out")
+                 else "native against all only") if meta.get("compile") else ""), "",
            "Each ratio is a side's time over native's, the median over rounds of the two sides' times in the same "
            "round, with a distribution-free 95 % interval for the `all` one. A kernel with `without K` below `all` costs this family more than it gives at this shape; "
            "`none` is patched with every kernel off (the shims' dispatch alone).", "",
@@ -383,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny sizes advised)")
     ap.add_argument("--compile", choices=("default", "reduce-overhead"), default=None,
                     help="the step on torch.compile(model, mode=...): native against all only")
+    ap.add_argument("--compile-leave-out", action="store_true",
+                    help="under --compile, also the sides with kernels left out (each needs a graph of its own)")
     ap.add_argument("--modules", action="store_true",
                     help="also each module class's forward host time, and one step's host syncs a side")
     ap.add_argument("--out", default="benchmarks/results")
@@ -411,6 +426,8 @@ def main(argv=None) -> int:
                 rounds=args.rounds)
     if args.compile:
         meta["compile"] = args.compile
+        if args.compile_leave_out:
+            meta["compile_leave_out"] = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []

@@ -66,7 +66,7 @@ from .. import _config
 from ..compat import conflicts, families
 from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
                             normalize_keep, pop_keep, stable_key)
-from ._module_shims import compiling
+from ._module_shims import compiling, kernels_module
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
@@ -194,9 +194,77 @@ def _fused_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, A
         if (_native_takes(params, keep) and (not is_2d(keep) or native_slices_2d(wrapped))) or not _usable(instance, fam):
             return _call_native(wrapped, kw, params, has_keep, keep)
         return _decoder_and_head(instance, fam, kw, keep, want_logits=True, accuracy=False)
-    if not _usable(instance, fam):
+    if not _usable(instance, fam) or _compiled_small_head(instance, kw["labels"]):
         return _call_native(wrapped, kw, params, has_keep, keep)
     return _decoder_and_head(instance, fam, kw, keep, want_logits=_want_logits(flag, instance))
+
+
+#: rows x vocabulary x hidden up to which a training forward traced by torch.compile keeps the native
+#: head and loss, which Inductor fuses: there the fused loss's op costs the host more at run time
+#: (its call, its graph's replay and copies) than its GPU time saves, and the step is host-bound (a
+#: 2 x 1024-token step of a 1024-wide model with a 128k vocabulary, 2.7e11: 4.6 % slower than compiled
+#: native with the op, level without it, timed step by step on an H200; the fused loss's eager CUDA
+#: graphs use the same bound, ``kernels.loss.GRAPH_MAX_MACS``). Above it the op stays: the logits it
+#: never holds are what a larger head's step runs out of, and its GPU time is the step's.
+COMPILED_NATIVE_LOSS_MAX_MACS = 2**39
+
+
+def _compiled_small_head(model: Any, labels: Any) -> bool:
+    """Whether a training forward being traced by torch.compile keeps the native head and loss: at
+    most :data:`COMPILED_NATIVE_LOSS_MAX_MACS` rows x vocabulary x hidden, where the fused loss would
+    run a kernel (not where the torch reference would: CPU tensors, which
+    ``LIGER_COMPAT_CPU_NATIVE`` already keeps native). A plain 2-D head weight only (a ZeRO-3
+    partitioned weight reads as ``[0]``: the fused loss, as eagerly)."""
+    if not compiling():
+        return False
+    shape = getattr(getattr(getattr(model, "lm_head", None), "weight", None), "shape", None)
+    device = getattr(labels, "device", None)
+    if shape is None or len(shape) != 2 or device is None:
+        return False
+    if kernels_module()._dispatch.reference_only(device):
+        return False
+    if labels.numel() * shape[0] * shape[1] > COMPILED_NATIVE_LOSS_MAX_MACS:
+        return False
+    replays = _replays_cuda_graphs
+    return replays is not None and not replays()
+
+
+def _replays_cuda_graphs_eager() -> bool:
+    """Whether the torch.compile call tracing now replays its graphs as CUDA graphs
+    (``mode="reduce-overhead"`` or ``"max-autotune"``: Inductor's ``triton.cudagraphs``): there the
+    fused loss's op costs no host time a step (its launches are in the caller's graph) and it stays
+    (a 2 x 1024-token step: 0.948 of compiled native's time with it, 1.014 without it). Read from
+    the backend of the frame being traced (TorchDynamo's own record of it); False where that cannot
+    be read. Runs eagerly while dynamo traces (:data:`_replays_cuda_graphs`)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # not tracing, or a dynamo that keeps it elsewhere
+        return False
+    for _ in range(6):  # Inductor's wrapper has the config; debug and backend wrappers keep what they wrap
+        config = getattr(backend, "config", None)
+        if isinstance(config, dict):
+            return bool(config.get("triton.cudagraphs"))
+        inner = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
+        if inner is None or inner is backend:
+            break
+        backend = inner
+    return False
+
+
+#: :func:`_replays_cuda_graphs_eager` marked for dynamo (its answer a constant of the traced graph),
+#: set when the shim first patches a family (torch is imported then; ``import liger_compat`` imports
+#: no torch)
+_replays_cuda_graphs: Any = None
+
+
+def _mark_replays_cuda_graphs() -> None:
+    global _replays_cuda_graphs
+    if _replays_cuda_graphs is None:
+        from .gated_mlp import _constant_result
+
+        _replays_cuda_graphs = _constant_result(_replays_cuda_graphs_eager)
 
 
 def _reads_logits(model: Any) -> bool:
@@ -651,6 +719,7 @@ def _patch_module(module: Any, patches: ShimPatches) -> list[str]:
 
 def _patch_family(module: Any, fam: families.Family, patches: ShimPatches) -> bool:
     _outputs_module()  # while not tracing
+    _mark_replays_cuda_graphs()
     cls = getattr(module, fam.causal_lm, None)
     if cls is None:
         _left_alone[fam.name] = f"{module.__name__} has no {fam.causal_lm}"

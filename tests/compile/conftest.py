@@ -1,4 +1,6 @@
-"""torch.compile tests: liger_compat active with every kernel selected, one intra-op thread."""
+"""torch.compile tests: liger_compat active with every kernel selected, one intra-op thread, the fused
+loss's op traced at the tiny models' sizes too (below its size bound a compiled step keeps the
+native loss where a kernel would run: on a GPU, under ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
@@ -19,3 +21,10 @@ def _fresh_dynamo():
     yield
     torch.set_num_threads(before)
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fused_loss_at_tiny_sizes(monkeypatch):
+    from liger_compat.shims import causal_lm
+
+    monkeypatch.setattr(causal_lm, "COMPILED_NATIVE_LOSS_MAX_MACS", 0)

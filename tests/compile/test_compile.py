@@ -229,6 +229,55 @@ def test_fullgraph_training_step_matches_native(family, route_tiny_mlps):
     assert rec.ops() == {"flce_with_grads"} | _gated_linear_op(model, expected), (rec.ops(), expected)
 
 
+def test_compiled_small_head_keeps_the_native_loss_where_a_kernel_would_run(monkeypatch):
+    """Traced by torch.compile, a training forward whose head is at most
+    ``COMPILED_NATIVE_LOSS_MAX_MACS`` rows x vocabulary x hidden runs the native forward (logits
+    returned, no op of ours in the graph, native's loss and gradients) where a kernel would run (a
+    forced backend stands for a GPU here); above the bound the fused loss's op, and on CPU tensors
+    with no forced backend the bound does not apply. Eager calls never read it."""
+    from liger_compat.kernels import _dispatch
+    from liger_compat.shims import causal_lm
+
+    model = _tiny("llama")
+    ids, labels = _batch(model, seed=5)
+    vocab, hidden = model.lm_head.weight.shape
+    macs = labels.numel() * vocab * hidden
+    ref_loss, ref_grads = _native_step(model, ids, labels)
+    seen = {}
+    for case, bound, forced in (("small", macs, True), ("above", macs - 1, True), ("cpu", macs, False)):
+        monkeypatch.setattr(causal_lm, "COMPILED_NATIVE_LOSS_MAX_MACS", bound)
+        torch._dynamo.reset()
+        rec = Recorder()
+        compiled = torch.compile(model, fullgraph=True, backend=rec)
+        if forced:
+            with _dispatch.use_backend("torch"):
+                out = _step(compiled, ids, labels)
+        else:
+            out = _step(compiled, ids, labels)
+        _assert_matches(out.loss, model, ref_loss, ref_grads)
+        model.zero_grad(set_to_none=True)
+        seen[case] = (out.logits is not None, rec.ops())
+    assert seen["small"] == (True, set()), seen
+    assert seen["above"][0] is False and "flce_with_grads" in seen["above"][1], seen
+    assert seen["cpu"][0] is False, seen  # the fused forward's output: the bound does not apply on CPU
+
+    class CudaGraphed(Recorder):  # what mode="reduce-overhead" hands dynamo: Inductor's wrapper, this config
+        config = dict(torch._TorchCompileInductorWrapper("reduce-overhead", None, False).config)
+
+    assert CudaGraphed.config.get("triton.cudagraphs") is True
+    monkeypatch.setattr(causal_lm, "COMPILED_NATIVE_LOSS_MAX_MACS", macs)
+    torch._dynamo.reset()
+    rec = CudaGraphed()
+    with _dispatch.use_backend("torch"):
+        out = _step(torch.compile(model, fullgraph=True, backend=rec), ids, labels)
+    _assert_matches(out.loss, model, ref_loss, ref_grads)
+    model.zero_grad(set_to_none=True)
+    assert out.logits is None and "flce_with_grads" in rec.ops()  # replayed as CUDA graphs: the op stays
+    monkeypatch.setattr(causal_lm, "COMPILED_NATIVE_LOSS_MAX_MACS", 2**62)
+    with _dispatch.use_backend("torch"):
+        assert _step(model, ids, labels).logits is None  # eager: the fused forward, whatever the bound
+
+
 @pytest.mark.cpu_native
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_fullgraph_default_cpu_step_is_native_code_in_one_graph(family):
