@@ -33,7 +33,9 @@ and the lines of code that make them.
 mode=...)`` and the sides are native and all only (a compiled graph does not read the ``kernels``
 setting at each call); each side compiles in its warm-up (TorchDynamo keeps one entry per side: the
 patched and native forwards are different functions), and the row counts the graphs compiled
-after the warm-up (0 when every timed step ran the graph of its side).
+after the warm-up (0 when every timed step ran the graph of its side). ``--compile-leave-out`` adds
+the other sides; one that compiles no graph of its own in its warm-up (the traced code does not
+guard on the setting it changes) is left out rather than timed on another side's graph.
 
 Writes ``<name>.json`` and ``<name>.md`` under ``--out`` (default benchmarks/results), each naming
 the command that regenerates it, after every family.
@@ -252,8 +254,9 @@ def time_sides(family: str, args) -> dict:
                 if clock is not None:  # the untimed step's and the timed steps' forwards: per step
                     modules[name].append({k: v / (args.steps + 1) for k, v in clock.take().items()})
         graphs = _compiled_graphs() - graphs
-        if clock is not None:
+        if clock is not None:  # the sync probe's step runs without the hooks
             clock.remove()
+            clock = None
         if args.modules:
             for name, kernels in sides.items():
                 switch(kernels)
@@ -313,6 +316,11 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 _LEFT_OUT = (("loss", (LOSS,)), ("rms_norm", (NORM,)), ("rope", (ROPE,)), ("swiglu / geglu", ("swiglu", "geglu")))
 
 
+def _median_diff(side: list, native: list) -> float:
+    """The median over rounds of a side's value minus native's in the same round."""
+    return statistics.median(a - b for a, b in zip(side, native))
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     """One table: per family each side's time against native's, paired by round."""
     out = [f"A family's small training step with each of our kernels left out in turn, against native, in one "
@@ -359,9 +367,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             for side in ("all", "none"):
                 if side not in ph:
                     continue
-                diff = [f"{statistics.median(a - b for a, b in zip(ms[side], ms['native'])):+.2f}"]
-                for k in ("forward", "backward", "wait"):
-                    diff.append(f"{statistics.median(a - b for a, b in zip(ph[side][k], ph['native'][k])):+.2f}")
+                diff = [f"{_median_diff(ms[side], ms['native']):+.2f}"]
+                diff += [f"{_median_diff(ph[side][k], ph['native'][k]):+.2f}" for k in ("forward", "backward", "wait")]
                 allocs = [statistics.median(a + f for a, f in zip(ph[s]['device_allocs'], ph[s]['device_frees']))
                           for s in (side, "native")]
                 out.append(f"| {r['family']} | {side} | " + " | ".join(diff) + f" | {allocs[0]:g} against {allocs[1]:g} |")
@@ -378,7 +385,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 if side not in mods:
                     continue
                 names = set().union(*mods[side], *mods["native"])
-                diffs = {n: statistics.median(a.get(n, 0.0) - b.get(n, 0.0) for a, b in zip(mods[side], mods["native"]))
+                diffs = {n: _median_diff([a.get(n, 0.0) for a in mods[side]], [b.get(n, 0.0) for b in mods["native"]])
                          for n in names}
                 top = sorted(diffs.items(), key=lambda kv: -abs(kv[1]))[:6]
                 syncs = r["host_syncs"]

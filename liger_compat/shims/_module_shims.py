@@ -101,6 +101,16 @@ def kernels_module() -> Any:
     return mod
 
 
+def constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly while TorchDynamo traces, its result a constant of the graph
+    (``torch._dynamo.assume_constant_result``; its arguments must be constants: functions, strings,
+    not modules); ``fn`` itself where torch has no such decorator."""
+    import torch
+
+    deco = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    return fn if deco is None else deco(fn)
+
+
 _refused: set[tuple[str, str]] = set()
 
 

@@ -66,7 +66,7 @@ from .. import _config
 from ..compat import conflicts, families
 from ._forward_args import (NEW, OLD, ForwardParams, forward_params, is_2d, keep_positions, native_slices_2d,
                             normalize_keep, pop_keep, stable_key)
-from ._module_shims import compiling, kernels_module
+from ._module_shims import compiling, constant_result, kernels_module
 from ._patching import PatchSet, ShimPatches, call_below, is_ours, signature, unwrap
 from ._registry import REGISTRY, register
 from .logits_to_keep import translate
@@ -262,9 +262,7 @@ _replays_cuda_graphs: Any = None
 def _mark_replays_cuda_graphs() -> None:
     global _replays_cuda_graphs
     if _replays_cuda_graphs is None:
-        from .gated_mlp import _constant_result
-
-        _replays_cuda_graphs = _constant_result(_replays_cuda_graphs_eager)
+        _replays_cuda_graphs = constant_result(_replays_cuda_graphs_eager)
 
 
 def _reads_logits(model: Any) -> bool:

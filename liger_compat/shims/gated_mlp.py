@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .._log import log
 from .. import _config
 from ..compat import families
-from ._module_shims import (UPSTREAM, ModuleShim, classes, close, foreign_replacements,
+from ._module_shims import (UPSTREAM, ModuleShim, classes, close, constant_result, foreign_replacements,
                             compiling, guarded, kernels_module, patch_instances, kernel_refusal,
                             replaced_classes, native_call, verdict_key)
 from ._patching import PatchSet, ShimPatches
@@ -218,16 +218,6 @@ def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     return gated.gated_linear(gate_proj(x), up_proj(x), down_proj.weight, down_proj.bias, kind)
 
 
-def _constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run eagerly while TorchDynamo traces, its result a constant of the graph
-    (``torch._dynamo.assume_constant_result``; its arguments must be constants: functions, strings,
-    not modules); ``fn`` itself where torch has no such decorator."""
-    import torch
-
-    deco = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
-    return fn if deco is None else deco(fn)
-
-
 def _compiled_route_eager(native_fn: Any, device: str) -> str:
     """The name of the activation attribute when an MLP whose native forward is ``native_fn`` may
     run as one gated linear op under compile on ``device``, else ``""``: the forward is exactly
@@ -247,7 +237,7 @@ def _compiled_route_eager(native_fn: Any, device: str) -> str:
     return plain_gated_forward(native_fn) or ""
 
 
-#: :func:`_compiled_route_eager` marked for dynamo (:func:`_constant_result`), set when the shim
+#: :func:`_compiled_route_eager` marked for dynamo (:func:`~._module_shims.constant_result`), set when the shim
 #: first patches a module (torch is imported then; ``import liger_compat`` imports no torch)
 _compiled_route: Callable[..., str] | None = None
 
@@ -255,7 +245,7 @@ _compiled_route: Callable[..., str] | None = None
 def _mark_compiled_route() -> None:
     global _compiled_route
     if _compiled_route is None:
-        _compiled_route = _constant_result(_compiled_route_eager)
+        _compiled_route = constant_result(_compiled_route_eager)
 
 
 #: MLP forward function -> its activation attribute, or None (:func:`plain_gated_forward`)
