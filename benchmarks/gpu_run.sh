@@ -7,7 +7,8 @@
 # every fused-loss peer at five heads in three logit regimes, stops starting measurements at --budget-s),
 # e2e_small (the host-bound llama-small 2x1024 step; E2E_SMALL_ARGS), trl_step (TRL_ARGS), models_gpu
 # (MODELS_ARGS), host_profile (HOST_ARGS: where a small step's host time goes), step_phases
-# (PHASES_ARGS: a small step's host time by phase, and its CUDA runtime calls),
+# (PHASES_ARGS: a small step's host time by phase, and its CUDA runtime calls), host_pieces (PIECES_ARGS: the host
+# time of each piece of a small step, module forwards and our entry points, measured inside the step),
 # compiled_profile (PROFILE_ARGS: a compiled step's GPU-busy and host time per implementation), op_host
 # (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), logprob_rows (LP_ROWS_ARGS: the
 # log-prob head's row passes over one chunk by block width and warps), kernel_leave_out (LEAVE_OUT_ARGS: a
@@ -62,6 +63,7 @@ for step in "$@"; do
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
     step_phases) python3 -m benchmarks.step_phases --out "$OUT" ${PHASES_ARGS:-} >"$OUT/step_phases.log" 2>&1 ;;
+    host_pieces) python3 -m benchmarks.host_pieces --out "$OUT" ${PIECES_ARGS:-} >"$OUT/host_pieces.log" 2>&1 ;;
     host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;
     sparse_grads_profile) python3 -m benchmarks.sparse_grads_profile --out "$OUT" ${SPARSE_ARGS:-} >"$OUT/sparse_grads_profile.log" 2>&1 ;;
     skip_analysis) python3 -m benchmarks.skip_analysis --device cuda --out "$OUT" ${SKIP_ARGS:-} >"$OUT/skip_analysis.log" 2>&1 ;;

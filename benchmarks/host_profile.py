@@ -142,6 +142,19 @@ def warm_model(family: str, ns: argparse.Namespace) -> tuple:
     return model, kw, labels, sides
 
 
+def _dump_forwards(model, kw, labels, ns: argparse.Namespace, family: str, suffix: str) -> None:
+    """``--dump``: the cProfile data of ``ns.steps`` forwards (with labels) alone, to
+    ``<name>_<family>_forward<suffix>.pstats``."""
+    fwd = cProfile.Profile()
+    _sync()
+    fwd.enable()
+    for _ in range(ns.steps):
+        model(**kw, labels=labels, use_cache=False)
+    fwd.disable()
+    _sync()
+    fwd.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_forward{suffix}.pstats"))
+
+
 def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
     model, kw, labels, sides = warm_model(family, ns)
     gpu, host = _interleaved(model, kw, labels, sides, ns.rounds, ns.steps)
@@ -163,14 +176,19 @@ def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
     _sync()
     if ns.dump:
         pr.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}.pstats"))
-        fwd = cProfile.Profile()
+        _dump_forwards(model, kw, labels, ns, family, "")
+        # the native side's too, to set a shim's functions beside the module forwards they replace
+        liger_compat.revert()
+        _dump_forwards(model, kw, labels, ns, family, "_native")
+        steps = cProfile.Profile()
         _sync()
-        fwd.enable()
+        steps.enable()
         for _ in range(ns.steps):
-            model(**kw, labels=labels, use_cache=False)
-        fwd.disable()
+            _step(model, kw, labels)
+        steps.disable()
         _sync()
-        fwd.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_forward.pstats"))
+        steps.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_native.pstats"))
+        liger_compat.apply()
     for key in ("tottime", "cumulative"):
         text += [f"## cProfile of {ns.steps} patched steps, by {key}", _results.profile_text(pr, key, 45)]
     for side, switch in sides.items():
@@ -200,8 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (tiny sizes advised)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="host_profile")
-    ap.add_argument("--dump", action="store_true", help="also write the cProfile data (.pstats) of the patched steps "
-                    "and of patched forwards alone")
+    ap.add_argument("--dump", action="store_true", help="also write the cProfile data (.pstats) of the steps and of the "
+                    "forwards alone, patched (<name>_<family>[_forward].pstats) and native (..._native.pstats)")
     ns = ap.parse_args(argv)
     if ns.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -27,7 +27,9 @@ table gives ``all`` and ``none`` minus native in milliseconds per phase, medians
 ``--modules``: also each module class's forward host time a step (inclusive: a class's time
 contains its children's; forward hooks on every module, on every side alike), and, after the timed
 rounds, one step a side under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs it makes
-and the lines of code that make them.
+and the lines of code that make them. A hooked ``down_proj`` is no plain linear layer to the MLP
+shim, which then takes its other route: the MLP's times read high; ``benchmarks.host_pieces``
+times the pieces without hooks.
 
 ``--compile default`` or ``--compile reduce-overhead``: the step runs on ``torch.compile(model,
 mode=...)`` and the sides are native and all only (a compiled graph does not read the ``kernels``

@@ -342,6 +342,40 @@ def test_host_profile_writes_its_table_and_profiles_on_cpu(tmp_path):
     assert "| llama | 2x8 |" in md
 
 
+def test_host_pieces_times_module_forwards_and_our_entry_points_on_cpu(tmp_path):
+    """The pieces' table on CPU (the shims forced onto the kernels' torch references): the native
+    RMSNorm's forward on one side, our RMSNorm entry on the other, each called as often as the model
+    has norms; inclusive times nest (a decoder layer holds its norms); and every wrapper is removed."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "LIGER_COMPAT_CPU_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_pieces", "--device", "cpu", "--hidden", "64", "--vocab",
+                          "96", "--seq", "8", "--rounds", "2", "--families", "llama", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "host_pieces.json").read_text())
+    assert data["regenerate"].startswith("python -m benchmarks.host_pieces --device cpu")
+    (row,) = data["rows"]
+    native, patched = row["native"]["pieces"], row["patched"]["pieces"]
+    norms = 2 * 2 + 1  # two per layer and the final one
+    assert native["class LlamaRMSNorm"]["calls"] == norms and patched["class LlamaRMSNorm"]["calls"] == norms
+    assert patched["rms_norm: kernel entry"]["calls"] == norms and "rms_norm: kernel entry" not in native
+    assert patched["causal LM: loss"]["calls"] == 1 and patched["loss: fused_linear_cross_entropy"]["calls"] == 1
+    for side in (native, patched):
+        assert side["class LlamaDecoderLayer"]["us"] < side["class LlamaModel"]["us"] < side["class LlamaForCausalLM"]["us"]
+    for side in ("native", "patched"):
+        assert row[side]["forward_us"] > 0 and row[side]["backward_us"] > 0
+    md = (tmp_path / "host_pieces.md").read_text()
+    assert md.count("regenerate:") == 1 and "## llama 2x8" in md and "| rms_norm: kernel entry | 5 |" in md
+    # the wrappers are gone: a fresh import of the module sees the kernels' own functions
+    check = subprocess.run([sys.executable, "-c", "import sys; from benchmarks import host_pieces as h; "
+                            "import liger_compat.kernels.norm as n; c = h.Clock(); f = n.check_args; "
+                            "c.wrap(n, 'check_args', 'x'); assert n.check_args is not f; c.remove(); "
+                            "assert n.check_args is f"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+
+
 def test_no_script_or_doc_runs_a_benchmark_as_a_file():
     """Run as a file, a benchmark puts ``benchmarks/`` first on ``sys.path``, where ``kernels.py``
     shadows the PyPI ``kernels`` package that transformers probes (an ImportError on every rank of

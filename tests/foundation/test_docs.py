@@ -86,6 +86,7 @@ def test_benchmark_commands_name_the_files_they_write():
                 "benchmarks.compile_families": "compile_families", "benchmarks.gpu_tests": "gpu_tests",
                 "benchmarks.trl_step": "trl_step", "benchmarks.cpu_step": "cpu_step",
                 "benchmarks.module_host": "module_host", "benchmarks.host_profile": "host_profile",
+                "benchmarks.host_pieces": "host_pieces",
                 "benchmarks.skip_analysis": "skip_analysis", "benchmarks.compiled_profile": "compiled_profile",
                 "benchmarks.op_launch": "op_launch", "benchmarks.gh_gemm": "gh_gemm",
                 "benchmarks.sparse_grads_profile": "sparse_grads_profile",
