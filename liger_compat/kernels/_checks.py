@@ -57,6 +57,15 @@ def same_device(**tensors: torch.Tensor | None) -> torch.device:
     return first.device
 
 
+def same_device2(first_name: str, first: torch.Tensor, name: str, t: torch.Tensor) -> torch.device:
+    """:func:`same_device` of two tensors (the same error), without its argument dictionary: the
+    module shims check two tensors on every call."""
+    device = first.device
+    if t.device != device:
+        raise DeviceMismatchError(f"{name} is on {t.device} but {first_name} is on {device}; all inputs must be on one device")
+    return device
+
+
 def same_dtype(**tensors: torch.Tensor | None) -> None:
     items = [(k, v) for k, v in tensors.items() if v is not None]
     first_name, first = items[0]

@@ -127,12 +127,15 @@ def poll() -> None:
     if not _pending:
         return
     with _lock:
+        # an event is not queried while the stream is being captured
         if any(p.event is not None for p in _pending) and _capturing():
             return
-        done = [p for p in _pending if p.event is None or p.event.query()]
+        done, waiting = [], []
+        for p in _pending:
+            (done if p.event is None or p.event.query() else waiting).append(p)
         if not done:
             return
-        _pending[:] = [p for p in _pending if not any(p is d for d in done)]
+        _pending[:] = waiting
         bad = []
         for p in done:
             values = p.flag.tolist()  # host memory: the copy (its event has completed) or a CPU flag

@@ -186,8 +186,9 @@ def check_args(gate, up) -> torch.device:
     _checks.float_dtype("up", up)
     if gate.shape != up.shape:
         raise ShapeMismatchError(f"gate has shape {tuple(gate.shape)} but up has {tuple(up.shape)}; they must match")
-    _checks.same_dtype(gate=gate, up=up)
-    return _checks.same_device(gate=gate, up=up)
+    if up.dtype != gate.dtype:
+        _checks.same_dtype(gate=gate, up=up)  # raises, naming both
+    return _checks.same_device2("gate", gate, "up", up)
 
 
 def _contiguous(name: str, gate, up, device):
@@ -241,21 +242,44 @@ def _autocast_on(device: torch.device) -> bool:
         return bool(torch.is_autocast_enabled())
 
 
+#: torch's global module hooks (each a dict; any entry makes every module call run hooks)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _plain_param(p, x: torch.Tensor) -> bool:
+    """A plain ``nn.Parameter`` of ``x``'s dtype and device: no DTensor or other tensor subclass
+    underneath, no DeepSpeed ZeRO-3 partition."""
+    return (type(p) is torch.nn.Parameter and p.dtype == x.dtype and p.device == x.device
+            and type(p.data) is torch.Tensor and not hasattr(p, "ds_id"))
+
+
+def linear_params(m, x: torch.Tensor):
+    """``(weight, bias)`` of ``m`` where it is an ``nn.Linear`` whose call is exactly
+    ``F.linear(x, weight, bias)`` (:func:`plain_linear`), else None. Runs on every MLP call: the
+    parameters are read from the module's own table (no ``nn.Module.__getattr__``)."""
+    if type(m) is not torch.nn.Linear:
+        return None
+    d = m.__dict__
+    if "forward" in d or "weight" in d or "bias" in d or d.get("_forward_hooks") or d.get("_forward_pre_hooks") \
+            or d.get("_backward_hooks") or d.get("_backward_pre_hooks"):
+        return None
+    for name in _GLOBAL_HOOKS:
+        if getattr(_module, name, None):
+            return None
+    params = d.get("_parameters")
+    if params is None or "bias" not in params:
+        return None
+    w, b = params.get("weight"), params["bias"]
+    if w is None or not _plain_param(w, x) or (b is not None and not _plain_param(b, x)) or _autocast_on(x.device):
+        return None
+    return w, b
+
+
 def plain_linear(m, x: torch.Tensor) -> bool:
     """``m`` is an ``nn.Linear`` whose call is exactly ``F.linear(x, weight, bias)``: no hooks, plain
     same-dtype parameters (no DTensor, no DeepSpeed ZeRO-3 partition), no autocast."""
-    if type(m) is not torch.nn.Linear or "forward" in vars(m):
-        return False
-    if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None) or getattr(
-            m, "_backward_pre_hooks", None):
-        return False
-    if any(getattr(_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                                "_global_backward_hooks", "_global_backward_pre_hooks")):
-        return False
-    params = [m.weight] + ([m.bias] if m.bias is not None else [])
-    return (all(type(p) is torch.nn.Parameter and type(p.data) is torch.Tensor and not hasattr(p, "ds_id")
-                and p.dtype == x.dtype and p.device == x.device for p in params)
-            and not _autocast_on(x.device))
+    return linear_params(m, x) is not None
 
 
 def gated_project(gate: torch.Tensor, up: torch.Tensor, project, *, activation: str = "silu",
@@ -289,9 +313,10 @@ def gated_project_checked(gate: torch.Tensor, up: torch.Tensor, project, activat
     :data:`KERNEL_OF_ACTIVATION`, ``device`` the one it returned)."""
     g, u, backend = _contiguous(KERNEL_OF_ACTIVATION[activation], gate, up, device)
     rebuild = "activation" in recompute_parts()
-    if (rebuild and torch.is_grad_enabled() and not _recompute.compiling() and plain_linear(project, g)
-            and (g.requires_grad or u.requires_grad or project.weight.requires_grad)):
-        return gated_linear(g, u, project.weight, project.bias, activation, backend, inplace)
+    params = (linear_params(project, g) if rebuild and torch.is_grad_enabled() and not _recompute.compiling()
+              else None)
+    if params is not None and (g.requires_grad or u.requires_grad or params[0].requires_grad):
+        return gated_linear(g, u, params[0], params[1], activation, backend, inplace)
     h = _apply_gated(g, u, activation, backend, inplace)
     try:
         if not rebuild or not _recompute.applies(h):

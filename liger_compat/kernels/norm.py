@@ -119,13 +119,14 @@ def check_args(x, weight, eps, casting: str = "llama") -> torch.device:
     _checks.float_dtype("weight", weight)
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ShapeMismatchError(f"x must be [..., H] with H > 0, got shape {tuple(x.shape)}")
-    if tuple(weight.shape) != (x.shape[-1],):
-        raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but x's last dimension is {x.shape[-1]}")
+    shape = x.shape
+    if not shape or shape[-1] == 0:
+        raise ShapeMismatchError(f"x must be [..., H] with H > 0, got shape {tuple(shape)}")
+    if weight.shape != shape[-1:]:
+        raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but x's last dimension is {shape[-1]}")
     if not float(eps) >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    return _checks.same_device(x=x, weight=weight)
+    return _checks.same_device2("x", x, "weight", weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"):

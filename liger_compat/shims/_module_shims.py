@@ -101,6 +101,36 @@ def kernels_module() -> Any:
     return mod
 
 
+#: ``torch.nn.Module.__getattr__``, read on the first :func:`registered` call (torch is not imported
+#: by ``import liger_compat``)
+_module_getattr: Any = None
+#: the tables ``nn.Module.__getattr__`` reads, in its order
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+
+
+def registered(m: Any, name: str) -> Any:
+    """``getattr(m, name, None)`` for an ``nn.Module``, without ``nn.Module.__getattr__`` (about a
+    microsecond a read of a submodule, more for a name it lacks, which it raises for): the MLP shim
+    reads a few names on every call. A name of the instance's or class's own attributes (which plain ``getattr`` finds first),
+    or a class with its own ``__getattr__`` (an FSDP or PEFT wrapper forwarding to what it wraps),
+    is read with ``getattr``; otherwise the parameter, buffer and submodule tables are looked up as
+    ``nn.Module.__getattr__`` does. The result is always what ``getattr`` gives."""
+    global _module_getattr
+    if _module_getattr is None:
+        import torch
+
+        _module_getattr = torch.nn.Module.__getattr__
+    cls = type(m)
+    d = m.__dict__
+    if name in d or hasattr(cls, name) or getattr(cls, "__getattr__", None) is not _module_getattr:
+        return getattr(m, name, None)
+    for table in _MODULE_TABLES:
+        entries = d.get(table)
+        if entries is not None and name in entries:
+            return entries[name]
+    return None
+
+
 def constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run eagerly while TorchDynamo traces, its result a constant of the graph
     (``torch._dynamo.assume_constant_result``; its arguments must be constants: functions, strings,

@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Callable, Iterator
+
+from .._config import compiling
 
 __all__ = [
     "fused_head_loss", "through_module", "head_weight", "head_module", "head_sharding", "ShardedHeadError", "wired",
@@ -58,8 +61,20 @@ class ShardedHeadError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 
 
-def _mro_names(obj: Any) -> set[str]:
-    return {c.__name__ for c in type(obj).__mro__}
+def _mro_names(obj: Any) -> frozenset[str]:
+    """The class names of ``obj``'s type and its bases, kept per type (read on every head call)."""
+    cls = type(obj)
+    if compiling():  # traced: no cache (a weak table is no constant to dynamo)
+        return frozenset(c.__name__ for c in cls.__mro__)
+    names = _MRO_NAMES.get(cls)
+    if names is None or names[0] is not cls.__mro__:  # a class whose bases were reassigned: read again
+        names = _MRO_NAMES[cls] = (cls.__mro__, frozenset(c.__name__ for c in cls.__mro__))
+    return names[1]
+
+
+#: type -> (its __mro__ when read, the class names in it); a weak table: a class made on the fly
+#: (FSDP2's per-module FSDP classes) is dropped with it
+_MRO_NAMES: "weakref.WeakKeyDictionary[type, tuple[tuple, frozenset[str]]]" = weakref.WeakKeyDictionary()
 
 
 def is_dtensor(t: Any) -> bool:
@@ -86,7 +101,10 @@ def head_sharding(lm_head: Any) -> str:
         return "fsdp2"
     if "FullyShardedDataParallel" in names:
         return "fsdp1"
-    params = list(head_module(lm_head).parameters(recurse=False))
+    # not FSDP1 (above): the module is its own head; its parameters read from its table
+    table = lm_head.__dict__.get("_parameters")
+    params = ([p for p in table.values() if p is not None] if table is not None
+              else list(lm_head.parameters(recurse=False)))
     if any(is_zero3_param(p) for p in params):
         return "zero3"
     if any(is_dtensor(p) for p in params):

@@ -20,7 +20,7 @@ from .. import _config
 from ..compat import families
 from ._module_shims import (UPSTREAM, ModuleShim, classes, close, constant_result, foreign_replacements,
                             compiling, guarded, kernels_module, patch_instances, kernel_refusal,
-                            replaced_classes, native_call, verdict_key)
+                            registered, replaced_classes, native_call, verdict_key)
 from ._patching import PatchSet, ShimPatches
 from ._registry import register
 
@@ -47,10 +47,18 @@ def activation_kind(act: Any) -> str | None:
     return None
 
 
+def _member(m: Any, name: str) -> Any:
+    """``getattr(m, name, None)``, a registered submodule read from the module's own table (this runs
+    on every MLP call; :func:`~._module_shims.registered`); plain ``getattr`` while TorchDynamo traces."""
+    if compiling():
+        return getattr(m, name, None)
+    return registered(m, name)
+
+
 def _linear(m: Any, name: str) -> Any:
     import torch
 
-    mod = getattr(m, name, None)
+    mod = _member(m, name)
     return mod if isinstance(mod, torch.nn.Module) else None
 
 
@@ -58,18 +66,32 @@ def mlp_layout(m: Any) -> tuple[str, tuple[Any, ...], Any] | None:
     """``(layout, projections, activation module)`` of a gated MLP, found by attributes."""
     act = None
     for attr in ("act_fn", "activation_fn", "act"):
-        act = getattr(m, attr, None)
+        act = _member(m, attr)
         if act is not None:
             break
     if act is None:
         return None
-    if all(_linear(m, n) is not None for n in ("gate_proj", "up_proj", "down_proj")):
-        return "gate_up_down", (m.gate_proj, m.up_proj, m.down_proj), act
-    if _linear(m, "gate_up_proj") is not None and _linear(m, "down_proj") is not None:
-        return "fused_gate_up", (m.gate_up_proj, m.down_proj), act
-    if all(_linear(m, n) is not None for n in ("w1", "w3", "w2")):
-        return "w1_w3_w2", (m.w1, m.w3, m.w2), act
+    for layout, names in _LAYOUTS:
+        found = _linears(m, names)
+        if found is not None:
+            return layout, found, act
     return None
+
+
+#: the gated MLP layouts, by the names of their projections (the last one the down projection)
+_LAYOUTS = (("gate_up_down", ("gate_proj", "up_proj", "down_proj")), ("fused_gate_up", ("gate_up_proj", "down_proj")),
+            ("w1_w3_w2", ("w1", "w3", "w2")))
+
+
+def _linears(m: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The modules named, or None from the first name that is no module."""
+    found = []
+    for name in names:
+        mod = _linear(m, name)
+        if mod is None:
+            return None
+        found.append(mod)
+    return tuple(found)
 
 
 def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]) -> Any:

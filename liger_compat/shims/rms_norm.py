@@ -43,17 +43,18 @@ def _rms_eps(m: Any) -> float | None:
     return None
 
 
-def _rms_shape_ok(m: Any, x: Any) -> bool:
-    w = getattr(m, "weight", None)
+def _rms_shape_ok(w: Any, x: Any) -> bool:
+    """``w`` (the module's weight) and ``x`` are what the kernel's checks can take: a 1-D float
+    weight as long as ``x``'s last dimension."""
     return (w is not None and getattr(w, "dim", lambda: 0)() == 1 and x.dim() >= 1
             and x.shape[-1] == w.shape[0] and w.is_floating_point() and x.is_floating_point())
 
 
-def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str] | str:
-    """Which kernel mode reproduces ``native``; probed once per class, instance fingerprint
-    (:func:`~._module_shims.verdict_key`: the attributes and config its forward can read), training
-    mode and dtypes."""
-    key = verdict_key(m, x.dtype, m.weight.dtype)
+def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any, w: Any) -> tuple[float, str] | str:
+    """Which kernel mode reproduces ``native`` (``w``: the module's weight); probed once per class,
+    instance fingerprint (:func:`~._module_shims.verdict_key`: the attributes and config its forward
+    can read), training mode and dtypes."""
+    key = verdict_key(m, x.dtype, w.dtype)
     hit = None if key is None else _rms_modes.get(key)
     if hit is not None:
         return hit
@@ -75,7 +76,7 @@ def _rms_mode(native: Callable[[Any], Any], m: Any, x: Any) -> tuple[float, str]
         ref = native(probe).float()
         scale = ref.abs().max().clamp(min=1e-6)
         for off, casting in order:  # the inputs passed the kernel's checks (check_args) before this
-            y = kernels.rms_norm(probe, m.weight, eps, offset=off, casting=casting)
+            y = kernels.rms_norm(probe, w, eps, offset=off, casting=casting)
             if y.shape != ref.shape:
                 continue
             err = float(((y.float() - ref).abs().max() / scale).item())
@@ -99,15 +100,15 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     if native_call(x):
         return wrapped(x)
     eps = _rms_eps(instance)
-    if eps is None or not _rms_shape_ok(instance, x):
+    w = getattr(instance, "weight", None)  # read once: the checks and the mode key take it
+    if eps is None or not _rms_shape_ok(w, x):
         return wrapped(x)
-    w = instance.weight
     norm = kernels_module().norm
     # the kernel's own argument checks, run once: the call below skips them
     device, refusal = kernel_refusal(lambda: norm.check_args(x, w, eps))
     if refusal is not None:  # the mode probe below would run the kernel on these inputs
         return guarded("rms_norm", refusal, lambda: None, lambda: wrapped(x))[0]
-    mode = _rms_mode(wrapped, instance, x)
+    mode = _rms_mode(wrapped, instance, x, w)
     if not isinstance(mode, tuple):
         return wrapped(x)
     return norm.rms_norm_checked(x, w, eps, mode[0], mode[1], device)

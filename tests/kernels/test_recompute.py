@@ -340,3 +340,42 @@ def test_the_setting_picks_the_parts_and_names_itself_when_wrong(monkeypatch):
                                lambda t: seen.append(weakref.ref(t.untyped_storage())) or lin2(t))
     gc.collect()
     assert seen[0]() is not None and kept is not None  # "input" not named: the norm output is kept
+
+
+def test_linear_params_accepts_exactly_a_plain_layer():
+    """The plain-linear test reads the layer's own tables: the same answer as reading its
+    attributes, for every way a layer stops being ``F.linear(x, weight, bias)``."""
+    import torch.nn.modules.module as module_globals
+
+    from liger_compat.kernels.gated_mlp import linear_params, plain_linear
+
+    x = torch.randn(3, 8)
+    lin = torch.nn.Linear(8, 4)
+    assert linear_params(lin, x) == (lin.weight, lin.bias) and plain_linear(lin, x)
+    lin.bias = None  # registered as None: a layer without a bias
+    assert linear_params(lin, x) == (lin.weight, None)
+    assert linear_params(lin, x.double()) is None  # another dtype than the input's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear_params(lin, x) is None
+    handle = lin.register_forward_pre_hook(lambda m, a: None)
+    assert linear_params(lin, x) is None
+    handle.remove()
+    handle = module_globals.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert linear_params(lin, x) is None  # a global hook runs on every module call
+    finally:
+        handle.remove()
+    assert linear_params(lin, x) is not None
+    lin.weight.ds_id = 7  # a DeepSpeed ZeRO-3 partition
+    assert linear_params(lin, x) is None
+    del lin.weight.ds_id
+    sub = type("MyLinear", (torch.nn.Linear,), {})(8, 4)  # a subclass may compute anything
+    assert linear_params(sub, x) is None
+    plain_weight = torch.nn.Linear(8, 4)
+    w = plain_weight.weight.detach().clone()
+    del plain_weight.weight
+    plain_weight.weight = w  # a plain tensor attribute, no parameter
+    assert linear_params(plain_weight, x) is None
+    own_forward = torch.nn.Linear(8, 4)
+    own_forward.forward = lambda h: h
+    assert linear_params(own_forward, x) is None

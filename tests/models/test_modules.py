@@ -434,3 +434,41 @@ def test_the_module_shims_run_each_kernels_argument_checks_once_a_call(monkeypat
     assert calls["rms_norm"] == 2 * layers + 1 and calls["gated_project"] == layers, calls
     assert calls["apply_rotary_pos_emb"] == layers, calls
     assert calls["float_dtype"] == 2 * calls["rms_norm"] + 2 * calls["gated_project"] + 4 * layers, calls
+
+
+def test_registered_reads_what_getattr_reads():
+    """The shims' fast attribute read gives ``getattr(m, name, None)`` in every case: parameters,
+    buffers, submodules, names a module lacks, instance and class attributes that shadow a
+    registered name, and classes with their own ``__getattr__``."""
+    from liger_compat.shims._module_shims import registered
+
+    m = torch.nn.Linear(4, 3)
+    m.register_buffer("scale", torch.ones(3))
+    m.add_module("act", torch.nn.SiLU())
+    for name in ("weight", "bias", "scale", "act", "missing", "training", "forward"):
+        assert registered(m, name) is getattr(m, name, None) or registered(m, name) == getattr(m, name, None), name
+
+    class Shadowed(torch.nn.Module):
+        gate_proj = None  # a class attribute: getattr finds it before the submodule table
+
+        def __init__(self):
+            super().__init__()
+            self._modules["gate_proj"] = torch.nn.Linear(2, 2)
+
+    s = Shadowed()
+    assert registered(s, "gate_proj") is None and getattr(s, "gate_proj", None) is None
+
+    class Forwarding(torch.nn.Module):  # a wrapper answering for what it wraps
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    f = Forwarding()
+    assert registered(f, "weight") is f.inner.weight
+    assert registered(f, "inner") is f.inner
