@@ -62,7 +62,8 @@ def same_device2(first_name: str, first: torch.Tensor, name: str, t: torch.Tenso
     module shims check two tensors on every call."""
     device = first.device
     if t.device != device:
-        raise DeviceMismatchError(f"{name} is on {t.device} but {first_name} is on {device}; all inputs must be on one device")
+        raise DeviceMismatchError(f"{name} is on {t.device} but {first_name} is on {device}; "
+                                  "all inputs must be on one device")
     return device
 
 

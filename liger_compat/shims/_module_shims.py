@@ -111,10 +111,11 @@ _MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 def registered(m: Any, name: str) -> Any:
     """``getattr(m, name, None)`` for an ``nn.Module``, without ``nn.Module.__getattr__`` (about a
     microsecond a read of a submodule, more for a name it lacks, which it raises for): the MLP shim
-    reads a few names on every call. A name of the instance's or class's own attributes (which plain ``getattr`` finds first),
-    or a class with its own ``__getattr__`` (an FSDP or PEFT wrapper forwarding to what it wraps),
-    is read with ``getattr``; otherwise the parameter, buffer and submodule tables are looked up as
-    ``nn.Module.__getattr__`` does. The result is always what ``getattr`` gives."""
+    reads a few names on every call. A name among the instance's or its class's own attributes
+    (which plain ``getattr`` finds first), or a class with its own ``__getattr__`` (an FSDP or PEFT
+    wrapper forwarding to what it wraps), is read with ``getattr``; otherwise the parameter, buffer
+    and submodule tables are looked up as ``nn.Module.__getattr__`` does. The result is always what
+    ``getattr`` gives."""
     global _module_getattr
     if _module_getattr is None:
         import torch
