@@ -36,7 +36,7 @@ import torch
 import liger_compat
 
 from . import _results
-from .models_gpu import batch, make_model
+from .host_profile import _step, _sync, warm_model
 
 #: module class name parts whose forward is timed on both sides
 CLASS_PARTS = ("RMSNorm", "MLP", "Attention", "DecoderLayer", "Model", "ForCausalLM", "ForConditionalGeneration")
@@ -96,12 +96,9 @@ class Clock:
         self._undo.clear()
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _wrap_side(clock: Clock, model, side: str) -> None:
+    """Timing wrappers on the forwards of ``model``'s module classes named in :data:`CLASS_PARTS`,
+    and on the patched side on :data:`PIECES` too."""
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__name__):
         if any(p in cls.__name__ for p in CLASS_PARTS) and "forward" in vars(cls):
             clock.wrap(cls, "forward", f"class {cls.__name__}")
@@ -112,31 +109,18 @@ def _wrap_side(clock: Clock, model, side: str) -> None:
                 clock.wrap(owner, attr, label)
 
 
-def _step(model, kw, labels) -> None:
-    model.zero_grad(set_to_none=True)
-    model(**kw, labels=labels, use_cache=False).loss.backward()
-
-
 def measure(family: str, ns: argparse.Namespace) -> dict:
     """Both sides interleaved: each round, each side (the order alternating) is switched on, takes
     one untimed step, then one step timed with the wrappers set (and removed after it, before the
     other side's patches are switched)."""
-    args = argparse.Namespace(layers=ns.layers, hidden=ns.hidden, vocab=ns.vocab, batch=ns.batch, seq=ns.seq,
-                              intermediate=0, device=ns.device)
     liger_compat.apply()
-    model = make_model(family, args, torch.bfloat16)
-    kw, labels = batch(model, args, family)
-    kw = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in kw.items()}
+    model, kw, labels, switches = warm_model(family, ns)  # 4 warm-up steps a side
     sides = ("native", "patched")
     clocks = {s: Clock() for s in sides}
     times: dict[str, dict[str, list[float]]] = {s: {"forward": [], "backward": []} for s in sides}
-    for side in sides:  # warm-up: kernels compile, caches and CUDA graphs fill
-        (liger_compat.revert if side == "native" else liger_compat.apply)()
-        for _ in range(4):
-            _step(model, kw, labels)
     for r in range(ns.rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):
-            (liger_compat.revert if side == "native" else liger_compat.apply)()
+            switches[side]()
             _step(model, kw, labels)
             clock = clocks[side]
             _wrap_side(clock, model, side)

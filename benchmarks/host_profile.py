@@ -142,17 +142,16 @@ def warm_model(family: str, ns: argparse.Namespace) -> tuple:
     return model, kw, labels, sides
 
 
-def _dump_forwards(model, kw, labels, ns: argparse.Namespace, family: str, suffix: str) -> None:
-    """``--dump``: the cProfile data of ``ns.steps`` forwards (with labels) alone, to
-    ``<name>_<family>_forward<suffix>.pstats``."""
-    fwd = cProfile.Profile()
+def _profiled(fn, steps: int) -> cProfile.Profile:
+    """A ``cProfile`` of ``steps`` calls of ``fn``, the GPU drained before and after."""
+    pr = cProfile.Profile()
     _sync()
-    fwd.enable()
-    for _ in range(ns.steps):
-        model(**kw, labels=labels, use_cache=False)
-    fwd.disable()
+    pr.enable()
+    for _ in range(steps):
+        fn()
+    pr.disable()
     _sync()
-    fwd.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_forward{suffix}.pstats"))
+    return pr
 
 
 def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
@@ -167,28 +166,19 @@ def profile_family(family: str, ns: argparse.Namespace) -> tuple[dict, str]:
             f"(ratio {row['ratio']:.3f}); host ms per step (no sync inside) native {row['host_ms_native']:.2f} "
             f"patched {row['host_ms_patched']:.2f}", ""]
     liger_compat.apply()
-    pr = cProfile.Profile()
-    _sync()
-    pr.enable()
-    for _ in range(ns.steps):
-        _step(model, kw, labels)
-    pr.disable()
-    _sync()
+    step = lambda: _step(model, kw, labels)  # noqa: E731
+    forward = lambda: model(**kw, labels=labels, use_cache=False)  # noqa: E731
+    pr = _profiled(step, ns.steps)
     if ns.dump:
-        pr.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}.pstats"))
-        _dump_forwards(model, kw, labels, ns, family, "")
-        # the native side's too, to set a shim's functions beside the module forwards they replace
+        # the forwards alone too, and the native side's (a shim's functions beside the module
+        # forwards they replace): <name>_<family>[_forward][_native].pstats
+        dumps = {"": pr, "_forward": _profiled(forward, ns.steps)}
         liger_compat.revert()
-        _dump_forwards(model, kw, labels, ns, family, "_native")
-        steps = cProfile.Profile()
-        _sync()
-        steps.enable()
-        for _ in range(ns.steps):
-            _step(model, kw, labels)
-        steps.disable()
-        _sync()
-        steps.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}_native.pstats"))
+        dumps["_forward_native"] = _profiled(forward, ns.steps)
+        dumps["_native"] = _profiled(step, ns.steps)
         liger_compat.apply()
+        for suffix, prof in dumps.items():
+            prof.dump_stats(str(Path(ns.out) / f"{ns.name}_{family}{suffix}.pstats"))
     for key in ("tottime", "cumulative"):
         text += [f"## cProfile of {ns.steps} patched steps, by {key}", _results.profile_text(pr, key, 45)]
     for side, switch in sides.items():
