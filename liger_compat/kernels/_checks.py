@@ -49,17 +49,13 @@ def same_device(**tensors: torch.Tensor | None) -> torch.device:
     items = [(k, v) for k, v in tensors.items() if v is not None]
     first_name, first = items[0]
     for name, t in items[1:]:
-        if t.device != first.device:
-            raise DeviceMismatchError(
-                f"{name} is on {t.device} but {first_name} is on {first.device}; "
-                "all inputs must be on one device"
-            )
+        same_device2(first_name, first, name, t)
     return first.device
 
 
 def same_device2(first_name: str, first: torch.Tensor, name: str, t: torch.Tensor) -> torch.device:
-    """:func:`same_device` of two tensors (the same error), without its argument dictionary: the
-    module shims check two tensors on every call."""
+    """``t`` on ``first``'s device, else the error naming both: :func:`same_device` of two tensors,
+    without its argument dictionary (the module shims check two tensors on every call)."""
     device = first.device
     if t.device != device:
         raise DeviceMismatchError(f"{name} is on {t.device} but {first_name} is on {device}; "
