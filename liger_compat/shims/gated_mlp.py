@@ -224,18 +224,24 @@ def _compiled_mlp_forward(wrapped: Any, m: Any, x: Any) -> Any:
     if route is None:  # no module patched yet (not reached: a patched forward is what calls this)
         return wrapped(x)
     act_name = route(getattr(wrapped, "func", None), str(x.device))
-    kind = activation_kind(getattr(m, act_name)) if act_name else None  # the activation the forward calls
+    # the size first, from shapes the step's guards already hold (the input's and the gate weight's,
+    # which native code reads too): each check below adds guards that the compiled step evaluates
+    # at every call (the plain-layer checks a dozen a projection), for an answer a small step does
+    # not use
+    w = getattr(gate_proj, "weight", None)
+    if not act_name or not isinstance(w, torch.Tensor) or w.dim() != 2 or (
+            x.numel() // max(x.shape[-1], 1) * w.shape[0] * x.element_size() < COMPILED_ROUTE_MIN_BYTES):
+        return wrapped(x)
+    kind = activation_kind(getattr(m, act_name))  # the activation the forward calls
     fam = families.BY_MODULE.get(type(m).__module__)
     if kind is None or (fam is not None and fam.mlp_act != kind):
         return wrapped(x)
     gated = kernels_module().gated_mlp
+    if not _config.kernel_enabled(gated.KERNEL_OF_ACTIVATION[kind]):
+        return wrapped(x)
     # down_proj's own forward and hooks would not run (the op computes it): plain layers only; a
     # hook added later fails a guard on what is read here, and the step compiles again
     if not all(gated.plain_linear(p, x) for p in (gate_proj, up_proj, down_proj)):
-        return wrapped(x)
-    if not _config.kernel_enabled(gated.KERNEL_OF_ACTIVATION[kind]):
-        return wrapped(x)
-    if x.numel() // max(x.shape[-1], 1) * gate_proj.out_features * x.element_size() < COMPILED_ROUTE_MIN_BYTES:
         return wrapped(x)
     return gated.gated_linear(gate_proj(x), up_proj(x), down_proj.weight, down_proj.bias, kind)
 

@@ -511,6 +511,57 @@ def test_compiled_step_keeps_no_mlp_activation(monkeypatch):
     assert counts == {"op": 2 * layers, "setting off": 3 * layers, "small": 3 * layers}, counts
 
 
+def _guard_lines(model, ids, labels) -> list[str]:
+    """The guards of one compiled training step's frame, one line each (each is evaluated at every
+    call of the compiled step), with the objects' ids left out."""
+    import re
+
+    from torch._dynamo import eval_frame
+
+    debug = getattr(eval_frame, "_debug_get_cache_entry_list", None)
+    if debug is None:
+        pytest.skip("this torch has no _debug_get_cache_entry_list to read a frame's guards")
+    torch._dynamo.reset()
+    _step(torch.compile(model, fullgraph=True, backend="eager"), ids, labels)
+    model.zero_grad(set_to_none=True)
+    forward = type(model).forward  # the frame TorchDynamo compiled: the class's forward, patched or not
+    entries = debug(forward.__code__)
+    assert len(entries) == 1, len(entries)
+    lines = [line.split("+- ", 1)[1] for line in str(entries[0].guard_manager).splitlines() if "+- " in line]
+    return [re.sub(r"\d{6,}", "ID", line.split("  #")[0].strip()) for line in lines if not line.startswith("GuardManager")]
+
+
+def test_compiled_small_mlp_adds_no_guards_on_its_projections(monkeypatch):
+    """Below the compiled route's size bound the patched MLP runs its native forward, and the
+    compiled step's frame guards its projections exactly as native's does: the size is read from
+    shapes the step's guards hold already, and the plain-layer checks (hooks, the parameters read
+    from the layers' tables, their classes and ZeRO-3 attributes: a dozen guards a projection) run
+    only where the route is taken. Every guard is evaluated at each call of the compiled step, a
+    host-bound small step's time."""
+    from liger_compat.shims import causal_lm
+    from liger_compat.shims import gated_mlp as shim
+
+    # a small head's compiled step on the kernels' device: the native head and loss
+    monkeypatch.setattr(causal_lm, "COMPILED_NATIVE_LOSS_MAX_MACS", 2**39)
+    monkeypatch.setattr(_dispatch, "reference_only", lambda device: False)
+    model = _tiny(_route_family())
+    ids, labels = _batch(model, seed=5)
+    assert ids.numel() * model.config.intermediate_size * 4 < shim.COMPILED_ROUTE_MIN_BYTES
+    patched = _guard_lines(model, ids, labels)
+    errors = liger_compat.revert()
+    assert not errors, errors
+    try:
+        native = _guard_lines(model, ids, labels)
+    finally:
+        liger_compat.apply()
+
+    def on_projections(lines):
+        return sorted(g.replace("L['args'][0]", "L['self']") for g in lines if "_proj']" in g and "L['" in g)
+
+    assert on_projections(patched) == on_projections(native), sorted(set(on_projections(patched))
+                                                                   ^ set(on_projections(native)))
+
+
 def test_compiled_mlp_route_reads_the_forwards_source():
     """Under compile the MLP takes the gated linear op only where its native forward's source is
     exactly ``down_proj(act(gate_proj(x)) * up_proj(x))`` (any spelling through local names, the
