@@ -31,7 +31,8 @@ from .shims import load_all as _load_all
 def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | None = None, debug: bool | None = None,
               return_logits: bool | None = None, decode_native: bool | None = None,
               cpu_native: bool | None = None, flce_sparse: bool | None = None,
-              flce_fp32_grad_weight: bool | None = None, flce_graphs: bool | None = None) -> None:
+              flce_fp32_grad_weight: bool | None = None, flce_graphs: bool | None = None,
+              rms_norm_small_torch: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -59,9 +60,15 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     eagerly (``LIGER_COMPAT_FLCE_GRAPHS``: by default a scalar loss on a GPU of at most ~2**39
     rows x vocabulary x hidden, a host-bound small step's, replays its pass as a CUDA graph from
     the third call with the same shapes and weight; the graph keeps one chunk of logits and the
-    gradients reserved).
+    gradients reserved). ``rms_norm_small_torch=False`` runs our RMSNorm kernel at every size
+    (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``: by default a Llama-casting RMSNorm on a GPU whose output
+    is below 16 MiB runs torch's fused RMSNorm op, one C++ call forward and backward, where a
+    host-bound step waits for our kernel's Python launch).
     """
     s = _config.settings
+    if rms_norm_small_torch is not None:
+        s.rms_norm_small_torch = _config.parse_bool(rms_norm_small_torch, "rms_norm_small_torch")
+        s.source["rms_norm_small_torch"] = "configure()"
     if flce_graphs is not None:
         s.flce_graphs = _config.parse_bool(flce_graphs, "flce_graphs")
         s.source["flce_graphs"] = "configure()"

@@ -79,6 +79,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("flce_graphs", "LIGER_COMPAT_FLCE_GRAPHS", "1", _ONOFF),
     Setting("mlp_recompute", "LIGER_COMPAT_MLP_RECOMPUTE", "1",
             f"1, 0, or comma-separated names from {', '.join(MLP_RECOMPUTE_PARTS)}"),
+    Setting("rms_norm_small_torch", "LIGER_COMPAT_RMS_NORM_SMALL_TORCH", "1", _ONOFF),
     Setting("decode_native", "LIGER_COMPAT_DECODE_NATIVE", "1", _ONOFF),
     Setting("cpu_native", "LIGER_COMPAT_CPU_NATIVE", "1", _ONOFF),
 )
@@ -131,13 +132,15 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 class Settings(Record):
     _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
-               "flce_sparse", "flce_fp32_grad_weight", "flce_graphs", "mlp_recompute", "decode_native", "cpu_native", "source")
+               "flce_sparse", "flce_fp32_grad_weight", "flce_graphs", "mlp_recompute", "rms_norm_small_torch",
+               "decode_native", "cpu_native", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
                  source: dict[str, str] | None = None, flce_mode: str = "auto", return_logits: bool = False,
                  flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1",
                  decode_native: bool = True, cpu_native: bool = True, flce_sparse: bool = True,
-                 flce_fp32_grad_weight: bool = False, flce_graphs: bool = True) -> None:
+                 flce_fp32_grad_weight: bool = False, flce_graphs: bool = True,
+                 rms_norm_small_torch: bool = True) -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
@@ -161,6 +164,10 @@ class Settings(Record):
         #: through Triton's and torch's host code; off: every call runs eagerly
         self.flce_graphs = flce_graphs
         self.mlp_recompute = mlp_recompute
+        #: an RMSNorm with Llama casting whose output is below 16 MiB, on a GPU where torch has a
+        #: fused RMSNorm kernel, runs that op (one C++ call forward and backward) instead of our
+        #: Triton kernel: the host time a small step waits for (``shims/rms_norm.py``)
+        self.rms_norm_small_torch = rms_norm_small_torch
         #: a decode step (no grad, one position per sequence) runs the RMSNorm, RoPE and MLP natively
         self.decode_native = decode_native
         #: where no Triton kernel runs (CPU tensors without the interpreter), the RMSNorm, RoPE and

@@ -8,6 +8,11 @@ module is checked against its native forward once per class, attributes it can r
 fingerprint, :func:`~._module_shims.instance_key`) and dtypes, on a small probe, both weight offsets
 and both castings tried, and the matching kernel mode is used; a class that matches none keeps its
 native forward and the report lists it.
+
+On a GPU, a Llama-casting norm whose output is below 16 MiB runs torch's fused RMSNorm op
+(``torch.nn.functional.rms_norm``: one kernel and one C++ autograd node, where torch has them for
+the device) instead of our kernel: a small step waits on the host, where that op costs a fraction
+of our kernel's Python launch (:func:`_small_on_torch`, ``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``).
 """
 
 from __future__ import annotations
@@ -111,7 +116,61 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     mode = _rms_mode(wrapped, instance, x, w)
     if not isinstance(mode, tuple):
         return wrapped(x)
+    if mode == _LLAMA_MODE and _small_on_torch(x, w, device, norm):
+        return _torch_rms_norm(x, (x.shape[-1],), w, eps)
     return norm.rms_norm_checked(x, w, eps, mode[0], mode[1], device)
+
+
+#: the kernel mode of transformers' ``LlamaRMSNorm`` (no weight offset, the normalised activations
+#: cast to the input dtype before the weight multiplies them)
+_LLAMA_MODE = (0.0, "llama")
+#: ``torch.nn.functional.rms_norm`` once torch is imported (:func:`_small_on_torch` sets it)
+_torch_rms_norm: Any = None
+#: device type -> whether torch has a fused RMSNorm kernel for it (``aten::_fused_rms_norm``)
+_fused_kernel: dict[str, bool] = {}
+#: ``torch.Tensor`` and the classes of a plain weight, read with torch's names on a first call
+_Tensor: Any = None
+_PLAIN: tuple = ()
+
+
+def _has_fused_kernel(device: Any) -> bool:
+    """Whether ``torch.nn.functional.rms_norm`` runs one fused kernel on ``device`` (CUDA, where
+    torch registers ``aten::_fused_rms_norm`` and its backward for it: one C++ autograd node)
+    rather than its composite of elementwise ops."""
+    kind = device.type
+    hit = _fused_kernel.get(kind)
+    if hit is None:
+        import torch
+
+        global _torch_rms_norm, _Tensor, _PLAIN
+        _torch_rms_norm = getattr(torch.nn.functional, "rms_norm", None)
+        _Tensor, _PLAIN = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+        has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+        try:  # forward and backward: a torch with the one and not the other fails the backward
+            hit = bool(_torch_rms_norm is not None and kind == "cuda" and has is not None
+                       and has("aten::_fused_rms_norm", "CUDA") and has("aten::_fused_rms_norm_backward", "CUDA"))
+        except RuntimeError:  # no such operator in this torch
+            hit = False
+        _fused_kernel[kind] = hit
+    return hit
+
+
+def _small_on_torch(x: Any, w: Any, device: Any, norm: Any) -> bool:
+    """Whether this Llama-casting RMSNorm call runs torch's fused RMSNorm op instead of our kernel
+    (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, on by default): an output below
+    ``kernels.norm.RECOMPUTE_INPUT_MIN_BYTES`` (16 MiB: fewer than 8M bf16 values; a 2 x 2048-token
+    step of a 1024-wide model has 4M), input and weight of one dtype and plain tensors (a DTensor's
+    sharding, or another subclass's dispatch, keeps our kernel's path), on a device where torch's op
+    is one fused kernel (:func:`_has_fused_kernel`). Such a norm's GPU time is a few microseconds;
+    its host time is what a step waits for, and our kernel's Python launch and autograd Function
+    cost more of it than torch's one C++ op (forward and backward). At and above the bound our
+    kernel runs: its output is what the MLP's recompute rebuilds in the backward
+    (``kernels.norm.project_norm_output``, the same bound). The same math (the normalised values
+    rounded once, not twice): the outputs differ from native's by at most a rounding of the input
+    dtype."""
+    return (_config.settings.rms_norm_small_torch and x.dtype == w.dtype and _has_fused_kernel(device)
+            and type(x) is _Tensor and type(w) in _PLAIN
+            and x.numel() * x.element_size() < norm.RECOMPUTE_INPUT_MIN_BYTES)
 
 
 def _patch_norms(self: ModuleShim, module: Any, patches: ShimPatches) -> None:
@@ -141,7 +200,8 @@ SHIM = register(
     id=STATE.id, library="transformers", trigger="transformers",
     target="<Family>RMSNorm.forward of " + ", ".join(f.name for f in families.FAMILIES),
     upstream=UPSTREAM + " (OLMo2 RMSNorm casting changed in 4.5x)",
-    kernels=("rms_norm",), description="RMSNorm routed to liger_compat.kernels.rms_norm",
+    kernels=("rms_norm",), description="RMSNorm routed to liger_compat.kernels.rms_norm (on a GPU below 16 MiB "
+                                        "of output, Llama casting: torch's fused RMSNorm op)",
     modules=families.family_modules, patch_module=STATE.patch_module, _revert=STATE.revert,
     apply_to_model=_norm_instances,
 )

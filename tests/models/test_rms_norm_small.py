@@ -1,0 +1,129 @@
+"""A small Llama-casting RMSNorm on a device with torch's fused RMSNorm kernel runs that op
+(``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, ``shims/rms_norm.py``); everything else runs our kernel.
+
+CPU tensors have no fused kernel (torch's op is a composite there), so the tests say the CPU has one
+(``rms_norm._fused_kernel``): the route is the same code, torch's composite computes the same math.
+Outputs and gradients are compared with a float64 evaluation of the native module's formula.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import liger_compat
+from liger_compat import _config, configure
+from liger_compat.kernels import norm as norm_module
+from liger_compat.shims import rms_norm as shim
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    shim._has_fused_kernel(torch.device("cpu"))  # torch's names read once, as on a first call
+    monkeypatch.setitem(shim._fused_kernel, "cpu", True)
+    monkeypatch.setattr(_config.settings, "rms_norm_small_torch", True)
+
+
+def _llama64(x, w, eps):
+    """transformers' LlamaRMSNorm in float64 (its cast to the input dtype left out)."""
+    x64 = x.double()
+    return w.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _norm(h: int, dtype, seed: int):
+    torch.manual_seed(seed)
+    m = LlamaRMSNorm(h, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(h) * 0.5 + 1.0)
+    return m
+
+
+def _node(y) -> str:
+    return type(y.grad_fn).__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_llama_norm_runs_torchs_op_and_matches_native(fused_on_cpu, dtype):
+    m = _norm(96, dtype, seed=int(torch.randint(0, 2**31, ())))  # the suite's per-test seed
+    x = (torch.randn(3, 7, 96) * 2).to(dtype).requires_grad_(True)
+    g = torch.randn(3, 7, 96).to(dtype)
+    y = m(x)
+    assert _node(y) != "_RMSNormBackward"  # our kernel's autograd node is not in the graph
+    assert y.dtype == dtype and y.shape == x.shape
+    dx, dw = torch.autograd.grad(y, (x, m.weight), g)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = m.weight.detach().double().requires_grad_(True)
+    ref = _llama64(x64, w64, 1e-6)
+    rdx, rdw = torch.autograd.grad(ref, (x64, w64), g.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # one rounding of the output's dtype (bf16: 2^-8)
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+    assert rel(y, ref) < tol and rel(dx, rdx) < tol and rel(dw, rdw) < tol, (rel(y, ref), rel(dx, rdx), rel(dw, rdw))
+
+
+def test_our_kernel_runs_at_and_above_the_bound_off_the_setting_and_on_mixed_dtypes(fused_on_cpu, monkeypatch):
+    m = _norm(64, torch.float32, seed=1)
+    x = torch.randn(4, 64, requires_grad=True)
+    assert _node(m(x)) != "_RMSNormBackward"
+    # at the bound (4 x 64 fp32 = 1024 bytes): our kernel, whose output the MLP's recompute rebuilds
+    monkeypatch.setattr(norm_module, "RECOMPUTE_INPUT_MIN_BYTES", x.numel() * x.element_size())
+    assert _node(m(x)) == "_RMSNormBackward"
+    monkeypatch.setattr(norm_module, "RECOMPUTE_INPUT_MIN_BYTES", x.numel() * x.element_size() + 1)
+    assert _node(m(x)) != "_RMSNormBackward"
+    configure(rms_norm_small_torch=False)
+    try:
+        assert _config.settings.source["rms_norm_small_torch"] == "configure()"
+        assert _node(m(x)) == "_RMSNormBackward"
+    finally:
+        configure(rms_norm_small_torch=True)
+    assert _node(m(x)) != "_RMSNormBackward"
+    # a tensor subclass (a DTensor's sharding, another subclass's dispatch): our kernel's path
+    class Marked(torch.Tensor):
+        pass
+
+    calls = []
+    monkeypatch.setattr(shim, "_torch_rms_norm", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    m(torch.randn(4, 64, requires_grad=True))
+    assert len(calls) == 1
+    m(torch.randn(4, 64).as_subclass(Marked).requires_grad_(True))
+    assert len(calls) == 1
+    # a bf16 input into an fp32 weight: native promotes the output to fp32; our kernel does too
+    y = m(x.detach().to(torch.bfloat16).requires_grad_(True))
+    assert _node(y) == "_RMSNormBackward" and y.dtype == torch.float32
+
+
+def test_a_device_without_the_fused_kernel_and_other_castings_keep_our_kernel(monkeypatch):
+    monkeypatch.setattr(_config.settings, "rms_norm_small_torch", True)
+    assert shim._has_fused_kernel(torch.device("cpu")) is False  # torch's CPU op is a composite
+    m = _norm(32, torch.float32, seed=2)
+    assert _node(m(torch.randn(5, 32, requires_grad=True))) == "_RMSNormBackward"
+
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    monkeypatch.setitem(shim._fused_kernel, "cpu", True)
+    gemma = GemmaRMSNorm(32)  # the weight stored as w - 1, everything in fp32: our kernel's gemma mode
+    with torch.no_grad():
+        gemma.weight.normal_()
+    y = gemma(torch.randn(5, 32, requires_grad=True))
+    assert _node(y) == "_RMSNormBackward"
+    liger_compat.revert()
+    try:
+        native = LlamaRMSNorm(32)  # unpatched: transformers' own ops
+        assert _node(native(torch.randn(5, 32, requires_grad=True))) != "_RMSNormBackward"
+    finally:
+        liger_compat.apply()
+
+
+def test_the_setting_reads_from_the_environment_and_the_report_lists_it():
+    env = {"LIGER_COMPAT_RMS_NORM_SMALL_TORCH": "0"}
+    s = _config._from_env(env)
+    assert s.rms_norm_small_torch is False and s.source["rms_norm_small_torch"] == "LIGER_COMPAT_RMS_NORM_SMALL_TORCH"
+    assert _config._from_env({}).rms_norm_small_torch is True
+    bad = _config._from_env({"LIGER_COMPAT_RMS_NORM_SMALL_TORCH": "maybe"})
+    assert bad.rms_norm_small_torch is True and "ignored" in bad.source["rms_norm_small_torch"]
+    assert "LIGER_COMPAT_RMS_NORM_SMALL_TORCH" in _config.ENV_VARS
