@@ -12,25 +12,20 @@ host's caches are cold); the ratios between the three are what it shows.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
+from .module_host import _per_call_us
+
 
 def host_us(fn, grad, backward: bool, calls: int = 200, reps: int = 5) -> float:
-    """The best of ``reps`` loops: host microseconds a call (the GPU synchronised outside the loop)."""
-    best = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            y = fn()
-            if backward:
-                y.backward(grad)
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    """The best of ``reps`` loops of ``module_host``'s per-call timer: host microseconds a call."""
+    def call():
+        y = fn()
+        if backward:
+            y.backward(grad)
+    return min(_per_call_us(call, calls) for _ in range(reps))
 
 
 def main(argv=None) -> int:

@@ -117,42 +117,39 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     if not isinstance(mode, tuple):
         return wrapped(x)
     if mode == _LLAMA_MODE and _small_on_torch(x, w, device, norm):
-        return _torch_rms_norm(x, (x.shape[-1],), w, eps)
+        return _fused_ops[device.type](x, (x.shape[-1],), w, eps)
     return norm.rms_norm_checked(x, w, eps, mode[0], mode[1], device)
 
 
 #: the kernel mode of transformers' ``LlamaRMSNorm`` (no weight offset, the normalised activations
 #: cast to the input dtype before the weight multiplies them)
 _LLAMA_MODE = (0.0, "llama")
-#: ``torch.nn.functional.rms_norm`` once torch is imported (:func:`_small_on_torch` sets it)
-_torch_rms_norm: Any = None
-#: device type -> whether torch has a fused RMSNorm kernel for it (``aten::_fused_rms_norm``)
-_fused_kernel: dict[str, bool] = {}
-#: ``torch.Tensor`` and the classes of a plain weight, read with torch's names on a first call
+#: device type -> torch's fused RMSNorm op for it (:func:`_fused_op`), or None where it has none
+_fused_ops: dict[str, Any] = {}
+#: ``torch.Tensor`` and the classes of a plain weight, read with torch's names by :func:`_fused_op`
 _Tensor: Any = None
 _PLAIN: tuple = ()
 
 
-def _has_fused_kernel(device: Any) -> bool:
-    """Whether ``torch.nn.functional.rms_norm`` runs one fused kernel on ``device`` (CUDA, where
-    torch registers ``aten::_fused_rms_norm`` and its backward for it: one C++ autograd node)
-    rather than its composite of elementwise ops."""
+def _fused_op(device: Any) -> Any:
+    """``torch.nn.functional.rms_norm`` where it runs one fused kernel on ``device`` (CUDA, where
+    torch registers ``aten::_fused_rms_norm`` and its backward for it: one C++ autograd node), else
+    None (there it is a composite of elementwise ops); kept per device type."""
     kind = device.type
-    hit = _fused_kernel.get(kind)
-    if hit is None:
+    if kind not in _fused_ops:
         import torch
 
-        global _torch_rms_norm, _Tensor, _PLAIN
-        _torch_rms_norm = getattr(torch.nn.functional, "rms_norm", None)
+        global _Tensor, _PLAIN
         _Tensor, _PLAIN = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+        op = getattr(torch.nn.functional, "rms_norm", None)
         has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
         try:  # forward and backward: a torch with the one and not the other fails the backward
-            hit = bool(_torch_rms_norm is not None and kind == "cuda" and has is not None
-                       and has("aten::_fused_rms_norm", "CUDA") and has("aten::_fused_rms_norm_backward", "CUDA"))
+            fused = (op is not None and kind == "cuda" and has is not None
+                     and has("aten::_fused_rms_norm", "CUDA") and has("aten::_fused_rms_norm_backward", "CUDA"))
         except RuntimeError:  # no such operator in this torch
-            hit = False
-        _fused_kernel[kind] = hit
-    return hit
+            fused = False
+        _fused_ops[kind] = op if fused else None
+    return _fused_ops[kind]
 
 
 def _small_on_torch(x: Any, w: Any, device: Any, norm: Any) -> bool:
@@ -161,14 +158,14 @@ def _small_on_torch(x: Any, w: Any, device: Any, norm: Any) -> bool:
     ``kernels.norm.RECOMPUTE_INPUT_MIN_BYTES`` (16 MiB: fewer than 8M bf16 values; a 2 x 2048-token
     step of a 1024-wide model has 4M), input and weight of one dtype and plain tensors (a DTensor's
     sharding, or another subclass's dispatch, keeps our kernel's path), on a device where torch's op
-    is one fused kernel (:func:`_has_fused_kernel`). Such a norm's GPU time is a few microseconds;
+    is one fused kernel (:func:`_fused_op`). Such a norm's GPU time is a few microseconds;
     its host time is what a step waits for, and our kernel's Python launch and autograd Function
     cost more of it than torch's one C++ op (forward and backward). At and above the bound our
     kernel runs: its output is what the MLP's recompute rebuilds in the backward
     (``kernels.norm.project_norm_output``, the same bound). The same math (the normalised values
     rounded once, not twice): the outputs differ from native's by at most a rounding of the input
     dtype."""
-    return (_config.settings.rms_norm_small_torch and x.dtype == w.dtype and _has_fused_kernel(device)
+    return (_config.settings.rms_norm_small_torch and x.dtype == w.dtype and _fused_op(device) is not None
             and type(x) is _Tensor and type(w) in _PLAIN
             and x.numel() * x.element_size() < norm.RECOMPUTE_INPUT_MIN_BYTES)
 

@@ -2,7 +2,7 @@
 (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, ``shims/rms_norm.py``); everything else runs our kernel.
 
 CPU tensors have no fused kernel (torch's op is a composite there), so the tests say the CPU has one
-(``rms_norm._fused_kernel``): the route is the same code, torch's composite computes the same math.
+(``rms_norm._fused_ops``): the route is the same code, torch's composite computes the same math.
 Outputs and gradients are compared with a float64 evaluation of the native module's formula.
 """
 
@@ -22,8 +22,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    shim._has_fused_kernel(torch.device("cpu"))  # torch's names read once, as on a first call
-    monkeypatch.setitem(shim._fused_kernel, "cpu", True)
+    shim._fused_op(torch.device("cpu"))  # torch's names read, as on a first call
+    monkeypatch.setitem(shim._fused_ops, "cpu", torch.nn.functional.rms_norm)
     monkeypatch.setattr(_config.settings, "rms_norm_small_torch", True)
 
 
@@ -87,7 +87,7 @@ def test_our_kernel_runs_at_and_above_the_bound_off_the_setting_and_on_mixed_dty
         pass
 
     calls = []
-    monkeypatch.setattr(shim, "_torch_rms_norm", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
     m(torch.randn(4, 64, requires_grad=True))
     assert len(calls) == 1
     m(torch.randn(4, 64).as_subclass(Marked).requires_grad_(True))
@@ -99,13 +99,13 @@ def test_our_kernel_runs_at_and_above_the_bound_off_the_setting_and_on_mixed_dty
 
 def test_a_device_without_the_fused_kernel_and_other_castings_keep_our_kernel(monkeypatch):
     monkeypatch.setattr(_config.settings, "rms_norm_small_torch", True)
-    assert shim._has_fused_kernel(torch.device("cpu")) is False  # torch's CPU op is a composite
+    assert shim._fused_op(torch.device("cpu")) is None  # torch's CPU op is a composite
     m = _norm(32, torch.float32, seed=2)
     assert _node(m(torch.randn(5, 32, requires_grad=True))) == "_RMSNormBackward"
 
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
-    monkeypatch.setitem(shim._fused_kernel, "cpu", True)
+    monkeypatch.setitem(shim._fused_ops, "cpu", torch.nn.functional.rms_norm)
     gemma = GemmaRMSNorm(32)  # the weight stored as w - 1, everything in fp32: our kernel's gemma mode
     with torch.no_grad():
         gemma.weight.normal_()
