@@ -14,7 +14,8 @@
 # log-prob head's row passes over one chunk by block width and warps), kernel_leave_out (LEAVE_OUT_ARGS: a
 # family's small step with each of our kernels left out in turn, in one process), gh_gemm (GH_GEMM_ARGS: the loss's
 # grad_hidden product to a bf16 against an fp32 result),
-# module_host (host time per module call, native and patched), skip_analysis (SKIP_ARGS: the
+# module_host (host time per module call, native and patched), rms_norm_host (one RMSNorm call's host
+# time, Llama's and Gemma's norm, native, our kernel, torch's fused op and the patched module), skip_analysis (SKIP_ARGS: the
 # sparse backward's rule in exact fp32 at GPU sizes), sparse_grads_profile (SPARSE_ARGS: one chunk of the
 # block-sparse gradient matmuls over tile configurations), pytest:<args> (a pytest selection).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
@@ -61,6 +62,7 @@ for step in "$@"; do
     logprob_rows) python3 -m benchmarks.logprob_rows --out "$OUT" ${LP_ROWS_ARGS:-} >"$OUT/logprob_rows.log" 2>&1 ;;
     gh_gemm) python3 -m benchmarks.gh_gemm --out "$OUT" ${GH_GEMM_ARGS:-} >"$OUT/gh_gemm.log" 2>&1 ;;
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;
+    rms_norm_host) for n in llama gemma; do python3 -m benchmarks.rms_norm_host --norm $n --out "$OUT" ${RMS_HOST_ARGS:-}; done >"$OUT/rms_norm_host.log" 2>&1 ;;
     module_host) python3 -m benchmarks.module_host --out "$OUT" ${MODULE_HOST_ARGS:-} >"$OUT/module_host.log" 2>&1 ;;
     step_phases) python3 -m benchmarks.step_phases --out "$OUT" ${PHASES_ARGS:-} >"$OUT/step_phases.log" 2>&1 ;;
     host_pieces) python3 -m benchmarks.host_pieces --out "$OUT" ${PIECES_ARGS:-} >"$OUT/host_pieces.log" 2>&1 ;;

@@ -321,7 +321,9 @@ def time_family_paired(family: str, args) -> dict:
             "ms_patched": statistics.median(times["patched"])}
 
 
-def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
+def _child_times(which: str, args, families: list[str], on_row=None) -> dict[str, dict]:
+    """One child process's rows, by family; ``on_row(row)`` as each arrives (its stdout read line by
+    line), so that a run cut short keeps the families done so far."""
     import os
     import subprocess
 
@@ -334,14 +336,20 @@ def _child_times(which: str, args, families: list[str]) -> dict[str, dict]:
            *model_argv(args), "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
     if which == "paired":
         cmd += ["--paired", "--baseline", args.baseline]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    import tempfile
+
     rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            rows[r["family"]] = r
-    if proc.returncode:
-        log(proc.stderr[-3000:])
+    with tempfile.TemporaryFile("w+") as errf:  # a file, not a pipe: a full pipe would stall the child
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errf, text=True) as proc:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    r = json.loads(line)
+                    rows[r["family"]] = r
+                    if on_row is not None:
+                        on_row(r)
+        if proc.returncode:
+            errf.seek(0)
+            log(errf.read()[-3000:])
     return rows
 
 
@@ -351,17 +359,20 @@ def fresh_timing(args, families: list[str], on_process=None) -> list[dict]:
     runs: dict[str, dict[str, list]] = {"native": {}, "patched": {}}
     skipped: dict[str, str] = {}
     if args.paired:  # each fresh process times both sides, interleaved
+        def add(row):
+            fam = row["family"]
+            if "ms_native" in row:
+                runs["native"].setdefault(fam, []).append(row["ms_native"])
+                runs["patched"].setdefault(fam, []).append(row["ms_patched"])
+            else:
+                skipped[fam] = row.get("skipped") or row.get("error", "?")
+            if on_process is not None:  # after every family: a run cut short keeps the families done
+                on_process(_fresh_rows(runs, skipped, families, paired=True))
+
         for r in range(args.fresh):
             t0 = time.perf_counter()
-            for fam, row in _child_times("paired", args, families).items():
-                if "ms_native" in row:
-                    runs["native"].setdefault(fam, []).append(row["ms_native"])
-                    runs["patched"].setdefault(fam, []).append(row["ms_patched"])
-                else:
-                    skipped[fam] = row.get("skipped") or row.get("error", "?")
+            _child_times("paired", args, families, on_row=add)
             log(f"process {r + 1}/{args.fresh} (both sides): {time.perf_counter() - t0:.0f} s")
-            if on_process is not None:
-                on_process(_fresh_rows(runs, skipped, families, paired=True))
         return _fresh_rows(runs, skipped, families, paired=True)
     for r in range(args.fresh):
         for which in ("native", "patched") if r % 2 == 0 else ("patched", "native"):

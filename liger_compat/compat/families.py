@@ -123,7 +123,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("hunyuan_v1_dense", "HunYuanDenseV1", "hunyuan_v1_dense", "4.57"),
     Family("hunyuan_v1_moe", "HunYuanMoEV1", "hunyuan_v1_moe", "4.57"),
     Family("qwen3_moe", "Qwen3Moe", "qwen3_moe", "4.51", moe=True),
-    Family("qwen3_next", "Qwen3Next", "qwen3_next", "4.57", rms_offset=1.0, moe=True),
+    Family("qwen3_next", "Qwen3Next", "qwen3_next", "4.57", rms_offset=1.0, rms_casting="gemma", moe=True),
     Family("gpt_oss", "GptOss", "gpt_oss", "4.55", moe=True),
     Family("llama4_text", "Llama4", "llama4", "4.51"),
     Family("deepseek_v2", "DeepseekV2", "deepseek_v2", "4.56"),
@@ -137,8 +137,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma4_text", "Gemma4", "gemma4", "5.0", rms_casting="gemma", mlp_act="gelu_tanh",
            softcap_attr="final_logit_softcapping"),
     Family("mllama_text", "Mllama", "mllama", "4.45"),
-    Family("qwen3_5_text", "Qwen3_5", "qwen3_5", "5.0", rms_offset=1.0),
-    Family("qwen3_5_moe_text", "Qwen3_5Moe", "qwen3_5_moe", "5.0", rms_offset=1.0, moe=True),
+    Family("qwen3_5_text", "Qwen3_5", "qwen3_5", "5.0", rms_offset=1.0, rms_casting="gemma"),
+    Family("qwen3_5_moe_text", "Qwen3_5Moe", "qwen3_5_moe", "5.0", rms_offset=1.0, rms_casting="gemma", moe=True),
     # vision-language: <Prefix>ForConditionalGeneration with the same model / lm_head layout; the
     # decoder (``self.model``) takes the pixel inputs, merges the image features and returns the
     # hidden states, the head and the loss are the generic ones
@@ -151,11 +151,11 @@ FAMILIES: tuple[Family, ...] = (
     # 5.0: loss 4-8 % off native on the tiny model; checked equal from 5.21
     Family("qwen3_vl_moe", "Qwen3VLMoe", "qwen3_vl_moe", "4.57", head_class="Qwen3VLMoeForConditionalGeneration",
            vision=True, moe=True, fused_from="5.21"),
-    Family("qwen3_5", "Qwen3_5", "qwen3_5", "5.0", rms_offset=1.0, head_class="Qwen3_5ForConditionalGeneration",
+    Family("qwen3_5", "Qwen3_5", "qwen3_5", "5.0", rms_offset=1.0, rms_casting="gemma", head_class="Qwen3_5ForConditionalGeneration",
            vision=True),
     # 5.4: loss 0.8 % off native on the tiny model (both vision-language MoE families); checked equal from
     # 5.18, the next release in the grid
-    Family("qwen3_5_moe", "Qwen3_5Moe", "qwen3_5_moe", "5.0", rms_offset=1.0, moe=True,
+    Family("qwen3_5_moe", "Qwen3_5Moe", "qwen3_5_moe", "5.0", rms_offset=1.0, rms_casting="gemma", moe=True,
            head_class="Qwen3_5MoeForConditionalGeneration", vision=True, fused_from="5.18"),
     Family("gemma3_vlm", "Gemma3", "gemma3", "4.50", rms_offset=1.0, rms_casting="gemma", mlp_act="gelu_tanh",
            head_class="Gemma3ForConditionalGeneration", vision=True),

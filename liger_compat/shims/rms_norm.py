@@ -9,9 +9,10 @@ fingerprint, :func:`~._module_shims.instance_key`) and dtypes, on a small probe,
 and both castings tried, and the matching kernel mode is used; a class that matches none keeps its
 native forward and the report lists it.
 
-On a GPU, a Llama-casting norm whose output is below 16 MiB runs torch's fused RMSNorm op
+On a GPU, a norm whose output is below 16 MiB runs torch's fused RMSNorm op
 (``torch.nn.functional.rms_norm``: one kernel and one C++ autograd node, where torch has them for
-the device) instead of our kernel: a small step waits on the host, where that op costs a fraction
+the device; in Gemma's casting with the casts and the offset native does around it) instead of our
+kernel: a small step waits on the host, where that op costs a fraction
 of our kernel's Python launch (:func:`_small_on_torch`, ``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``).
 """
 
@@ -116,14 +117,24 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     mode = _rms_mode(wrapped, instance, x, w)
     if not isinstance(mode, tuple):
         return wrapped(x)
-    if mode == _LLAMA_MODE and _small_on_torch(x, w, device, norm):
-        return _fused_ops[device.type](x, (x.shape[-1],), w, eps)
+    if _small_on_torch(x, w, device, norm, mode):
+        op = _fused_ops[device.type]
+        if mode == _LLAMA_MODE:
+            return op(x, (x.shape[-1],), w, eps)
+        # Gemma's casting (or Llama's on fp32): native's math in fp32 (the input and the weight, plus
+        # its offset, cast up), the result cast back to the input's dtype once
+        wf = w.float()
+        return op(x.float(), (x.shape[-1],), wf + mode[0] if mode[0] else wf, eps).to(x.dtype)
     return norm.rms_norm_checked(x, w, eps, mode[0], mode[1], device)
 
 
 #: the kernel mode of transformers' ``LlamaRMSNorm`` (no weight offset, the normalised activations
 #: cast to the input dtype before the weight multiplies them)
 _LLAMA_MODE = (0.0, "llama")
+#: the input dtypes torch's op takes on the fused route in Gemma's casting (``x.float()`` is native's
+#: own first step there; a float64 input keeps our kernel's path)
+_GEMMA_INPUTS: tuple = ()
+_FP32: Any = None
 #: device type -> torch's fused RMSNorm op for it (:func:`_fused_op`), or None where it has none
 _fused_ops: dict[str, Any] = {}
 #: ``torch.Tensor`` and the classes of a plain weight, read with torch's names by :func:`_fused_op`
@@ -139,8 +150,10 @@ def _fused_op(device: Any) -> Any:
     if kind not in _fused_ops:
         import torch
 
-        global _Tensor, _PLAIN
+        global _Tensor, _PLAIN, _GEMMA_INPUTS, _FP32
         _Tensor, _PLAIN = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
+        _GEMMA_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+        _FP32 = torch.float32
         op = getattr(torch.nn.functional, "rms_norm", None)
         has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
         try:  # forward and backward: a torch with the one and not the other fails the backward
@@ -152,22 +165,29 @@ def _fused_op(device: Any) -> Any:
     return _fused_ops[kind]
 
 
-def _small_on_torch(x: Any, w: Any, device: Any, norm: Any) -> bool:
-    """Whether this Llama-casting RMSNorm call runs torch's fused RMSNorm op instead of our kernel
+def _small_on_torch(x: Any, w: Any, device: Any, norm: Any, mode: tuple[float, str]) -> bool:
+    """Whether this RMSNorm call runs torch's fused RMSNorm op instead of our kernel
     (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, on by default): an output below
     ``kernels.norm.RECOMPUTE_INPUT_MIN_BYTES`` (16 MiB: fewer than 8M bf16 values; a 2 x 2048-token
-    step of a 1024-wide model has 4M), input and weight of one dtype and plain tensors (a DTensor's
-    sharding, or another subclass's dispatch, keeps our kernel's path), on a device where torch's op
-    is one fused kernel (:func:`_fused_op`). Such a norm's GPU time is a few microseconds;
-    its host time is what a step waits for, and our kernel's Python launch and autograd Function
-    cost more of it than torch's one C++ op (forward and backward). At and above the bound our
-    kernel runs: its output is what the MLP's recompute rebuilds in the backward
-    (``kernels.norm.project_norm_output``, the same bound). The same math (the normalised values
-    rounded once, not twice): the outputs differ from native's by at most a rounding of the input
-    dtype."""
-    return (_config.settings.rms_norm_small_torch and x.dtype == w.dtype and _fused_op(device) is not None
+    step of a 1024-wide model has 4M), plain tensors (a DTensor's sharding, or another subclass's
+    dispatch, keeps our kernel's path), on a device where torch's op is one fused kernel
+    (:func:`_fused_op`), and a kernel mode torch's op computes: Llama's casting without a weight
+    offset, input and weight of one dtype (the op on them as they are), or Gemma's casting with any
+    offset, a bf16, fp16 or fp32 input (the op on the input and ``offset + weight`` in fp32, the
+    output cast back: native's own steps; so too Llama's casting with an offset on fp32, where the
+    two castings are one). Such a norm's GPU time is a few microseconds; its host
+    time is what a step waits for, and our kernel's Python launch and autograd Function cost more of
+    it than torch's few C++ ops (forward and backward). At and above the bound our kernel runs: its
+    output is what the MLP's recompute rebuilds in the backward (``kernels.norm.project_norm_output``,
+    the same bound). The same math (Llama's casting: the normalised values rounded once, not twice):
+    the outputs differ from native's by at most a rounding of the input dtype."""
+    if not (_config.settings.rms_norm_small_torch and _fused_op(device) is not None
             and type(x) is _Tensor and type(w) in _PLAIN
-            and x.numel() * x.element_size() < norm.RECOMPUTE_INPUT_MIN_BYTES)
+            and x.numel() * x.element_size() < norm.RECOMPUTE_INPUT_MIN_BYTES):
+        return False
+    if mode[1] == "llama":
+        return x.dtype == w.dtype and (mode[0] == 0.0 or x.dtype is _FP32)
+    return x.dtype in _GEMMA_INPUTS
 
 
 def _patch_norms(self: ModuleShim, module: Any, patches: ShimPatches) -> None:

@@ -1,5 +1,7 @@
-"""A small Llama-casting RMSNorm on a device with torch's fused RMSNorm kernel runs that op
-(``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, ``shims/rms_norm.py``); everything else runs our kernel.
+"""A small RMSNorm on a device with torch's fused RMSNorm kernel runs that op
+(``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, ``shims/rms_norm.py``): Llama's casting on one dtype as it
+is, Gemma's casting (Gemma's and Qwen3.5's ``1 + w``, Gemma3n's and OLMo2's plain weight) in fp32
+with native's casts around it; everything else runs our kernel.
 
 CPU tensors have no fused kernel (torch's op is a composite there), so the tests say the CPU has one
 (``rms_norm._fused_ops``): the route is the same code, torch's composite computes the same math.
@@ -97,20 +99,72 @@ def test_our_kernel_runs_at_and_above_the_bound_off_the_setting_and_on_mixed_dty
     assert _node(y) == "_RMSNormBackward" and y.dtype == torch.float32
 
 
-def test_a_device_without_the_fused_kernel_and_other_castings_keep_our_kernel(monkeypatch):
+def _gemma64(x, w, eps, offset):
+    """Gemma's casting in float64: native's fp32 steps (normalise, multiply by ``offset + w``) exact."""
+    x64 = x.double()
+    return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)) * (offset + w.double())
+
+
+def _gemma_casting_norm(kind: str, h: int, dtype):
+    """(module, weight offset) of a Gemma-casting norm class of transformers, its weight random."""
+    if kind == "gemma":  # stores w - 1
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as cls
+        off = 1.0
+    elif kind == "qwen3_5":  # stores w - 1 too, zero-initialised
+        mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+        cls, off = mod.Qwen3_5RMSNorm, 1.0
+    elif kind == "gemma3n":  # the plain weight, multiplied in fp32
+        mod = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
+        cls, off = mod.Gemma3nRMSNorm, 0.0
+    else:  # OLMo2: the weight times the fp32 normalised values, then the cast
+        from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as cls
+        off = 0.0
+    m = cls(h, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(h) * 0.5 + (1.0 - off))
+    return m, off
+
+
+@pytest.mark.parametrize("kind", ["gemma", "qwen3_5", "gemma3n", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_gemma_casting_norms_run_torchs_op_in_fp32_and_match_native(fused_on_cpu, monkeypatch, kind, dtype):
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    m, off = _gemma_casting_norm(kind, 80, dtype)
+    calls = []
+    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    x = (torch.randn(2, 9, 80) * 2).to(dtype).requires_grad_(True)
+    g = torch.randn(2, 9, 80).to(dtype)
+    y = m(x)
+    assert len(calls) == 1 and calls[0][0].dtype == torch.float32 and calls[0][2].dtype == torch.float32
+    assert _node(y) != "_RMSNormBackward" and y.dtype == dtype and y.shape == x.shape
+    dx, dw = torch.autograd.grad(y, (x, m.weight), g)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = m.weight.detach().double().requires_grad_(True)
+    ref = _gemma64(x64, w64, 1e-6, off)
+    rdx, rdw = torch.autograd.grad(ref, (x64, w64), g.double())
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # fp32 math, one rounding of the output (bf16: 2^-8)
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+    assert rel(y, ref) < tol and rel(dx, rdx) < tol and rel(dw, rdw) < tol, (rel(y, ref), rel(dx, rdx), rel(dw, rdw))
+    assert dx.dtype == dtype and dw.dtype == dtype
+    # a bf16 input into an fp32 weight: native's output keeps the input's dtype; so does the route
+    m32, _ = _gemma_casting_norm(kind, 80, torch.float32)
+    xb = torch.randn(3, 80).to(torch.bfloat16)
+    assert m32(xb).dtype == torch.bfloat16 and len(calls) == 2
+
+
+def test_a_device_without_the_fused_kernel_and_other_modes_keep_our_kernel(monkeypatch):
     monkeypatch.setattr(_config.settings, "rms_norm_small_torch", True)
     assert shim._fused_op(torch.device("cpu")) is None  # torch's CPU op is a composite
     m = _norm(32, torch.float32, seed=2)
     assert _node(m(torch.randn(5, 32, requires_grad=True))) == "_RMSNormBackward"
-
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    gemma, _ = _gemma_casting_norm("gemma", 32, torch.float32)
+    assert _node(gemma(torch.randn(5, 32, requires_grad=True))) == "_RMSNormBackward"
 
     monkeypatch.setitem(shim._fused_ops, "cpu", torch.nn.functional.rms_norm)
-    gemma = GemmaRMSNorm(32)  # the weight stored as w - 1, everything in fp32: our kernel's gemma mode
-    with torch.no_grad():
-        gemma.weight.normal_()
-    y = gemma(torch.randn(5, 32, requires_grad=True))
-    assert _node(y) == "_RMSNormBackward"
+    assert _node(gemma(torch.randn(5, 32, requires_grad=True))) != "_RMSNormBackward"
     liger_compat.revert()
     try:
         native = LlamaRMSNorm(32)  # unpatched: transformers' own ops
