@@ -17,7 +17,7 @@
 # module_host (host time per module call, native and patched), rms_norm_host (one RMSNorm call's host
 # time, Llama's and Gemma's norm, native, our kernel, torch's fused op and the patched module), skip_analysis (SKIP_ARGS: the
 # sparse backward's rule in exact fp32 at GPU sizes), sparse_grads_profile (SPARSE_ARGS: one chunk of the
-# block-sparse gradient matmuls over tile configurations), pytest:<args> (a pytest selection).
+# block-sparse gradient matmuls over tile configurations), pytest:<args> (a pytest selection; the first writes pytest.log, the next pytest_2.log, ...).
 #   bash benchmarks/gpu_run.sh gpu_tests "kernels:ceilings,elem_profile,flce_rows" e2e_memory
 # The device tool brings back at most 8 files from $OUT: the steps write under $RES, which is packed
 # into $OUT/results.tgz after every step and every 30 s (a run cut short keeps what was written).
@@ -69,7 +69,8 @@ for step in "$@"; do
     host_profile) python3 -m benchmarks.host_profile --out "$OUT" ${HOST_ARGS:-} >"$OUT/host_profile.log" 2>&1 ;;
     sparse_grads_profile) python3 -m benchmarks.sparse_grads_profile --out "$OUT" ${SPARSE_ARGS:-} >"$OUT/sparse_grads_profile.log" 2>&1 ;;
     skip_analysis) python3 -m benchmarks.skip_analysis --device cuda --out "$OUT" ${SKIP_ARGS:-} >"$OUT/skip_analysis.log" 2>&1 ;;
-    pytest:*) python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$OUT/pytest.log" 2>&1 ;;
+    pytest:*) np=$(( ${np:-0} + 1 )); log="$OUT/pytest.log"; [ "$np" -eq 1 ] || log="$OUT/pytest_$np.log"
+      python3 -m pytest -q -p no:cacheprovider ${step#pytest:} >"$log" 2>&1 ;;
     *) echo "unknown step $step" >>"$OUT/machine.log" ;;
   esac
   echo "$step: rc=$? $(( $(date +%s) - t0 )) s" >>"$OUT/machine.log"

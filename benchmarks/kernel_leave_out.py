@@ -182,7 +182,7 @@ def host_syncs(model, kw, labels) -> dict[str, int]:
     torch.cuda.synchronize()
     where: dict[str, int] = {}
     for w in caught:
-        if "synchroniz" in str(w.message):
+        if "synchronizing cuda operation" in str(w.message).lower():  # not the prototype notice
             key = f"{Path(w.filename).name}:{w.lineno}"
             where[key] = where.get(key, 0) + 1
     return where

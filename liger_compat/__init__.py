@@ -61,9 +61,9 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     rows x vocabulary x hidden, a host-bound small step's, replays its pass as a CUDA graph from
     the third call with the same shapes and weight; the graph keeps one chunk of logits and the
     gradients reserved). ``rms_norm_small_torch=False`` runs our RMSNorm kernel at every size
-    (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``: by default a Llama-casting RMSNorm on a GPU whose output
-    is below 16 MiB runs torch's fused RMSNorm op, one C++ call forward and backward, where a
-    host-bound step waits for our kernel's Python launch).
+    (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``: by default an RMSNorm on a GPU whose output is below
+    16 MiB runs torch's fused RMSNorm op, one C++ call forward and backward (Gemma's casting: in fp32,
+    with native's casts around it), where a host-bound step waits for our kernel's Python launch).
     """
     s = _config.settings
     if rms_norm_small_torch is not None:

@@ -164,9 +164,10 @@ class Settings(Record):
         #: through Triton's and torch's host code; off: every call runs eagerly
         self.flce_graphs = flce_graphs
         self.mlp_recompute = mlp_recompute
-        #: an RMSNorm with Llama casting whose output is below 16 MiB, on a GPU where torch has a
-        #: fused RMSNorm kernel, runs that op (one C++ call forward and backward) instead of our
-        #: Triton kernel: the host time a small step waits for (``shims/rms_norm.py``)
+        #: an RMSNorm whose output is below 16 MiB, on a GPU where torch has a fused RMSNorm kernel,
+        #: runs that op (one C++ call forward and backward; Gemma's casting in fp32 with native's
+        #: casts around it) instead of our Triton kernel: the host time a small step waits for
+        #: (``shims/rms_norm.py``)
         self.rms_norm_small_torch = rms_norm_small_torch
         #: a decode step (no grad, one position per sequence) runs the RMSNorm, RoPE and MLP natively
         self.decode_native = decode_native

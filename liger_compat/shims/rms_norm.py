@@ -218,7 +218,7 @@ SHIM = register(
     target="<Family>RMSNorm.forward of " + ", ".join(f.name for f in families.FAMILIES),
     upstream=UPSTREAM + " (OLMo2 RMSNorm casting changed in 4.5x)",
     kernels=("rms_norm",), description="RMSNorm routed to liger_compat.kernels.rms_norm (on a GPU below 16 MiB "
-                                        "of output, Llama casting: torch's fused RMSNorm op)",
+                                        "of output: torch's fused RMSNorm op)",
     modules=families.family_modules, patch_module=STATE.patch_module, _revert=STATE.revert,
     apply_to_model=_norm_instances,
 )
