@@ -135,6 +135,7 @@ _LLAMA_MODE = (0.0, "llama")
 #: own first step there; a float64 input keeps our kernel's path)
 _GEMMA_INPUTS: tuple = ()
 _FP32: Any = None
+_autocast: Any = None  # torch.is_autocast_enabled(device_type)
 #: device type -> torch's fused RMSNorm op for it (:func:`_fused_op`), or None where it has none
 _fused_ops: dict[str, Any] = {}
 #: ``torch.Tensor`` and the classes of a plain weight, read with torch's names by :func:`_fused_op`
@@ -150,10 +151,11 @@ def _fused_op(device: Any) -> Any:
     if kind not in _fused_ops:
         import torch
 
-        global _Tensor, _PLAIN, _GEMMA_INPUTS, _FP32
+        global _Tensor, _PLAIN, _GEMMA_INPUTS, _FP32, _autocast
         _Tensor, _PLAIN = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
         _GEMMA_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
         _FP32 = torch.float32
+        _autocast = torch.is_autocast_enabled
         op = getattr(torch.nn.functional, "rms_norm", None)
         has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
         try:  # forward and backward: a torch with the one and not the other fails the backward
@@ -175,7 +177,8 @@ def _small_on_torch(x: Any, w: Any, device: Any, norm: Any, mode: tuple[float, s
     offset, input and weight of one dtype (the op on them as they are), or Gemma's casting with any
     offset, a bf16, fp16 or fp32 input (the op on the input and ``offset + weight`` in fp32, the
     output cast back: native's own steps; so too Llama's casting with an offset on fp32, where the
-    two castings are one). Such a norm's GPU time is a few microseconds; its host
+    two castings are one). Under autocast (where torch's op runs in fp32 and returns fp32) a
+    Llama-casting norm on a half-precision input keeps our kernel: native returns the input's dtype. Such a norm's GPU time is a few microseconds; its host
     time is what a step waits for, and our kernel's Python launch and autograd Function cost more of
     it than torch's few C++ ops (forward and backward). At and above the bound our kernel runs: its
     output is what the MLP's recompute rebuilds in the backward (``kernels.norm.project_norm_output``,
@@ -185,9 +188,10 @@ def _small_on_torch(x: Any, w: Any, device: Any, norm: Any, mode: tuple[float, s
             and type(x) is _Tensor and type(w) in _PLAIN
             and x.numel() * x.element_size() < norm.RECOMPUTE_INPUT_MIN_BYTES):
         return False
-    if mode[1] == "llama":
-        return x.dtype == w.dtype and (mode[0] == 0.0 or x.dtype is _FP32)
-    return x.dtype in _GEMMA_INPUTS
+    if mode[1] == "llama":  # under autocast torch's op runs in fp32 and returns fp32: native's is x's
+        return (x.dtype == w.dtype and (mode[0] == 0.0 or x.dtype is _FP32)
+                and (x.dtype is _FP32 or not _autocast(device.type)))
+    return x.dtype in _GEMMA_INPUTS  # cast back to the input's dtype: autocast or not
 
 
 def _patch_norms(self: ModuleShim, module: Any, patches: ShimPatches) -> None:

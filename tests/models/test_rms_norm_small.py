@@ -155,6 +155,27 @@ def test_small_gemma_casting_norms_run_torchs_op_in_fp32_and_match_native(fused_
     assert m32(xb).dtype == torch.bfloat16 and len(calls) == 2
 
 
+def test_under_autocast_a_half_precision_llama_norm_keeps_our_kernel(fused_on_cpu, monkeypatch):
+    """torch's op runs in fp32 under autocast (CUDA's autocast lists it) and returns fp32, where
+    native's Llama norm returns the input's dtype: a bf16 Llama norm keeps our kernel there, an fp32
+    one and a Gemma-casting one (cast back to the input's dtype) still take torch's op."""
+    calls = []
+    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    llama16 = _norm(48, torch.bfloat16, seed=3)
+    llama32 = _norm(48, torch.float32, seed=4)
+    gemma16, _ = _gemma_casting_norm("gemma", 48, torch.bfloat16)
+    x16 = torch.randn(4, 48).to(torch.bfloat16).requires_grad_(True)
+    x32 = torch.randn(4, 48, requires_grad=True)
+    y = llama16(x16)
+    assert len(calls) == 1 and y.dtype == torch.bfloat16  # outside autocast: torch's op
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = llama16(x16)
+        assert len(calls) == 1 and _node(y) == "_RMSNormBackward" and y.dtype == torch.bfloat16
+        assert _node(llama32(x32)) != "_RMSNormBackward" and len(calls) == 2
+        y = gemma16(x16)
+        assert len(calls) == 3 and y.dtype == torch.bfloat16
+
+
 def test_a_device_without_the_fused_kernel_and_other_modes_keep_our_kernel(monkeypatch):
     monkeypatch.setattr(_config.settings, "rms_norm_small_torch", True)
     assert shim._fused_op(torch.device("cpu")) is None  # torch's CPU op is a composite
