@@ -1,7 +1,7 @@
 """A small RMSNorm on a device with torch's fused RMSNorm kernel runs that op
 (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``, ``shims/rms_norm.py``): Llama's casting on one dtype as it
-is, Gemma's casting (Gemma's and Qwen3.5's ``1 + w``, Gemma3n's and OLMo2's plain weight) in fp32
-with native's casts around it; everything else runs our kernel.
+is, Gemma's casting (Gemma's and Qwen3.5's ``1 + w``, Gemma3n's plain weight) in fp32 with native's
+casts around it; everything else runs our kernel.
 
 CPU tensors have no fused kernel (torch's op is a composite there), so the tests say the CPU has one
 (``rms_norm._fused_ops``): the route is the same code, torch's composite computes the same math.
@@ -113,19 +113,16 @@ def _gemma_casting_norm(kind: str, h: int, dtype):
     elif kind == "qwen3_5":  # stores w - 1 too, zero-initialised
         mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
         cls, off = mod.Qwen3_5RMSNorm, 1.0
-    elif kind == "gemma3n":  # the plain weight, multiplied in fp32
+    else:  # Gemma3n: the plain weight, multiplied in fp32 (OLMo2's casting since 4.5x as well)
         mod = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
         cls, off = mod.Gemma3nRMSNorm, 0.0
-    else:  # OLMo2: the weight times the fp32 normalised values, then the cast
-        from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as cls
-        off = 0.0
     m = cls(h, eps=1e-6).to(dtype)
     with torch.no_grad():
         m.weight.copy_(torch.randn(h) * 0.5 + (1.0 - off))
     return m, off
 
 
-@pytest.mark.parametrize("kind", ["gemma", "qwen3_5", "gemma3n", "olmo2"])
+@pytest.mark.parametrize("kind", ["gemma", "qwen3_5", "gemma3n"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_gemma_casting_norms_run_torchs_op_in_fp32_and_match_native(fused_on_cpu, monkeypatch, kind, dtype):
     torch.manual_seed(int(torch.randint(0, 2**31, ())))
