@@ -326,6 +326,7 @@ def _child_times(which: str, args, families: list[str], on_row=None) -> dict[str
     line), so that a run cut short keeps the families done so far."""
     import os
     import subprocess
+    import tempfile
 
     env = dict(os.environ)
     if which == "native":
@@ -336,8 +337,6 @@ def _child_times(which: str, args, families: list[str], on_row=None) -> dict[str
            *model_argv(args), "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
     if which == "paired":
         cmd += ["--paired", "--baseline", args.baseline]
-    import tempfile
-
     rows = {}
     with tempfile.TemporaryFile("w+") as errf:  # a file, not a pipe: a full pipe would stall the child
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errf, text=True) as proc:

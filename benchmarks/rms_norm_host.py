@@ -8,7 +8,7 @@ formula.
     python -m benchmarks.rms_norm_host [--norm llama|gemma] [--tokens 2048] [--hidden 1024] [--out DIR]
 
 A warm loop's host time is a lower bound of what the call costs inside a training step (there the
-host's caches are cold); the ratios between the three are what it shows.
+host's caches are cold); the ratios between the rows are what it shows.
 """
 
 from __future__ import annotations

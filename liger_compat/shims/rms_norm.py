@@ -131,9 +131,6 @@ def rms_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
 #: the kernel mode of transformers' ``LlamaRMSNorm`` (no weight offset, the normalised activations
 #: cast to the input dtype before the weight multiplies them)
 _LLAMA_MODE = (0.0, "llama")
-#: the input dtypes torch's op takes on the fused route in Gemma's casting (``x.float()`` is native's
-#: own first step there; a float64 input keeps our kernel's path)
-_GEMMA_INPUTS: tuple = ()
 _FP32: Any = None
 _autocast: Any = None  # torch.is_autocast_enabled(device_type)
 #: device type -> torch's fused RMSNorm op for it (:func:`_fused_op`), or None where it has none
@@ -151,9 +148,8 @@ def _fused_op(device: Any) -> Any:
     if kind not in _fused_ops:
         import torch
 
-        global _Tensor, _PLAIN, _GEMMA_INPUTS, _FP32, _autocast
+        global _Tensor, _PLAIN, _FP32, _autocast
         _Tensor, _PLAIN = torch.Tensor, (torch.Tensor, torch.nn.Parameter)
-        _GEMMA_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
         _FP32 = torch.float32
         _autocast = torch.is_autocast_enabled
         op = getattr(torch.nn.functional, "rms_norm", None)
@@ -175,12 +171,13 @@ def _small_on_torch(x: Any, w: Any, device: Any, norm: Any, mode: tuple[float, s
     dispatch, keeps our kernel's path), on a device where torch's op is one fused kernel
     (:func:`_fused_op`), and a kernel mode torch's op computes: Llama's casting without a weight
     offset, input and weight of one dtype (the op on them as they are), or Gemma's casting with any
-    offset, a bf16, fp16 or fp32 input (the op on the input and ``offset + weight`` in fp32, the
-    output cast back: native's own steps; so too Llama's casting with an offset on fp32, where the
-    two castings are one). Under autocast (where torch's op runs in fp32 and returns fp32) a
-    Llama-casting norm on a half-precision input keeps our kernel: native returns the input's dtype. Such a norm's GPU time is a few microseconds; its host
-    time is what a step waits for, and our kernel's Python launch and autograd Function cost more of
-    it than torch's few C++ ops (forward and backward). At and above the bound our kernel runs: its
+    offset (the op on the input and ``offset + weight`` in fp32, the output cast back: native's own
+    steps; so too Llama's casting with an offset on fp32, where the two castings are one); the
+    kernel's argument checks, run before, leave bf16, fp16 and fp32 inputs only. Under autocast
+    (where torch's op runs in fp32 and returns fp32) a Llama-casting norm on a half-precision input
+    keeps our kernel: native returns the input's dtype. Such a norm's GPU time is a few
+    microseconds; its host time is what a step waits for, and our kernel's Python launch and
+    autograd Function cost more of it than torch's few C++ ops (forward and backward). At and above the bound our kernel runs: its
     output is what the MLP's recompute rebuilds in the backward (``kernels.norm.project_norm_output``,
     the same bound). The same math (Llama's casting: the normalised values rounded once, not twice):
     the outputs differ from native's by at most a rounding of the input dtype."""
@@ -191,7 +188,7 @@ def _small_on_torch(x: Any, w: Any, device: Any, norm: Any, mode: tuple[float, s
     if mode[1] == "llama":  # under autocast torch's op runs in fp32 and returns fp32: native's is x's
         return (x.dtype == w.dtype and (mode[0] == 0.0 or x.dtype is _FP32)
                 and (x.dtype is _FP32 or not _autocast(device.type)))
-    return x.dtype in _GEMMA_INPUTS  # cast back to the input's dtype: autocast or not
+    return True  # Gemma's casting: cast back to the input's dtype, autocast or not
 
 
 def _patch_norms(self: ModuleShim, module: Any, patches: ShimPatches) -> None:

@@ -47,6 +47,18 @@ def _node(y) -> str:
     return type(y.grad_fn).__name__
 
 
+def _rel(a, b) -> float:
+    """``a``'s largest difference from the float64 reference ``b``, relative to ``b``'s largest value."""
+    return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+
+def _count_fused_calls(monkeypatch) -> list:
+    """The argument tuples of every call of the route's op (torch's op on CPU, counted)."""
+    calls = []
+    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_llama_norm_runs_torchs_op_and_matches_native(fused_on_cpu, dtype):
     m = _norm(96, dtype, seed=int(torch.randint(0, 2**31, ())))  # the suite's per-test seed
@@ -61,11 +73,8 @@ def test_small_llama_norm_runs_torchs_op_and_matches_native(fused_on_cpu, dtype)
     ref = _llama64(x64, w64, 1e-6)
     rdx, rdw = torch.autograd.grad(ref, (x64, w64), g.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # one rounding of the output's dtype (bf16: 2^-8)
-
-    def rel(a, b):
-        return ((a.double() - b).abs().max() / b.abs().max()).item()
-
-    assert rel(y, ref) < tol and rel(dx, rdx) < tol and rel(dw, rdw) < tol, (rel(y, ref), rel(dx, rdx), rel(dw, rdw))
+    errs = (_rel(y, ref), _rel(dx, rdx), _rel(dw, rdw))
+    assert max(errs) < tol, errs
 
 
 def test_our_kernel_runs_at_and_above_the_bound_off_the_setting_and_on_mixed_dtypes(fused_on_cpu, monkeypatch):
@@ -88,8 +97,7 @@ def test_our_kernel_runs_at_and_above_the_bound_off_the_setting_and_on_mixed_dty
     class Marked(torch.Tensor):
         pass
 
-    calls = []
-    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    calls = _count_fused_calls(monkeypatch)
     m(torch.randn(4, 64, requires_grad=True))
     assert len(calls) == 1
     m(torch.randn(4, 64).as_subclass(Marked).requires_grad_(True))
@@ -127,8 +135,7 @@ def _gemma_casting_norm(kind: str, h: int, dtype):
 def test_small_gemma_casting_norms_run_torchs_op_in_fp32_and_match_native(fused_on_cpu, monkeypatch, kind, dtype):
     torch.manual_seed(int(torch.randint(0, 2**31, ())))
     m, off = _gemma_casting_norm(kind, 80, dtype)
-    calls = []
-    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    calls = _count_fused_calls(monkeypatch)
     x = (torch.randn(2, 9, 80) * 2).to(dtype).requires_grad_(True)
     g = torch.randn(2, 9, 80).to(dtype)
     y = m(x)
@@ -140,11 +147,8 @@ def test_small_gemma_casting_norms_run_torchs_op_in_fp32_and_match_native(fused_
     ref = _gemma64(x64, w64, 1e-6, off)
     rdx, rdw = torch.autograd.grad(ref, (x64, w64), g.double())
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # fp32 math, one rounding of the output (bf16: 2^-8)
-
-    def rel(a, b):
-        return ((a.double() - b).abs().max() / b.abs().max()).item()
-
-    assert rel(y, ref) < tol and rel(dx, rdx) < tol and rel(dw, rdw) < tol, (rel(y, ref), rel(dx, rdx), rel(dw, rdw))
+    errs = (_rel(y, ref), _rel(dx, rdx), _rel(dw, rdw))
+    assert max(errs) < tol, errs
     assert dx.dtype == dtype and dw.dtype == dtype
     # a bf16 input into an fp32 weight: native's output keeps the input's dtype; so does the route
     m32, _ = _gemma_casting_norm(kind, 80, torch.float32)
@@ -156,8 +160,7 @@ def test_under_autocast_a_half_precision_llama_norm_keeps_our_kernel(fused_on_cp
     """torch's op runs in fp32 under autocast (CUDA's autocast lists it) and returns fp32, where
     native's Llama norm returns the input's dtype: a bf16 Llama norm keeps our kernel there, an fp32
     one and a Gemma-casting one (cast back to the input's dtype) still take torch's op."""
-    calls = []
-    monkeypatch.setitem(shim._fused_ops, "cpu", lambda *a: calls.append(a) or torch.nn.functional.rms_norm(*a))
+    calls = _count_fused_calls(monkeypatch)
     llama16 = _norm(48, torch.bfloat16, seed=3)
     llama32 = _norm(48, torch.float32, seed=4)
     gemma16, _ = _gemma_casting_norm("gemma", 48, torch.bfloat16)
