@@ -13,7 +13,8 @@
 # (OP_HOST_ARGS: one fused-loss call's host time, layer by layer), logprob_rows (LP_ROWS_ARGS: the
 # log-prob head's row passes over one chunk by block width and warps), kernel_leave_out (LEAVE_OUT_ARGS: a
 # family's small step with each of our kernels left out in turn, in one process), gh_gemm (GH_GEMM_ARGS: the loss's
-# grad_hidden product to a bf16 against an fp32 result),
+# grad_hidden product to a bf16 against an fp32 result), compaction (COMPACTION_ARGS: the fused loss's
+# ignored-row compaction against every row computed, behind work queued on the GPU),
 # module_host (host time per module call, native and patched), rms_norm_host (one RMSNorm call's host
 # time, Llama's and Gemma's norm, native, our kernel, torch's fused op and the patched module), skip_analysis (SKIP_ARGS: the
 # sparse backward's rule in exact fp32 at GPU sizes), sparse_grads_profile (SPARSE_ARGS: one chunk of the
@@ -60,6 +61,7 @@ for step in "$@"; do
     compiled_profile) python3 -m benchmarks.compiled_profile --out "$OUT" ${PROFILE_ARGS:-} >"$OUT/compiled_profile.log" 2>&1 ;;
     kernel_leave_out) python3 -m benchmarks.kernel_leave_out --out "$OUT" ${LEAVE_OUT_ARGS:-} >>"$OUT/kernel_leave_out.log" 2>&1 ;;
     logprob_rows) python3 -m benchmarks.logprob_rows --out "$OUT" ${LP_ROWS_ARGS:-} >"$OUT/logprob_rows.log" 2>&1 ;;
+    compaction) python3 -m benchmarks.compaction --out "$OUT" ${COMPACTION_ARGS:-} >>"$OUT/compaction.log" 2>&1 ;;
     gh_gemm) python3 -m benchmarks.gh_gemm --out "$OUT" ${GH_GEMM_ARGS:-} >"$OUT/gh_gemm.log" 2>&1 ;;
     op_host) python3 -m benchmarks.op_host --out "$OUT" ${OP_HOST_ARGS:-} >"$OUT/op_host.log" 2>&1 ;;
     rms_norm_host) for n in llama gemma; do python3 -m benchmarks.rms_norm_host --norm $n --out "$OUT" ${RMS_HOST_ARGS:-}; done >"$OUT/rms_norm_host.log" 2>&1 ;;

@@ -27,7 +27,7 @@ import torch
 from ._ce_triton import _tanh
 from ._dispatch import triton, tl, cdiv
 
-__all__ = ["logits_with_partials", "supported", "absolute_logits"]
+__all__ = ["logits_with_partials", "new_partials", "supported", "absolute_logits"]
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, warp_specialize) on CUDA
 CONFIG = (128, 256, 64, 8, 3, False)
@@ -129,31 +129,41 @@ def supported(hc: torch.Tensor, w: torch.Tensor) -> bool:
 _NUM_SMS: dict[int, int] = {}
 
 
-def logits_with_partials(hc, w, out, opt, config=None):
+def _config_for(dev, config):
+    """(BM, BN, BK, warps, stages, warp specialization, programs) on ``dev``."""
+    if dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in _NUM_SMS:
+            _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        return (*(config or CONFIG), _NUM_SMS[idx])
+    return 16, 32, 16, 1, 1, False, 4  # interpreter
+
+
+def new_partials(rows, n, opt, dev, config=None):
+    """Unfilled ``(pm, ps, pi, pz)`` partials of ``rows`` rows against ``n`` columns, for
+    :func:`logits_with_partials`' ``parts`` (written a slice of rows at a time)."""
+    nb = cdiv(n, _config_for(dev, config)[1])
+    pm = torch.empty((rows, nb), dtype=torch.float32, device=dev)
+    ps = torch.empty_like(pm)
+    pz = torch.empty_like(pm) if opt.label_smoothing != 0.0 else pm
+    pi = torch.empty((rows, nb), dtype=torch.int32, device=dev)
+    return pm, ps, pi, pz
+
+
+def logits_with_partials(hc, w, out, opt, config=None, parts=None):
     """``out[:] = hc @ w.T``, each tile of ``BN`` columns less its rows' maxima where the logits are
     shifted (:data:`SHIFT_LOGITS`, no softcap); returns the partials ``(pm, ps, pi, pz, shift)``,
-    the first four ``[rows, NB]``, ``shift`` the tile width ``BN`` when ``out`` holds tile-relative
-    logits (logit ``[r, j]`` = ``out[r, j] + pm[r, j // BN]``), else 0."""
+    the first four ``[rows, NB]`` (``parts``: those of :func:`new_partials` to write, else new ones),
+    ``shift`` the tile width ``BN`` when ``out`` holds tile-relative logits (logit ``[r, j]`` =
+    ``out[r, j] + pm[r, j // BN]``), else 0."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = hc.shape
     n = w.shape[0]
     dev = hc.device
-    if dev.type == "cuda":
-        bm, bn, bk, warps, stages, ws = config or CONFIG
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        if idx not in _NUM_SMS:
-            _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        programs = _NUM_SMS[idx]
-    else:  # interpreter
-        bm, bn, bk, warps, stages, ws = 16, 32, 16, 1, 1, False
-        programs = 4
+    bm, bn, bk, warps, stages, ws, programs = _config_for(dev, config)
     nb = cdiv(n, bn)
-    f32 = torch.float32
-    pm = torch.empty((m, nb), dtype=f32, device=dev)
-    ps = torch.empty_like(pm)
-    pz = torch.empty_like(pm) if opt.label_smoothing != 0.0 else pm
-    pi = torch.empty((m, nb), dtype=torch.int32, device=dev)
+    pm, ps, pi, pz = parts if parts is not None else new_partials(m, n, opt, dev, config)
     a_desc = TensorDescriptor.from_tensor(hc, [bm, bk])
     b_desc = TensorDescriptor.from_tensor(w, [bn, bk])
     c_desc = TensorDescriptor.from_tensor(out, [bm, bn])

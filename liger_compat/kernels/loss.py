@@ -294,9 +294,14 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
 #: (:func:`liger_compat._config.flce_logits`); ``logits_impl=`` of :func:`fused_linear_cross_entropy` overrides it.
 #:
 #: ``compact_ignored``: skip ignore_index rows on the Triton path. That needs their count on the
-#: host, one host sync a call, which a host-bound step pays for in full (the GPU idles while the
-#: host catches up); without it every row is computed and ignored rows get zero gradient rows from
-#: the row kernel, as native's logits cost them too. ``None`` (the default) decides by the work:
+#: host, one host sync a call, which a host-bound step pays for in full; without it every row is
+#: computed and ignored rows get zero gradient rows from the row kernel, as native's logits cost
+#: them too. The pass sorts the kept rows first and reads their count once its first chunk's logits
+#: GEMM is queued (:func:`_kept_rows_first`), so the GPU is not left idle while the host waits; where
+#: fewer rows are kept than a chunk holds, that GEMM also computes the ignored rows behind them (the
+#: rest of the chunk's work takes the kept rows only). With ``sparse_grads`` or
+#: ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``, whose buffers are sized by the count, it is read first
+#: (``nonzero``), which drains the GPU's queue. ``None`` (the default) decides by the work:
 #: rows x vocabulary x hidden of at least :data:`COMPACT_MIN_MACS` (a loss of several ms on an
 #: H100, where the skipped rows' matmuls outweigh the sync; the Llama-3-8B head measured 37.2 ms
 #: with every row computed against 35.4 compacted at 10 % ignored) compacts, anything smaller
@@ -383,6 +388,41 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class _KeptCount:
+    """A row count made on the device, read on the host later: on CUDA copied without blocking
+    into pinned memory behind an event, so that :meth:`read` waits for the GPU up to where it was
+    counted only, not for the work queued after it (as ``nonzero`` or ``.item()`` would)."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, count: torch.Tensor):
+        self._event = None
+        if count.device.type == "cuda":
+            self._host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self._host.copy_(count, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(count.device))
+        else:
+            self._host = count
+
+    def read(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host)
+
+
+def _kept_rows_first(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, _KeptCount]:
+    """Every row's index, the kept rows' (target != ``ignore_index``) first in their order, and
+    their count, still to be read. The compacting pass takes its first chunk from the front of this
+    order and queues that chunk's logits GEMM before it reads the count: the GPU then has work
+    while the host waits, where counting first (``nonzero``) drained its queue. Any prefix of the
+    order that holds every kept row is a correct set of rows to compute (an ignored row's loss
+    and gradient are zero), so the count only says where to stop."""
+    ignored = target == ignore_index
+    order = torch.argsort(ignored.to(torch.uint8), stable=True)
+    return order, _KeptCount(target.numel() - ignored.sum())
+
+
 _FP32_ACCUMULATE: dict[str, bool] = {}
 
 
@@ -453,6 +493,33 @@ def _exact_gw_rows(backend, h, w, m, rows, need_gw, knobs) -> int:
     return min(m, max(rows, EXACT_GW_ROWS // rows * rows))
 
 
+#: rows of a compacting pass's first chunk whose logits GEMM is queued before the kept rows' count is
+#: read (:func:`_kept_rows_first`): enough GPU work to cover the host's wait and its next launch
+#: (256 rows at the Llama-3-8B head: ~0.35 ms on an H200), few enough that where fewer rows are kept
+#: little is computed for nothing; the chunk's other rows are computed once the count says they are kept
+FIRST_GEMM_ROWS = 256
+
+
+def _chunk_logits(hc, wc, b, wt, logits, opt, fused_stats, lo, hi, parts, extra) -> int:
+    """Rows ``lo:hi`` of a chunk's logits (``hc @ wc.T``, plus the bias), with the Triton GEMM's
+    partials into ``parts`` (the whole chunk's, from ``_logits_triton.new_partials``; None: the
+    GEMM makes them, ``lo`` 0 and ``hi`` the chunk), kept in ``extra["partials"]``; returns ``hi``."""
+    if hi <= lo:
+        return lo
+    if fused_stats is not None:
+        if parts is None:
+            extra["partials"] = fused_stats(hc, wc, logits, opt)
+        else:
+            sl = slice(lo, hi)
+            got = fused_stats(hc[sl], wc, logits[sl], opt, parts=tuple(x[sl] for x in parts))
+            extra["partials"] = (*parts, got[4])
+    elif b is not None:
+        torch.addmm(b, hc[lo:hi], wt, out=logits[lo:hi])
+    else:
+        torch.mm(hc[lo:hi], wc.t(), out=logits[lo:hi])
+    return hi
+
+
 def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=None, knobs=DEFAULT_KNOBS):
     """One chunked pass. ``grads`` = (hidden, weight, bias) flags; ``scale`` 0-d or [N] fp32;
     ``bad``: the flag out-of-range targets are recorded in (with ``want_stats``); ``knobs``: a
@@ -467,11 +534,16 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     dev = h.device
     f32 = torch.float32
     idx = None
+    # with the compaction: the kept rows' count, read on the host once the first logits GEMM is queued
+    pending = None
     if backend == "triton" and knobs.compact_ignored and n > 0 and not _capturing(dev):
-        idx = (target != opt.ignore_index).nonzero().squeeze(1)  # a host sync (opt-in)
-        if idx.numel() == n:
-            idx = None
-    m = n if idx is None else idx.numel()
+        if knobs.sparse_grads or _config.settings.flce_fp32_grad_weight:  # their buffers need the count first
+            idx = (target != opt.ignore_index).nonzero().squeeze(1)  # a host sync that drains the queue
+            if idx.numel() == n:
+                idx = None
+        else:
+            idx, pending = _kept_rows_first(target, opt.ignore_index)
+    m = n if idx is None else idx.numel()  # with ``pending``: at most, until the count is read
     rows = _chunk_rows(max(m, 1), v, hdim, h.element_size(), backend, dev)
     # one chunk of every row: its statistics are the rows' own (no buffers to copy them into)
     single = idx is None and 0 < m <= rows
@@ -483,7 +555,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     correct = torch.empty(n, dtype=torch.bool, device=dev) if gather else None
     gh = torch.empty(h.shape, dtype=h.dtype, device=dev) if need_gh else None
     # with ``idx`` the skipped rows of these must read 0: they are zeroed once the first chunk's logits
-    # GEMM is queued, so that after the sync above the GPU gets its first large launch before the small ones
+    # GEMM is queued, so that the GPU gets its first large launch before the small ones
     unzeroed = [x for x in (loss, zl, correct, gh) if x is not None] if idx is not None else []
     # grad_weight summed over the chunks: in fp32 by the torch reference; on the GPU in the weight's
     # dtype (one rounding a chunk). With LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT (:func:`_exact_gw_rows`)
@@ -520,7 +592,7 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     while start < m:
         end = min(m, start + rows)
         if idx is None:
-            hc, tc = h[start:end], target[start:end]
+            ic, hc, tc = None, h[start:end], target[start:end]
             sc = scale if scale.dim() == 0 else scale[start:end]
         else:  # the rows' targets and scales gathered once the GEMM is queued
             ic = idx[start:end]
@@ -529,16 +601,31 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         extra = {}
         sparse = sp is not None
         wc = sp.ws if sparse else w  # the sparse chunk's columns are in the sorted order
-        if fused_stats is not None:
-            extra["partials"] = fused_stats(hc, wc, logits, opt)
-        elif b is not None:
-            torch.addmm(b, hc, wt, out=logits)
-        else:
-            torch.mm(hc, wc.t(), out=logits)
+        # with ``pending`` (the first chunk of a compacting pass) the GEMM's first rows go first
+        head = min(end - start, FIRST_GEMM_ROWS) if pending is not None else end - start
+        parts = None
+        if fused_stats is not None and head < end - start:
+            parts = _logits_triton.new_partials(end - start, v, opt, dev)
+        done = _chunk_logits(hc, wc, b, wt, logits, opt, fused_stats, 0, head, parts, extra)
         for x in unzeroed:
             x.zero_()
         unzeroed = []
-        if idx is not None:
+        if pending is not None:  # the GEMM's first rows keep the GPU busy while the host waits for the count
+            m, pending = pending.read(), None
+            if m == 0:  # every row ignored: the outputs are zeroed; no product wrote grad_weight
+                if gw is not None:
+                    gw.zero_()
+                break
+            if m == n:  # nothing to skip: the later chunks take their rows in place
+                idx = None
+            end = min(end, m)  # the chunk's rows past the kept ones are ignored ones
+            _chunk_logits(hc, wc, b, wt, logits, opt, fused_stats, done, end - start, parts, extra)
+            k = end - start
+            if k < logits.shape[0]:  # the chunk cut to its kept rows (the GEMM's first rows may pass them)
+                ic, hc, logits = ic[:k], hc[:k], logits[:k]
+                if "partials" in extra:
+                    extra["partials"] = tuple(x[:k] if isinstance(x, torch.Tensor) else x for x in extra["partials"])
+        if ic is not None:
             tc = target.index_select(0, ic)
             sc = scale if scale.dim() == 0 else scale.index_select(0, ic)
         if sparse:
@@ -563,13 +650,13 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
         if want_stats and not direct:
             if single:
                 loss, zl, correct = st[0], st[1], st[3]
-            elif idx is None:
+            elif ic is None:
                 loss[start:end], zl[start:end], _, correct[start:end] = st
             else:
                 loss[ic], zl[ic], correct[ic] = st[0], st[1], st[3]
         if sparse:
             # both gradient matmuls block-sparse; grad_weight's rows back in the vocabulary's order
-            out_rows = idx[start:end] if idx is not None else None
+            out_rows = ic
             sp.grads(logits, hc, tc, tc_head, sc, st[2], fix, gh, gw, out_rows, start)
         elif any_grad:
             d = logits  # now holds d loss / d logits, in the input dtype
@@ -588,11 +675,11 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
                         torch.addmm(fix, d, w, out_dtype=f32, out=fix)
                     else:  # the interpreter on CPU: the same sum from fp32 copies
                         fix.addmm_(d.float(), w32)
-                    if idx is None:
+                    if ic is None:
                         gh[start:end].copy_(fix)
                     else:
                         gh.index_copy_(0, ic, fix.to(gh.dtype))
-                elif idx is None:
+                elif ic is None:
                     torch.mm(d, w, out=gh[start:end])
                 else:
                     torch.mm(d, w, out=hc)

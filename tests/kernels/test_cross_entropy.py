@@ -312,11 +312,11 @@ _NO_LAUNCH = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select
               "unsqueeze", "as_strided", "detach", "alias", "expand", "reshape", "lift_fresh"}
 
 
-def test_flce_compaction_queues_the_logits_gemm_right_after_its_sync(monkeypatch):
-    """With ``compact_ignored=True`` the pass reads the kept rows' count on the host (``nonzero``,
-    a sync that drains the GPU's queue). After it the first chunk's gathered rows and its logits
-    GEMM are the first launches: the zero fills of the outputs' skipped rows and the chunk's
-    targets come after the GEMM, not each as a small launch the idle GPU waits for."""
+def test_flce_compaction_queues_the_logits_gemm_before_it_reads_the_count(monkeypatch):
+    """With ``compact_ignored=True`` the pass reads the kept rows' count on the host. It sorts the
+    kept rows first and queues the first chunk's gathered rows and logits GEMM before that read, so
+    a GPU waits on no small launch (``nonzero`` first, as before, drained its queue and left it idle
+    while the host caught up); the zero fills of the skipped rows come after the GEMM."""
     if expected_backend() != "triton":
         pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
     import liger_compat.kernels.loss as ce_mod
@@ -331,10 +331,13 @@ def test_flce_compaction_queues_the_logits_gemm_right_after_its_sync(monkeypatch
         out = fused_linear_cross_entropy(hid, w, t, compact_ignored=True, return_token_accuracy=True,
                                          reduction="none")
     ops = rec.ops
-    first_mm = ops.index("mm", ops.index("nonzero"))
-    launched = [o for o in ops[ops.index("nonzero") + 1:first_mm] if o not in _NO_LAUNCH]
-    assert launched == ["index_select"], ops[ops.index("nonzero"):first_mm + 1]
-    assert "zero_" in ops[first_mm:] and "zeros" not in ops[ops.index("nonzero"):first_mm]
+    assert "nonzero" not in ops, ops
+    first_mm, read = ops.index("mm"), ops.index("_local_scalar_dense", ops.index("sort"))
+    assert first_mm < read, ops[:read + 1]
+    # between the sort and the GEMM: the count's subtraction and the first chunk's gather, no fill
+    launched = [o for o in ops[ops.index("sort") + 1:first_mm] if o not in _NO_LAUNCH]
+    assert launched == ["sum", "rsub", "index_select"], launched
+    assert "zero_" in ops[first_mm:] and "zeros" not in ops[ops.index("sort"):first_mm]
     # the skipped rows still read 0, the kept ones as the uncompacted pass has them
     ref = fused_linear_cross_entropy(hid.detach(), w.detach(), t, compact_ignored=False, return_token_accuracy=True,
                                      reduction="none")
@@ -343,6 +346,67 @@ def test_flce_compaction_queues_the_logits_gemm_right_after_its_sync(monkeypatch
     assert torch.allclose(out.loss[~ignored], ref.loss[~ignored], rtol=1e-5, atol=1e-6)
     out.loss.sum().backward()
     assert torch.equal(hid.grad[ignored], torch.zeros(7, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kept", ["none", "fewer_than_the_first_gemm", "fewer_than_a_chunk", "several_chunks", "all"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_flce_compaction_by_number_of_kept_rows(monkeypatch, dtype, kept, reduction):
+    """The compacting pass queues its first chunk's first rows' GEMM before it knows how many rows
+    are kept, then the chunk's other rows as far as the kept ones reach. With none kept, fewer than
+    that first GEMM's rows, fewer than a chunk, several chunks, or every row: loss, z-loss, accuracy
+    and both gradients match the float64 reference; the ignored rows' loss and grad_hidden are
+    exactly 0. fp32: cuBLAS's logits with a bias; fp16: the Triton logits GEMM, whose per-tile
+    partials the two GEMMs write in one buffer, cut with the chunk."""
+    if expected_backend() != "triton":
+        pytest.skip("runs under TRITON_INTERPRET=1 (test_interpret.py)")
+    import liger_compat.kernels.loss as ce_mod
+
+    v, n, hdim, rows, first = 96, 40, 32, 16, 6
+    monkeypatch.setattr(ce_mod, "FLCE_CHUNK_BYTES_CPU", 4 * v * rows)
+    monkeypatch.setattr(ce_mod, "FIRST_GEMM_ROWS", first)
+    hid, w, bias, t = _inputs(int(torch.randint(0, 2**31, ())), n, hdim, v, dtype, 0.0, dtype == torch.float32)
+    count = {"none": 0, "fewer_than_the_first_gemm": int(torch.randint(1, first, ())),
+             "fewer_than_a_chunk": int(torch.randint(first + 1, rows, ())),
+             "several_chunks": int(torch.randint(rows + 1, n, ())), "all": n}[kept]
+    ignored = torch.ones(n, dtype=torch.bool)
+    ignored[torch.randperm(n)[:count]] = False
+    t[ignored] = -100
+    from liger_compat.kernels import _logits_triton
+
+    gemms = []
+    real = _logits_triton.logits_with_partials
+    monkeypatch.setattr(_logits_triton, "logits_with_partials", lambda hc, *a, **k: gemms.append(len(hc)) or real(hc, *a, **k))
+    ps = [x.clone().requires_grad_(True) for x in (hid, w, bias) if x is not None]
+    out = fused_linear_cross_entropy(ps[0], ps[1], t, bias=ps[2] if bias is not None else None, reduction=reduction, lse_square_scale=1e-3,
+                                     return_z_loss=True, return_token_accuracy=True, compact_ignored=True)
+    if dtype == torch.float16:  # the first chunk's GEMM: its first rows, then the others up to the kept ones
+        assert gemms[:2] == ([first, min(count, rows) - first] if count > first else [first]), gemms
+    else:
+        assert not gemms
+    p64 = [x.double().requires_grad_(True) for x in (hid, w, bias) if x is not None]
+    ref, zl, acc = ce64(p64[0] @ p64[1].T + (p64[2] if bias is not None else 0), t, reduction=reduction, lse_square_scale=1e-3)
+    if count == 0:  # no kept row: what the uncompacted pass gives (its mean over none is 0), no gradient
+        dense = fused_linear_cross_entropy(hid, w, t, bias=bias, reduction=reduction, lse_square_scale=1e-3,
+                                           return_z_loss=True, return_token_accuracy=True, compact_ignored=False)
+        assert all(torch.equal(a, b) for a, b in zip(out, dense)), (out, dense)
+        out.loss.sum().backward()
+        assert not any(x.grad.any() for x in ps)
+        return
+    gout = torch.rand(ref.shape, dtype=torch.float64) + 0.5
+    (out.loss.double() * gout).sum().backward()
+    (ref * gout).sum().backward()
+    tol = tolerance(dtype, n=v)
+    assert rel_err(out.loss, ref) <= tol and rel_err(out.z_loss, zl) <= tol
+    assert (out.token_accuracy.double() - acc).abs().sum().item() <= (1.0 if reduction == "none" else 1.0 / max(count, 1))
+    for mine, theirs in zip(ps, p64):
+        if theirs.grad.abs().max() == 0:
+            assert torch.equal(mine.grad, torch.zeros_like(mine.grad))
+        else:
+            assert rel_err(mine.grad, theirs.grad) <= tol
+    assert torch.equal(ps[0].grad[ignored], torch.zeros(int(ignored.sum()), hdim, dtype=dtype))
+    if reduction == "none":
+        assert torch.equal(out.loss[ignored], torch.zeros(int(ignored.sum())))
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])

@@ -281,6 +281,42 @@ def test_bad_labels_on_gpu_raise_without_sync_and_context_survives(kind, reducti
         assert rel_err(leaves[0].grad, h64.grad) <= tol and rel_err(leaves[1].grad, w64.grad) <= tol
 
 
+@pytest.mark.parametrize("kept", [700, 4100, 5000])
+def test_flce_compaction_behind_queued_work_on_gpu(kept):
+    """The compacting pass on the GPU (5000 rows, 2048 a chunk) with fewer kept rows than a chunk,
+    several chunks' worth, and every row: the loss and both gradients as the uncompacted pass's
+    and the float64 reference's; the ignored rows' gradient exactly 0; the count is read through an
+    event behind work still queued (no ``nonzero``, which torch's sync debug mode reports)."""
+    n, hdim, v = 5000, 256, 32000
+    hid, w, t = _flce_inputs(n, hdim, v, torch.bfloat16, int(torch.randint(0, 2**31, ())))
+    t[:] = torch.randint(0, v, (n,), device="cuda")
+    ignored = torch.ones(n, dtype=torch.bool, device="cuda")
+    ignored[torch.randperm(n, device="cuda")[:kept]] = False
+    t[ignored] = -100
+    a = torch.randn(2048, 2048, device="cuda")
+    outs = {}
+    for compact in (True, False, True):  # the first: compiles
+        leaves = [x.clone().requires_grad_(True) for x in (hid, w)]
+        torch.cuda.synchronize()
+        for _ in range(20):  # work still queued when the loss starts
+            a = a @ a / a.norm()
+        torch.cuda.set_sync_debug_mode("error" if compact else 0)
+        try:
+            loss = fused_linear_cross_entropy(*leaves, t, compact_ignored=compact)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        loss.backward()
+        outs[compact] = (loss, *(x.grad for x in leaves))
+    h64, w64 = hid.double().requires_grad_(True), w.double().requires_grad_(True)
+    ref, _, _ = ce64(h64 @ w64.T, t)
+    ref.backward()
+    tol = tolerance(torch.bfloat16, n=v)
+    for got in outs.values():
+        assert rel_err(got[0], ref) <= tol
+        assert rel_err(got[1], h64.grad) <= tol and rel_err(got[2], w64.grad) <= tol
+        assert not got[1][ignored].any()
+
+
 def test_cross_entropy_gpu():
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(777, 50257, device="cuda", generator=g) * 4).bfloat16().requires_grad_(True)
