@@ -296,10 +296,10 @@ def _chunk_rows(n: int, v: int, h: int, elem: int, backend: str, device: torch.d
 #: ``compact_ignored``: skip ignore_index rows on the Triton path. That needs their count on the
 #: host, one host sync a call, which a host-bound step pays for in full; without it every row is
 #: computed and ignored rows get zero gradient rows from the row kernel, as native's logits cost
-#: them too. The pass sorts the kept rows first and reads their count once its first chunk's logits
-#: GEMM is queued (:func:`_kept_rows_first`), so the GPU is not left idle while the host waits; where
-#: fewer rows are kept than a chunk holds, that GEMM also computes the ignored rows behind them (the
-#: rest of the chunk's work takes the kept rows only). With ``sparse_grads`` or
+#: them too. The pass sorts the kept rows first and reads their count once the logits GEMM of its
+#: first chunk's first :data:`FIRST_GEMM_ROWS` rows is queued (:func:`_kept_rows_first`), so the GPU
+#: is not left idle while the host waits; where fewer rows are kept than that, that GEMM also computes
+#: the ignored rows behind them (the rest of the chunk's work takes the kept rows only). With ``sparse_grads`` or
 #: ``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``, whose buffers are sized by the count, it is read first
 #: (``nonzero``), which drains the GPU's queue. ``None`` (the default) decides by the work:
 #: rows x vocabulary x hidden of at least :data:`COMPACT_MIN_MACS` (a loss of several ms on an
@@ -414,7 +414,7 @@ class _KeptCount:
 def _kept_rows_first(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, _KeptCount]:
     """Every row's index, the kept rows' (target != ``ignore_index``) first in their order, and
     their count, still to be read. The compacting pass takes its first chunk from the front of this
-    order and queues that chunk's logits GEMM before it reads the count: the GPU then has work
+    order and queues the logits GEMM of that chunk's first rows before it reads the count: the GPU then has work
     while the host waits, where counting first (``nonzero``) drained its queue. Any prefix of the
     order that holds every kept row is a correct set of rows to compute (an ignored row's loss
     and gradient are zero), so the count only says where to stop."""
