@@ -80,23 +80,22 @@ def watch_contract(flag: torch.Tensor, op: str, message: Callable[[list[int]], s
 
 
 def _queue(flag, op, num_classes, ignore_index, contract) -> None:
-    if flag.device.type == "cpu":
-        entry = _Pending(flag, None, op, num_classes, ignore_index, contract=contract)
-    elif flag.device.type == "cuda":
+    device = flag.device
+    if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return
-        with _lock:
+        with _lock:  # one lock for the spare buffer and the queue (a small step's host time)
             host, event = _spare.pop() if _spare else (None, None)
-        if host is None:
-            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
-            event = torch.cuda.Event()
-        host.copy_(flag, non_blocking=True)
-        event.record(torch.cuda.current_stream(flag.device))  # where the copy was queued
-        entry = _Pending(host, event, op, num_classes, ignore_index, True, contract)
-    else:  # other accelerators run the torch reference; settings.debug checks up front there
-        return
-    with _lock:
-        _pending.append(entry)
+            if host is None:
+                host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+                event = torch.cuda.Event()
+            host.copy_(flag, non_blocking=True)
+            event.record(torch.cuda.current_stream(device))  # where the copy was queued
+            _pending.append(_Pending(host, event, op, num_classes, ignore_index, True, contract))
+    elif device.type == "cpu":
+        with _lock:
+            _pending.append(_Pending(flag, None, op, num_classes, ignore_index, contract=contract))
+    # other accelerators run the torch reference; settings.debug checks up front there
 
 
 def _message(bad: list[tuple[_Pending, list[int]]]) -> str:
@@ -127,12 +126,17 @@ def poll() -> None:
     if not _pending:
         return
     with _lock:
-        # an event is not queried while the stream is being captured
-        if any(p.event is not None for p in _pending) and _capturing():
-            return
         done, waiting = [], []
+        capturing = None
         for p in _pending:
-            (done if p.event is None or p.event.query() else waiting).append(p)
+            if p.event is None:
+                done.append(p)
+                continue
+            if capturing is None:  # an event is not queried while the stream is being captured
+                capturing = _capturing()
+                if capturing:
+                    return
+            (done if p.event.query() else waiting).append(p)
         if not done:
             return
         _pending[:] = waiting

@@ -238,6 +238,19 @@ def _finish(loss_rows, zl_rows, correct, n_valid, scale, reduction, target_shape
     return loss, z, acc
 
 
+def next_token_targets(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The flat targets of ``shift_target=True``: row ``t`` of each sequence (``target``'s last
+    dimension) is scored against ``target[..., t + 1]``, each sequence's last row against nothing
+    (``ignore_index``), as transformers' causal-LM loss shifts its labels."""
+    return torch.nn.functional.pad(target, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
+
+
+def _nan_if_empty(loss: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """``empty_mean="nan"``: the mean over no labelled row is NaN (0 / 0, as ``cross_entropy``'s)
+    instead of 0; the gradients stay zero (every row is ignored)."""
+    return torch.where(n_valid > 0, loss, float("nan"))
+
+
 def _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc):
     """The loss Functions' outputs from per-row ``stats`` = (loss, z-loss, hit): the loss as
     ``reduction`` asks, then z-loss and token accuracy, ``None`` where not asked for (no launch
@@ -727,15 +740,23 @@ def _flce_pass(h, w, b, target, opt, backend, *, scale, grads, want_stats, bad=N
     return stats, gh, gw, gb
 
 
-def _saved_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs):
+def _saved_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs,
+                shift=False, nan_empty=False):
     """A scalar loss's forward with every gradient formed in it: (loss, z-loss, accuracy, grad_hidden,
     grad_weight, grad_bias, the out-of-range flag), the gradients those of the loss (times its
-    scale), z-loss and accuracy None where not asked for. Capturable as a CUDA graph (:data:`_GRAPHS`)."""
+    scale), z-loss and accuracy None where not asked for. ``shift``: ``target`` holds each sequence's
+    own tokens (:func:`next_token_targets`); ``nan_empty``: the loss is NaN where no row is labelled
+    (:func:`_nan_if_empty`). Capturable as a CUDA graph (:data:`_GRAPHS`), the shift and the NaN
+    included: a replay launches neither."""
+    if shift:
+        target = next_token_targets(target, opt.ignore_index)
     n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
     bad = _device_errors.new_flag(h.device)
     stats, gh, gw, gb = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=needs, want_stats=True, bad=bad,
                                    knobs=knobs)
     loss, z, acc = _finish(*stats, n_valid, scale, reduction, (stats[0].shape[0],), want_z, want_acc)
+    if nan_empty:
+        loss = _nan_if_empty(loss, n_valid)
     return loss, z, acc, gh, gw, gb, bad
 
 
@@ -781,10 +802,12 @@ def graph_key(h, w, b, target, opt, backend, knobs) -> tuple:
             backend, knobs, settings.flce_chunk_mb, settings.flce_fp32_grad_weight, shift)
 
 
-def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs):
+def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs,
+                  shift=False, nan_empty=False):
     """:func:`_saved_pass`'s outputs from a replayed CUDA graph, with the lease on them, or None
     (run it eagerly). The key: :func:`graph_key`, the reduction, the gradients and extras asked for,
-    and the kind of ``num_items_in_batch`` (its value is copied in)."""
+    the kind of ``num_items_in_batch`` (its value is copied in), the target shift and the empty
+    mean's NaN."""
     if not _graphable(h, w, backend, knobs):
         return None
     if isinstance(num_items, torch.Tensor):
@@ -793,17 +816,19 @@ def _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, wa
         items = None
     else:
         items, num_items = "number", float(num_items)
-    key = ("saved_pass", graph_key(h, w, b, target, opt, backend, knobs), reduction, items, needs, want_z, want_acc)
+    key = ("saved_pass", graph_key(h, w, b, target, opt, backend, knobs), reduction, items, needs, want_z, want_acc,
+           shift, nan_empty)
 
     def body(hs, ts, ns):
-        return _saved_pass(hs, w, b, ts, ns, opt, reduction, backend, needs, want_z, want_acc, knobs)
+        return _saved_pass(hs, w, b, ts, ns, opt, reduction, backend, needs, want_z, want_acc, knobs, shift, nan_empty)
 
     return _GRAPHS.run(key, body, (h, target, num_items), h.device)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, b, target, opt, reduction, num_items, backend, want_z, want_acc, knobs):
+    def forward(ctx, h, w, b, target, opt, reduction, num_items, backend, want_z, want_acc, knobs, shift, nan_empty):
+        # ``shift``: ``target`` is [..., T], each sequence's own tokens (next_token_targets), else flat
         needs = tuple(ctx.needs_input_grad[:3])
         needs = (needs[0], needs[1], needs[2] and b is not None)
         ctx.opt, ctx.backend, ctx.reduction, ctx.knobs = opt, backend, reduction, knobs
@@ -811,10 +836,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.lease = None
         if reduction != "none" and any(needs):
             # scalar loss: all gradients now, scaled by grad_output in backward
-            got = _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs)
+            got = _graphed_pass(h, w, b, target, num_items, opt, reduction, backend, needs, want_z, want_acc, knobs,
+                                shift, nan_empty)
             if got is None:
                 loss, z, acc, gh, gw, gb, bad = _saved_pass(h, w, b, target, num_items, opt, reduction, backend, needs,
-                                                            want_z, want_acc, knobs)
+                                                            want_z, want_acc, knobs, shift, nan_empty)
             else:
                 # the graph's buffers: the loss and its extras copied out (a caller may keep them),
                 # the gradients read by the backward under the lease
@@ -829,6 +855,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if extra:
                 ctx.mark_non_differentiable(*extra)
             return loss, z, acc
+        if shift:
+            target = next_token_targets(target, opt.ignore_index)
         n_valid, scale = _reduction_scale(target, opt, reduction, num_items, h.device)
         bad = _device_errors.new_flag(h.device)
         stats, *_ = _flce_pass(h, w, b, target, opt, backend, scale=scale, grads=(False,) * 3, want_stats=True, bad=bad,
@@ -838,7 +866,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.needs = needs
             ctx.save_for_backward(h, w, b, target)
         _device_errors.watch(bad, "fused_linear_cross_entropy", w.shape[0], opt.ignore_index)
-        return _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc)
+        loss, z, acc = _forward_tail(ctx, stats, n_valid, scale, reduction, want_z, want_acc)
+        return (_nan_if_empty(loss, n_valid) if nan_empty else loss), z, acc
 
     @staticmethod
     def backward(ctx, g_loss, _g_z, _g_acc):
@@ -848,7 +877,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.grads = ctx.lease = None  # a failed backward frees the gradients and the graph
             raise
         if ctx.mode is None:
-            return (None,) * 11
+            return (None,) * 13
         if ctx.mode == "saved":
             gh, gw, gb = ctx.grads
             ctx.grads = None
@@ -856,14 +885,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 # a replayed graph's buffers: the products are new tensors, then the graph is free
                 out = tuple(None if g is None else torch.mul(g, g_loss) for g in (gh, gw, gb))
                 ctx.lease = None
-                return out + (None,) * 8
+                return out + (None,) * 10
             # always scaled (in place: the buffers are this forward's own); comparing grad_output
             # with 1 first would read it on the host. The fp32 0-d grad_output multiplies each
             # 16-bit entry in fp32 and rounds once, with no conversion launch before it.
             for g in (gh, gw, gb):
                 if g is not None:
                     g.mul_(g_loss)
-            return (gh, gw, gb) + (None,) * 8
+            return (gh, gw, gb) + (None,) * 10
         h, w, b, target = ctx.saved_tensors
 
         def grads_of(row_scale):
@@ -871,7 +900,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                               want_stats=False, knobs=ctx.knobs)[1:]
 
         # recomputing is for reduction="none" only: no reduction scale
-        return _backward_tail(grads_of, g_loss, ctx.reduction, None, 11)
+        return _backward_tail(grads_of, g_loss, ctx.reduction, None, 13)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1106,6 +1135,8 @@ def fused_linear_cross_entropy(
     compact_ignored: bool | None = None,
     ce_variant: str = "split",
     sparse_grads: bool = False,
+    shift_target: bool = False,
+    empty_mean: str = "zero",
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without ``[N, V]`` logits.
 
@@ -1116,6 +1147,14 @@ def fused_linear_cross_entropy(
     ``softcap`` applies ``softcap * tanh(logits / softcap)`` first; ``lse_square_scale`` adds the
     z-loss ``scale * lse**2`` per row. Returns the loss, or :class:`CrossEntropyOutput` when
     ``return_z_loss`` or ``return_token_accuracy`` is set. Differentiable in hidden, weight, bias.
+
+    ``shift_target=True`` takes ``target`` (shaped exactly ``hidden.shape[:-1]``) as each
+    sequence's own tokens, the labels of a causal LM: position ``t`` is scored against
+    ``target[..., t + 1]`` and each sequence's last position against nothing, as transformers
+    shifts its labels (the shift runs inside the loss's CUDA graph where one replays).
+    ``empty_mean="nan"`` makes the ``"mean"`` of no labelled row NaN (0 / 0, as
+    ``torch.nn.functional.cross_entropy`` gives) instead of 0; it changes nothing with
+    ``num_items_in_batch`` or another reduction. Neither changes a gradient.
 
     A target outside ``[0, V)`` that is not ``ignore_index`` raises :class:`TargetOutOfRangeError`
     (a ``ValueError``): on CPU tensors from this call; on the GPU, where checking at once would
@@ -1161,7 +1200,20 @@ def fused_linear_cross_entropy(
         raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
     if bias is not None and tuple(bias.shape) != (v,):
         raise ShapeMismatchError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
-    _check_target(target, hidden.shape[:-1], "hidden")
+    if not isinstance(shift_target, bool):
+        raise ValueError(f"shift_target must be True or False, got {shift_target!r}")
+    if empty_mean not in ("zero", "nan"):
+        raise ValueError(f"empty_mean must be 'zero' or 'nan', got {empty_mean!r}")
+    if shift_target:
+        _checks.tensor("target", target)
+        _checks.integer_target("target", target)
+        if target.dim() == 0 or tuple(target.shape) != tuple(hidden.shape[:-1]):
+            raise ShapeMismatchError(
+                f"with shift_target=True target must have hidden's leading shape {tuple(hidden.shape[:-1])} "
+                f"(sequences of at least one dimension), got {tuple(target.shape)}"
+            )
+    else:
+        _check_target(target, hidden.shape[:-1], "hidden")
     device = _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
     _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
     if v == 0:  # no target is a class of an empty vocabulary (native: cross_entropy's IndexError)
@@ -1173,11 +1225,13 @@ def fused_linear_cross_entropy(
     opt = CEOptions(int(ignore_index), float(label_smoothing), float(lse_square_scale), None if softcap is None else float(softcap))
     if not compiling:  # under torch.compile the op's real implementation runs these checks
         backend = _dispatch.choose("fused_linear_cross_entropy", device)
-        _checks.target_range("target", target, v, ignore_index, kernel_reports=backend == "triton")
+        # with the shift, a sequence's first token is no position's target
+        _checks.target_range("target", target[..., 1:] if shift_target else target, v, ignore_index,
+                             kernel_reports=backend == "triton")
     h2 = hidden.reshape(-1, hdim)
     if not h2.is_contiguous():
         h2 = h2.contiguous()
-    t1 = target.reshape(-1)
+    nan_empty = empty_mean == "nan" and reduction == "mean" and num_items_in_batch is None
     want_z, want_acc = bool(return_z_loss), bool(return_token_accuracy)
     if mode is not None and mode not in _config.FLCE_MODES:
         raise ValueError(f"mode must be one of {', '.join(_config.FLCE_MODES)} or None, got {mode!r}")
@@ -1192,23 +1246,33 @@ def fused_linear_cross_entropy(
     # token accuracy needs the argmax's first index in the vocabulary's own order (ties)
     knobs = _knobs(logits_impl, compact_for(h2.shape[0], v, hdim, compact_ignored), ce_variant,
                    bool(sparse_grads) and not want_acc)
-    if compiling:
-        # the setting or the keyword decide at trace time; ``auto`` keeps the chunked ops (the
-        # free memory of the moment of tracing says nothing about the runs)
-        triton_path = device.type == "cuda" or (device.type == "cpu" and _dispatch.interpret_mode())
-        lowmem = (mode or _config.flce_mode()) == "lowmem" and triton_path and _dispatch.HAS_TRITON
-        loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc,
-                                 lowmem=lowmem, config=config, knobs=knobs)
-    elif mode is None and backend == "torch" and dense_for(h2.shape[0], v, device):
-        loss, z, acc = _dense_torch(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc)
-    elif _pick_mode(mode, h2, weight, backend) == "lowmem":
-        loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
-            h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config, knobs.compact_ignored
+    # the chunked mode's Function shifts the targets and sets the NaN itself (inside its CUDA
+    # graph where one replays); every other path gets shifted targets and sets it here
+    chunked = not compiling and not (mode is None and backend == "torch" and dense_for(h2.shape[0], v, device)) \
+        and _pick_mode(mode, h2, weight, backend) == "chunked"
+    if chunked:
+        loss, z, acc = _FusedLinearCrossEntropy.apply(
+            h2, weight, bias, target if shift_target else target.reshape(-1), opt, reduction, num_items_in_batch,
+            backend, want_z, want_acc, knobs, shift_target, nan_empty
         )
     else:
-        loss, z, acc = _FusedLinearCrossEntropy.apply(
-            h2, weight, bias, t1, opt, reduction, num_items_in_batch, backend, want_z, want_acc, knobs
-        )
+        t1 = next_token_targets(target, opt.ignore_index) if shift_target else target.reshape(-1)
+        if compiling:
+            # the setting or the keyword decide at trace time; ``auto`` keeps the chunked ops (the
+            # free memory of the moment of tracing says nothing about the runs)
+            triton_path = device.type == "cuda" or (device.type == "cpu" and _dispatch.interpret_mode())
+            lowmem = (mode or _config.flce_mode()) == "lowmem" and triton_path and _dispatch.HAS_TRITON
+            loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc,
+                                     lowmem=lowmem, config=config, knobs=knobs)
+        elif mode is None and backend == "torch" and dense_for(h2.shape[0], v, device):
+            loss, z, acc = _dense_torch(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc)
+        else:
+            loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
+                h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc, config,
+                knobs.compact_ignored
+            )
+        if nan_empty:
+            loss = torch.where((t1 != opt.ignore_index).any(), loss, float("nan"))
     if not compiling and device.type != "cuda":
         _device_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
     if reduction == "none":

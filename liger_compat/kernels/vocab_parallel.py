@@ -27,7 +27,8 @@ import torch
 
 from . import _checks
 from .errors import ShapeMismatchError
-from .loss import CEOptions, CrossEntropyOutput, _check_options, _check_target, _finish, _reduction_scale
+from .loss import (CEOptions, CrossEntropyOutput, _check_options, _check_target, _finish, _nan_if_empty,
+                   _reduction_scale, next_token_targets)
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -169,6 +170,8 @@ def vocab_parallel_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     return_token_accuracy: bool = False,
     return_z_loss: bool = False,
+    shift_target: bool = False,
+    empty_mean: str = "zero",
 ):
     """The fused linear cross-entropy of a head split over the vocabulary across ``group``.
 
@@ -176,7 +179,8 @@ def vocab_parallel_cross_entropy(
     at row ``vocab_offset`` (``bias`` the matching ``[V_local]``); ``hidden`` ``[..., H]`` and
     ``target`` (class ids of the whole vocabulary) are the same on every rank of ``group``. Every
     rank returns the same loss; the weight's gradient is this rank's rows, the hidden states'
-    gradient is the whole head's. Options as :func:`~liger_compat.kernels.fused_linear_cross_entropy`.
+    gradient is the whole head's. Options as :func:`~liger_compat.kernels.fused_linear_cross_entropy`
+    (``shift_target`` and ``empty_mean`` included).
     """
     _checks.tensor("hidden", hidden)
     _checks.tensor("weight", weight)
@@ -184,6 +188,13 @@ def vocab_parallel_cross_entropy(
     _checks.float_dtype("weight", weight)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
     _check_target(target, hidden.shape[:-1], "hidden")
+    if not isinstance(shift_target, bool):
+        raise ValueError(f"shift_target must be True or False, got {shift_target!r}")
+    if empty_mean not in ("zero", "nan"):
+        raise ValueError(f"empty_mean must be 'zero' or 'nan', got {empty_mean!r}")
+    if shift_target and (target.dim() == 0 or tuple(target.shape) != tuple(hidden.shape[:-1])):
+        raise ShapeMismatchError(f"with shift_target=True target must have hidden's leading shape "
+                                 f"{tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is "
                                  f"{hidden.shape[-1]}")
@@ -192,9 +203,10 @@ def vocab_parallel_cross_entropy(
                                  f"a vocabulary of {vocab_size}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ShapeMismatchError(f"bias has shape {tuple(bias.shape)}, the weight's shard {weight.shape[0]} rows")
-    _checks.target_range("target", target, vocab_size, ignore_index)
+    _checks.target_range("target", target[..., 1:] if shift_target else target, vocab_size, ignore_index)
     h = hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1).to(device=h.device, dtype=torch.long)
+    t = (next_token_targets(target, int(ignore_index)) if shift_target else target.reshape(-1))
+    t = t.to(device=h.device, dtype=torch.long)
     if weight.dtype != h.dtype:
         weight = weight.to(h.dtype)
     if bias is not None and bias.dtype != h.dtype:
@@ -208,6 +220,8 @@ def vocab_parallel_cross_entropy(
                                       h.device)
     loss, z, acc = _finish(rows, z_rows, correct, n_valid, scale, reduction, target.shape, return_z_loss,
                            return_token_accuracy)
+    if empty_mean == "nan" and reduction == "mean" and num_items_in_batch is None:
+        loss = _nan_if_empty(loss, n_valid)
     if return_token_accuracy or return_z_loss:
         return CrossEntropyOutput(loss, z, acc)
     return loss

@@ -564,7 +564,9 @@ def _tf_version() -> str:
     return getattr(sys.modules.get("transformers"), "__version__", "?")
 
 
-def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: int) -> Any:
+def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any]) -> Any:
+    """``shift_labels`` as given, else ``labels`` (not yet shifted: position t predicts label t + 1,
+    the last position nothing), checked against the loss's positions, on ``hidden``'s device."""
     import torch
 
     shift_labels = loss_kw.get("shift_labels")
@@ -573,15 +575,13 @@ def _targets(labels: Any, hidden: Any, loss_kw: dict[str, Any], ignore_index: in
             from ..kernels.errors import NotATensorError
 
             raise NotATensorError(f"{name} must be a tensor of class ids, got {type(value).__name__}")
-    if shift_labels is None:
-        # position t predicts label t + 1; the last position predicts nothing
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
+    target = labels if shift_labels is None else shift_labels
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(
-            f"labels of shape {tuple(shift_labels.shape)} do not match the {tuple(hidden.shape[:-1])} positions "
+            f"labels of shape {tuple(target.shape)} do not match the {tuple(hidden.shape[:-1])} positions "
             f"the loss is computed on (with logits_to_keep the labels must cover only the kept positions)"
         )
-    return shift_labels.to(hidden.device)
+    return target.to(hidden.device)
 
 
 def _autocast_dtype(hidden: Any) -> Any:
@@ -603,18 +603,30 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
 
     ignore_index = int(loss_kw.get("ignore_index", -100))
     num_items = loss_kw.get("num_items_in_batch")
-    target = _targets(labels, hidden, loss_kw, ignore_index)
-    if _native_head_loss(model, hidden, target):
+    # labels (not shift_labels) go to the fused loss unshifted: it shifts them itself, inside its
+    # CUDA graph where one replays (a small step's host launches the shift's ops no more)
+    from_labels = loss_kw.get("shift_labels") is None
+    target = _targets(labels, hidden, loss_kw)
+    unfused = _native_head_loss(model, hidden, target)
+    if not unfused:
+        softcap, divisor = _final_logit_quirks(model, fam)
+        inner = _plain_head(model)
+        unfused = inner is None or (divisor is not None and inner.bias is not None)
+    if unfused:
+        if from_labels:
+            target = torch.nn.functional.pad(target, (0, 1), value=ignore_index)[..., 1:]
         return _unfused_loss(model, fam, hidden, target, ignore_index, num_items)
-    softcap, divisor = _final_logit_quirks(model, fam)
-    inner = _plain_head(model)
-    if inner is None or (divisor is not None and inner.bias is not None):
-        return _unfused_loss(model, fam, hidden, target, ignore_index, num_items)
-    _check_labels(model, target, "labels" if loss_kw.get("shift_labels") is None else "shift_labels", ignore_index)
+    # a sequence's first label is no position's target (native never reads it)
+    _check_labels(model, target[..., 1:] if from_labels else target, "labels" if from_labels else "shift_labels",
+                  ignore_index)
     h = hidden
     if divisor is not None:
         h = h / divisor  # (h W^T) / d == (h / d) W^T without a bias
-    opts = dict(ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items, return_token_accuracy=True)
+    # native's loss is a mean over the labelled positions: NaN (0 / 0) when there are none (every
+    # label ignore_index, a sequence of one token); the kernel's mean is 0 there unless asked.
+    # Gradients stay zero either way.
+    opts = dict(ignore_index=ignore_index, softcap=softcap, num_items_in_batch=num_items, return_token_accuracy=True,
+                shift_target=from_labels, empty_mean="nan")
     # the weight as the sharding engine (if any) gathers it, inside lm_head's own call. The dtype is
     # autocast's, or else the gathered weight's: under FSDP2 mixed precision the shard read here is
     # fp32 while the gathered weight is param_dtype (bf16, say)
@@ -624,12 +636,7 @@ def _loss(model: Any, fam: families.Family, hidden: Any, labels: Any, loss_kw: d
     else:
         with torch.autocast(h.device.type, enabled=False):
             res = _distributed.fused_head_loss(model.lm_head, h.to(auto), target, dtype=auto, **opts)
-    loss = res.loss
-    if num_items is None:
-        # native's loss is a mean over the labelled positions: NaN (0 / 0) when there are none (every
-        # label ignore_index, a sequence of one token); the kernel's mean is 0 there. Gradients stay zero.
-        loss = torch.where((target != ignore_index).any(), loss, float("nan"))
-    return loss, res.token_accuracy
+    return res.loss, res.token_accuracy
 
 
 def _check_labels(model: Any, target: Any, name: str, ignore_index: int) -> None:

@@ -165,6 +165,59 @@ def test_flce_graph_replays_equal_the_eager_pass_on_gpu():
     assert L._GRAPHS.replays == 4
 
 
+def test_flce_graph_shifts_labels_and_sets_the_empty_nan_inside_the_replay_on_gpu():
+    """A patched causal LM's call (``shift_target=True``, ``empty_mean="nan"``, labels ``[B, T]``)
+    replays from its third call: each call's loss and gradients are within bf16 tolerance of float64
+    on targets shifted here, a replayed call makes no host sync, a call whose labels are all ignored
+    replays to NaN with zero gradients, and a bad label at position 1 or later raises as eagerly
+    while one at position 0 (no position's target) does not."""
+    from liger_compat.kernels import loss as L
+
+    L._GRAPHS.clear()
+    _device_errors._pending.clear()
+    b, s, hd, v = 2, 512, 256, 8000
+    _, w, _ = _flce_inputs(8, hd, v, torch.bfloat16, 51)
+    w.requires_grad_(True)
+    for call in range(6):
+        hid, _, t = _flce_inputs(b * s, hd, v, torch.bfloat16, 500 + call)
+        labels = t.view(b, s).clone()
+        labels[:, 0] = v + 5  # never a target
+        if call == 4:
+            labels[:, 1:] = -100
+        a = hid.view(b, s, hd).clone().requires_grad_(True)
+        w.grad = None
+        torch.cuda.synchronize()
+        if call >= 3:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = fused_linear_cross_entropy(a, w, labels, shift_target=True, empty_mean="nan")
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert L._GRAPHS.replays == max(0, call - 1), L._GRAPHS.failures
+        if call == 4:
+            assert torch.isnan(loss) and a.grad.abs().max() == 0 and w.grad.abs().max() == 0
+            continue
+        tgt = torch.full_like(labels, -100)
+        tgt[:, :-1] = labels[:, 1:]
+        h64, w64 = hid.double().requires_grad_(True), w.detach().double().requires_grad_(True)
+        ref, _, _ = ce64(h64 @ w64.T, tgt.reshape(-1))
+        ref.backward()
+        tol = tolerance(torch.bfloat16, n=hd)
+        assert rel_err(loss, ref) <= tol and rel_err(a.grad.view(-1, hd), h64.grad) <= tol
+        assert rel_err(w.grad, w64.grad) <= tol
+    raise_target_errors()  # the first labels were out of range: no position scores them
+    hid, _, t = _flce_inputs(b * s, hd, v, torch.bfloat16, 600)
+    labels = t.view(b, s).clone()
+    labels[1, 7] = v
+    with pytest.raises(TargetOutOfRangeError, match=rf"holds {v}, outside the vocabulary \[0, {v}\)"):
+        loss = fused_linear_cross_entropy(hid.view(b, s, hd).requires_grad_(True), w, labels, shift_target=True,
+                                          empty_mean="nan")
+        assert L._GRAPHS.replays == 5
+        loss.backward()
+        raise_target_errors()
+
+
 def test_flce_graph_accumulates_micro_batches_and_reports_bad_labels_on_gpu():
     """Two micro-batches forwarded before one backward (the second finds the graph leased and runs
     eagerly) sum into the weight's gradient as eagerly; a bad label in a replayed call raises as the

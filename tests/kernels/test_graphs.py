@@ -166,11 +166,13 @@ def test_a_loss_dropped_without_backward_frees_the_graph(graphs):
     _close(hh.grad, _ref64(h, w.detach(), t)[1])
 
 
-@pytest.mark.parametrize("change", ["weight", "ignore_index", "num_items", "chunk_mb", "dtype_of_target"])
+@pytest.mark.parametrize("change", ["weight", "ignore_index", "num_items", "chunk_mb", "dtype_of_target",
+                                    "shift_target", "empty_mean"])
 def test_the_key_holds_what_the_pass_reads(graphs, change, monkeypatch):
     """A call that differs in anything the captured pass reads besides its copied inputs does not
     replay the earlier graph: a new weight tensor, an option, the number of items (its value is an
-    input, its kind is in the key), the chunk setting, the targets' dtype. Each result matches
+    input, its kind is in the key), the chunk setting, the targets' dtype, the shift of the targets
+    (same shape, one sequence) and the empty mean's NaN (every row ignored). Each result matches
     float64."""
     w = torch.randn(V, H) / H**0.5
     kw = {}
@@ -191,12 +193,21 @@ def test_the_key_holds_what_the_pass_reads(graphs, change, monkeypatch):
         kw["num_items_in_batch"] = 7
     elif change == "chunk_mb":
         monkeypatch.setattr(_config.settings, "flce_chunk_mb", "1")
+    elif change == "shift_target":
+        kw["shift_target"] = True
+    elif change == "empty_mean":
+        kw["empty_mean"] = "nan"
+        t = torch.full_like(t, -100)
     else:
         t = t.int()
     hh, loss = _fused(h, w, t, **kw)
     loss.backward()
     assert graphs.replays == 2
-    ref, gh, _ = _ref64(h, w, t.long(), num_items=num_items, ignore_index=ignore)
+    if change == "empty_mean":
+        assert torch.isnan(loss) and hh.grad.abs().max() == 0
+        return
+    ref_t = torch.cat([t[1:], t.new_full((1,), -100)]) if change == "shift_target" else t
+    ref, gh, _ = _ref64(h, w, ref_t.long(), num_items=num_items, ignore_index=ignore)
     _close(loss.detach(), ref)
     _close(hh.grad, gh)
 
@@ -217,6 +228,34 @@ def test_the_key_holds_how_the_triton_logits_are_stored(monkeypatch):
     shifted, torch_key = key("triton"), key("torch")
     monkeypatch.setattr(_logits_triton, "SHIFT_LOGITS", not _logits_triton.SHIFT_LOGITS)
     assert key("triton") != shifted and key("torch") == torch_key
+
+
+def test_the_shift_and_the_empty_mean_run_inside_the_replayed_graph(graphs):
+    """A causal LM's call (``shift_target=True``, ``empty_mean="nan"``) replays from its third call:
+    each replay's loss and gradients are those of its own labels shifted (float64 of targets
+    shifted here), and a call whose labels are all ignored replays to NaN with zero gradients."""
+    w = (torch.randn(V, H) / H**0.5).requires_grad_(True)
+    b, s = 4, N // 4
+    for call in range(7):
+        h = torch.randn(b, s, H)
+        labels = torch.randint(0, V, (b, s))
+        labels[torch.rand(b, s) < 0.25] = -100
+        if call == 5:
+            labels[:, 1:] = -100  # the first labels are no position's targets: nothing is labelled
+        w.grad = None
+        hh = h.clone().requires_grad_(True)
+        loss = fused_linear_cross_entropy(hh, w, labels, mode="chunked", shift_target=True, empty_mean="nan")
+        loss.backward()
+        assert graphs.captures == (call >= 2) and graphs.replays == max(0, call - 1)
+        if call == 5:
+            assert torch.isnan(loss) and hh.grad.abs().max() == 0 and w.grad.abs().max() == 0
+            continue
+        t = torch.full_like(labels, -100)
+        t[:, :-1] = labels[:, 1:]
+        ref, gh, gw = _ref64(h.reshape(-1, H), w.detach(), t.reshape(-1))
+        _close(loss.detach(), ref)
+        _close(hh.grad.reshape(-1, H), gh)
+        _close(w.grad, gw)
 
 
 def test_num_items_in_batch_is_an_input_of_the_graph(graphs):

@@ -30,7 +30,7 @@ ROOT = HERE.parent.parent
 @pytest.mark.interpret
 @pytest.mark.parametrize("module", ["test_cross_entropy.py", "test_target_errors.py", "test_elementwise.py", "test_recompute.py",
                                     "test_lowmem.py", "test_lowmem_sparsity.py", "test_sparse_chunked.py", "test_peaked_rows.py", "test_target_terms.py",
-                                    "test_logprob.py"])
+                                    "test_logprob.py", "test_shift_target.py"])
 def test_triton_kernels_under_interpreter(module):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", LIGER_COMPAT_TEST_EXAMPLES="4", PYTHONWARNINGS="ignore")

@@ -479,3 +479,34 @@ def test_return_dict_false_in_eval_mode_is_the_native_tuple(family):
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert out[1].shape == (*ids.shape, model.config.vocab_size)  # the loss first, then the logits
+
+
+def test_labels_reach_the_fused_loss_unshifted_with_its_shift_and_nan(monkeypatch):
+    """The label shift and the empty mean's NaN run inside the fused loss (inside its CUDA graph on
+    a GPU, where a small step's host would otherwise launch them): the loss gets the labels
+    themselves with ``shift_target=True`` and ``empty_mean="nan"``; ``shift_labels`` are passed as
+    they are. The loss is native's either way."""
+    model = tiny("llama")
+    ids, labels = random_batch(model, seed=9)
+    seen = []
+    real = kernels.fused_linear_cross_entropy
+
+    def spy(hidden, weight, target, **kw):
+        seen.append((target, kw))
+        return real(hidden, weight, target, **kw)
+
+    monkeypatch.setattr(kernels, "fused_linear_cross_entropy", spy)
+    out = model(input_ids=ids, labels=labels)
+    with native(), torch.no_grad():
+        ref = model(input_ids=ids, labels=labels)
+    (target, kw), = seen
+    assert torch.equal(target, labels) and kw["shift_target"] is True and kw["empty_mean"] == "nan"
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    if causal_lm._native_loss_reads_shift_labels() and forward_params(type(model).forward).varkw:
+        seen.clear()
+        shifted = torch.roll(labels, -1, dims=1)
+        out = model(input_ids=ids, labels=labels, shift_labels=shifted)
+        (target, kw), = seen
+        assert torch.equal(target, shifted) and kw["shift_target"] is False
+        torch.testing.assert_close(out.loss, manual_loss(ref.logits.detach(), labels, shift_labels=shifted),
+                                   rtol=1e-5, atol=1e-5)
