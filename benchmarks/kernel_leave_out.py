@@ -31,6 +31,10 @@ and the lines of code that make them. A hooked ``down_proj`` is no plain linear 
 shim, which then takes its other route: the MLP's times read high; ``benchmarks.host_pieces``
 times the pieces without hooks.
 
+``--mlp-every-size``: also the side with every kernel and the gated-MLP kernel at every size
+(``LIGER_COMPAT_MLP_SMALL_NATIVE`` off: by default a small eager MLP on a GPU runs its native forward),
+with its own 95 % interval.
+
 ``--compile default`` or ``--compile reduce-overhead``: the step runs on ``torch.compile(model,
 mode=...)`` and the sides are native and all only (a compiled graph does not read the ``kernels``
 setting at each call); each side compiles in its warm-up (TorchDynamo keeps one entry per side: the
@@ -69,10 +73,17 @@ def kernels_of(family: str) -> tuple[str, ...]:
     return (LOSS, NORM, ROPE, "geglu" if family.startswith("gemma") else "swiglu")
 
 
-def sides_of(family: str) -> dict[str, frozenset[str] | None]:
+#: the side with every kernel and the gated-MLP kernel at every size (``LIGER_COMPAT_MLP_SMALL_NATIVE``
+#: off; ``--mlp-every-size``): against ``all``, what the small MLPs' native forward gives
+MLP_EVERY_SIZE = "all, MLP kernel at every size"
+
+
+def sides_of(family: str, mlp_every_size: bool = False) -> dict[str, frozenset[str] | None]:
     """Side name -> the kernels it runs (None: native, liger_compat reverted)."""
     every = frozenset(_config.ALL_KERNELS)
     sides: dict[str, frozenset[str] | None] = {"native": None, "all": every, "none": frozenset()}
+    if mlp_every_size:
+        sides[MLP_EVERY_SIZE] = every
     for k in kernels_of(family):
         sides[f"without {k}"] = every - {k}
     return sides
@@ -199,7 +210,7 @@ def time_sides(family: str, args) -> dict:
     if isinstance(got, dict):
         return got
     model, kw, labels = got
-    sides = sides_of(family)
+    sides = sides_of(family, getattr(args, "mlp_every_size", False))
     step_model = model
     if args.compile:
         if not args.compile_leave_out:
@@ -211,8 +222,9 @@ def time_sides(family: str, args) -> dict:
         step_model = torch.compile(model, mode=None if args.compile == "default" else args.compile)
     settings = _config.settings
     saved = settings.kernels
+    saved_small = settings.mlp_small_native
 
-    def switch(kernels):
+    def switch(kernels, name=None):
         if kernels is None:
             errors = liger_compat.revert()
             if errors:
@@ -220,6 +232,7 @@ def time_sides(family: str, args) -> dict:
             return
         liger_compat.apply()
         settings.kernels = kernels
+        settings.mlp_small_native = saved_small and name != MLP_EVERY_SIZE
 
     times: dict[str, list[float]] = {s: [] for s in sides}
     phases: dict[str, dict[str, list[float]]] = {s: {k: [] for k in PHASES} for s in sides}
@@ -230,7 +243,7 @@ def time_sides(family: str, args) -> dict:
     try:
         for _ in range(2 if args.compile else 1):  # compiled: every side's graph exists before any timing
             for name, kernels in sides.items():  # every side compiles and warms its kernels first
-                switch(kernels)
+                switch(kernels, name)
                 before = _compiled_graphs()
                 models_gpu._warm_up(step_model, kw, labels)
                 warm_graphs.setdefault(name, _compiled_graphs() - before)
@@ -246,7 +259,7 @@ def time_sides(family: str, args) -> dict:
             clock = ModuleClock(model)
         for r in range(args.rounds):
             for name in rotated(list(sides), r):
-                switch(sides[name])
+                switch(sides[name], name)
                 if clock is not None:
                     clock.take()
                 ms, ph = timed_phases(step_model, kw, labels, args.steps)
@@ -261,13 +274,14 @@ def time_sides(family: str, args) -> dict:
             clock = None
         if args.modules:
             for name, kernels in sides.items():
-                switch(kernels)
+                switch(kernels, name)
                 syncs[name] = host_syncs(step_model, kw, labels)
     finally:
         if clock is not None:
             clock.remove()
         liger_compat.apply()
         settings.kernels = saved
+        settings.mlp_small_native = saved_small
     del model, step_model, got
     models_gpu._release()
     row = {"family": family, "ms": {s: statistics.median(v) for s, v in times.items()},
@@ -285,7 +299,8 @@ def _child(family: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.kernel_leave_out", "--child", "--families", family,
            *models_gpu.model_argv(args), "--steps", str(args.steps), "--rounds", str(args.rounds),
            "--device", args.device, *(["--compile", args.compile] if args.compile else []), *(["--modules"] if args.modules else []),
-           *(["--compile-leave-out"] if args.compile_leave_out else [])]
+           *(["--compile-leave-out"] if args.compile_leave_out else []),
+           *(["--mlp-every-size"] if args.mlp_every_size else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -325,6 +340,7 @@ def _median_diff(side: list, native: list) -> float:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     """One table: per family each side's time against native's, paired by round."""
+    every = any(MLP_EVERY_SIZE in r.get("ms_rounds", {}) for r in rows)
     out = [f"A family's small training step with each of our kernels left out in turn, against native, in one "
            f"process; transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
            f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; one fresh "
@@ -337,8 +353,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "round, with a distribution-free 95 % interval for the `all` one. A kernel with `without K` below `all` costs this family more than it gives at this shape; "
            "`none` is patched with every kernel off (the shims' dispatch alone).", "",
            "| family | ms native | all | none | "
-           + " | ".join(f"without {label}" for label, _ in _LEFT_OUT) + " | all: 95 % interval | rounds all < native |",
-           "|---|---:|---:|---:|" + "---:|" * len(_LEFT_OUT) + "---|---:|"]
+           + " | ".join(f"without {label}" for label, _ in _LEFT_OUT) + " | all: 95 % interval | rounds all < native |"
+           + (" MLP kernel at every size | its 95 % interval |" if every else ""),
+           "|---|---:|---:|---:|" + "---:|" * len(_LEFT_OUT) + "---|---:|" + ("---:|---|" if every else "")]
     for r in rows:
         if "ms_rounds" not in r:
             out.append(f"| {r['family']} | {r.get('skipped') or r.get('error', '?')} |" + " |" * (len(_LEFT_OUT) + 4))
@@ -351,9 +368,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ratios = [a / b for a, b in zip(ms["all"], ms["native"])]
         lo, hi = median_interval(ratios)
         none = f"{paired(r, 'none'):.3f}" if "none" in ms else ""
+        extra = ""
+        if every and MLP_EVERY_SIZE in ms:
+            er = [a / b for a, b in zip(ms[MLP_EVERY_SIZE], ms["native"])]
+            elo, ehi = median_interval(er)
+            extra = f" {statistics.median(er):.3f} | {elo:.3f}-{ehi:.3f} |"
+        elif every:
+            extra = "  |  |"
         out.append(f"| {r['family']} | {statistics.median(ms['native']):.2f} | {statistics.median(ratios):.3f} | "
                    f"{none} | " + " | ".join(cells)
-                   + f" | {lo:.3f}-{hi:.3f} | {sum(x < 1 for x in ratios)} / {len(ratios)} |"
+                   + f" | {lo:.3f}-{hi:.3f} | {sum(x < 1 for x in ratios)} / {len(ratios)} |" + extra
                    + (f" graphs compiled after the warm-up: {r['graphs_after_warm_up']}"
                       if "graphs_after_warm_up" in r else ""))
     phased = [r for r in rows if "phases_rounds" in r]
@@ -407,6 +431,9 @@ def main(argv=None) -> int:
                     help="the step on torch.compile(model, mode=...): native against all only")
     ap.add_argument("--compile-leave-out", action="store_true",
                     help="under --compile, also the sides with kernels left out (each needs a graph of its own)")
+    ap.add_argument("--mlp-every-size", action="store_true",
+                    help="also the side with every kernel and the gated-MLP kernel at every size "
+                         "(LIGER_COMPAT_MLP_SMALL_NATIVE off)")
     ap.add_argument("--modules", action="store_true",
                     help="also each module class's forward host time, and one step's host syncs a side")
     ap.add_argument("--out", default="benchmarks/results")
@@ -433,6 +460,8 @@ def main(argv=None) -> int:
                 gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", batch=args.batch,
                 seq=args.seq, hidden=args.hidden, layers=args.layers, vocab=args.vocab, steps=args.steps,
                 rounds=args.rounds)
+    if args.mlp_every_size:
+        meta["mlp_every_size"] = True
     if args.compile:
         meta["compile"] = args.compile
         if args.compile_leave_out:

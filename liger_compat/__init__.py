@@ -32,7 +32,7 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
               return_logits: bool | None = None, decode_native: bool | None = None,
               cpu_native: bool | None = None, flce_sparse: bool | None = None,
               flce_fp32_grad_weight: bool | None = None, flce_graphs: bool | None = None,
-              rms_norm_small_torch: bool | None = None) -> None:
+              rms_norm_small_torch: bool | None = None, mlp_small_native: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -64,8 +64,14 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     (``LIGER_COMPAT_RMS_NORM_SMALL_TORCH``: by default an RMSNorm on a GPU whose output is below
     16 MiB runs torch's fused RMSNorm op, one C++ call forward and backward (Gemma's casting: in fp32,
     with native's casts around it), where a host-bound step waits for our kernel's Python launch).
+    ``mlp_small_native=False`` runs our gated-MLP kernel at every size (``LIGER_COMPAT_MLP_SMALL_NATIVE``:
+    by default an eager MLP call on a GPU whose activation ``act(gate) * up`` is below 64 MiB runs the
+    module's native forward, where the kernel's launch costs a host-bound step more than it saves).
     """
     s = _config.settings
+    if mlp_small_native is not None:
+        s.mlp_small_native = _config.parse_bool(mlp_small_native, "mlp_small_native")
+        s.source["mlp_small_native"] = "configure()"
     if rms_norm_small_torch is not None:
         s.rms_norm_small_torch = _config.parse_bool(rms_norm_small_torch, "rms_norm_small_torch")
         s.source["rms_norm_small_torch"] = "configure()"

@@ -80,6 +80,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mlp_recompute", "LIGER_COMPAT_MLP_RECOMPUTE", "1",
             f"1, 0, or comma-separated names from {', '.join(MLP_RECOMPUTE_PARTS)}"),
     Setting("rms_norm_small_torch", "LIGER_COMPAT_RMS_NORM_SMALL_TORCH", "1", _ONOFF),
+    Setting("mlp_small_native", "LIGER_COMPAT_MLP_SMALL_NATIVE", "1", _ONOFF),
     Setting("decode_native", "LIGER_COMPAT_DECODE_NATIVE", "1", _ONOFF),
     Setting("cpu_native", "LIGER_COMPAT_CPU_NATIVE", "1", _ONOFF),
 )
@@ -133,14 +134,14 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 class Settings(Record):
     _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
                "flce_sparse", "flce_fp32_grad_weight", "flce_graphs", "mlp_recompute", "rms_norm_small_torch",
-               "decode_native", "cpu_native", "source")
+               "mlp_small_native", "decode_native", "cpu_native", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
                  source: dict[str, str] | None = None, flce_mode: str = "auto", return_logits: bool = False,
                  flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1",
                  decode_native: bool = True, cpu_native: bool = True, flce_sparse: bool = True,
                  flce_fp32_grad_weight: bool = False, flce_graphs: bool = True,
-                 rms_norm_small_torch: bool = True) -> None:
+                 rms_norm_small_torch: bool = True, mlp_small_native: bool = True) -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
@@ -169,6 +170,10 @@ class Settings(Record):
         #: casts around it) instead of our Triton kernel: the host time a small step waits for
         #: (``shims/rms_norm.py``)
         self.rms_norm_small_torch = rms_norm_small_torch
+        #: an eager gated MLP on a GPU whose activation ``act(gate) * up`` is below 64 MiB runs its
+        #: native forward: the host time a small step waits for, where the kernel's launch and
+        #: autograd Function cost more than the GPU time it saves (``shims/gated_mlp.py``)
+        self.mlp_small_native = mlp_small_native
         #: a decode step (no grad, one position per sequence) runs the RMSNorm, RoPE and MLP natively
         self.decode_native = decode_native
         #: where no Triton kernel runs (CPU tensors without the interpreter), the RMSNorm, RoPE and

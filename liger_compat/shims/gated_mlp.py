@@ -116,6 +116,8 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
 
     x = args[0]
     down_proj = projs[-1]
+    if _small_native(x, down_proj):
+        return wrapped(*args)
 
     def project_in(t: Any) -> tuple[Any, Any]:
         if layout == "fused_gate_up":
@@ -138,6 +140,36 @@ def mlp_forward(wrapped: Any, instance: Any, args: tuple, kwargs: dict[str, Any]
     if refusal is not None:
         return guarded(kernel_name, refusal, lambda: None, lambda: down_proj(act(gate) * up))[0]
     return kernels.gated_mlp.gated_project_checked(gate, up, down_proj, kind, True, device)
+
+
+#: an eager MLP call on a GPU runs the module's native forward where its activation ``act(gate) * up``
+#: (tokens x intermediate x the input's element size) is below this (``LIGER_COMPAT_MLP_SMALL_NATIVE``),
+#: the compiled route's bound (:data:`COMPILED_ROUTE_MIN_BYTES`). Such a step is host-bound: the kernel
+#: saves an elementwise pass of GPU time (a few microseconds at 16 MiB) and costs the host its Python
+#: launch and autograd Function, and the MLP's recompute saves memory a step this small does not lack.
+#: Timed step by step on an H200 with the kernel left out (``benchmarks/results/kernel_leave_out_*.md``,
+#: 2 x 1024 and 2 x 2048 tokens of 1024-wide models: 11.5-23 MiB), the native MLP was the faster in
+#: most families: Llama 0.770 -> 0.750 and 0.798 -> 0.760 of native, GLM-4 0.761 -> 0.731, Cohere
+#: 0.872 -> 0.837, Ministral 0.786 -> 0.754
+EAGER_NATIVE_MAX_BYTES = 64 * 2**20
+#: the devices whose eager small MLPs run natively (the kernels' GPU path; CPU tensors run
+#: transformers' own code already unless ``LIGER_COMPAT_CPU_NATIVE=0``, and the interpreter's tests
+#: run the kernels at every size)
+SMALL_NATIVE_DEVICES = ("cuda",)
+
+
+def _small_native(x: Any, down_proj: Any) -> bool:
+    """Whether this eager MLP call runs its native forward (:data:`EAGER_NATIVE_MAX_BYTES`): on
+    :data:`SMALL_NATIVE_DEVICES`, ``LIGER_COMPAT_MLP_SMALL_NATIVE`` on, the activation below the
+    bound (the down projection's input width read as ``in_features``; a projection without one keeps
+    the kernel)."""
+    width = getattr(down_proj, "in_features", None)
+    if not (_config.settings.mlp_small_native and isinstance(width, int)):
+        return False
+    dim = x.dim()
+    if dim == 0 or x.device.type not in SMALL_NATIVE_DEVICES:
+        return False
+    return (x.numel() // max(x.shape[-1], 1)) * width * x.element_size() < EAGER_NATIVE_MAX_BYTES
 
 
 #: (class, instance fingerprint, training, input dtype, autocast dtype or None, layout, activation,
