@@ -211,6 +211,22 @@ def _check_target(target, rows_shape, name_of_rows: str):
         )
 
 
+def _check_target_options(target, rows_shape, name_of_rows: str, shift_target, empty_mean) -> None:
+    """:func:`_check_target` and the causal-LM options (``shift_target``, ``empty_mean``) of the
+    fused losses; a shifted target must have the rows' shape exactly (no flat form: a sequence is
+    its last dimension)."""
+    if not isinstance(shift_target, bool):
+        raise ValueError(f"shift_target must be True or False, got {shift_target!r}")
+    if empty_mean not in ("zero", "nan"):
+        raise ValueError(f"empty_mean must be 'zero' or 'nan', got {empty_mean!r}")
+    _check_target(target, rows_shape, name_of_rows)
+    if shift_target and (target.dim() == 0 or tuple(target.shape) != tuple(rows_shape)):
+        raise ShapeMismatchError(
+            f"with shift_target=True target must have {name_of_rows}'s leading shape {tuple(rows_shape)} "
+            f"(sequences of at least one dimension), got {tuple(target.shape)}"
+        )
+
+
 def _reduction_scale(target, opt, reduction, num_items_in_batch, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(number of non-ignored rows, the factor that turns summed row losses into the loss)."""
     n_valid = (target != opt.ignore_index).sum()
@@ -1200,20 +1216,7 @@ def fused_linear_cross_entropy(
         raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hdim}")
     if bias is not None and tuple(bias.shape) != (v,):
         raise ShapeMismatchError(f"bias must have shape ({v},) to match weight, got {tuple(bias.shape)}")
-    if not isinstance(shift_target, bool):
-        raise ValueError(f"shift_target must be True or False, got {shift_target!r}")
-    if empty_mean not in ("zero", "nan"):
-        raise ValueError(f"empty_mean must be 'zero' or 'nan', got {empty_mean!r}")
-    if shift_target:
-        _checks.tensor("target", target)
-        _checks.integer_target("target", target)
-        if target.dim() == 0 or tuple(target.shape) != tuple(hidden.shape[:-1]):
-            raise ShapeMismatchError(
-                f"with shift_target=True target must have hidden's leading shape {tuple(hidden.shape[:-1])} "
-                f"(sequences of at least one dimension), got {tuple(target.shape)}"
-            )
-    else:
-        _check_target(target, hidden.shape[:-1], "hidden")
+    _check_target_options(target, hidden.shape[:-1], "hidden", shift_target, empty_mean)
     device = _checks.same_device(hidden=hidden, weight=weight, bias=bias, target=target)
     _checks.same_dtype(hidden=hidden, weight=weight, bias=bias)
     if v == 0:  # no target is a class of an empty vocabulary (native: cross_entropy's IndexError)
@@ -1248,9 +1251,8 @@ def fused_linear_cross_entropy(
                    bool(sparse_grads) and not want_acc)
     # the chunked mode's Function shifts the targets and sets the NaN itself (inside its CUDA
     # graph where one replays); every other path gets shifted targets and sets it here
-    chunked = not compiling and not (mode is None and backend == "torch" and dense_for(h2.shape[0], v, device)) \
-        and _pick_mode(mode, h2, weight, backend) == "chunked"
-    if chunked:
+    dense = not compiling and mode is None and backend == "torch" and dense_for(h2.shape[0], v, device)
+    if not compiling and not dense and _pick_mode(mode, h2, weight, backend) == "chunked":
         loss, z, acc = _FusedLinearCrossEntropy.apply(
             h2, weight, bias, target if shift_target else target.reshape(-1), opt, reduction, num_items_in_batch,
             backend, want_z, want_acc, knobs, shift_target, nan_empty
@@ -1264,7 +1266,7 @@ def fused_linear_cross_entropy(
             lowmem = (mode or _config.flce_mode()) == "lowmem" and triton_path and _dispatch.HAS_TRITON
             loss, z, acc = _flce_ops(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc,
                                      lowmem=lowmem, config=config, knobs=knobs)
-        elif mode is None and backend == "torch" and dense_for(h2.shape[0], v, device):
+        elif dense:
             loss, z, acc = _dense_torch(h2, weight, bias, t1, opt, reduction, num_items_in_batch, want_z, want_acc)
         else:
             loss, z, acc = _LowMemFusedLinearCrossEntropy.apply(
@@ -1272,7 +1274,7 @@ def fused_linear_cross_entropy(
                 knobs.compact_ignored
             )
         if nan_empty:
-            loss = torch.where((t1 != opt.ignore_index).any(), loss, float("nan"))
+            loss = _nan_if_empty(loss, (t1 != opt.ignore_index).sum())
     if not compiling and device.type != "cuda":
         _device_errors.poll()  # this call's own flag, readable now (the GPU's: at the next poll)
     if reduction == "none":

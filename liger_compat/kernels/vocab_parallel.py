@@ -27,7 +27,7 @@ import torch
 
 from . import _checks
 from .errors import ShapeMismatchError
-from .loss import (CEOptions, CrossEntropyOutput, _check_options, _check_target, _finish, _nan_if_empty,
+from .loss import (CEOptions, CrossEntropyOutput, _check_options, _check_target_options, _finish, _nan_if_empty,
                    _reduction_scale, next_token_targets)
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -187,14 +187,7 @@ def vocab_parallel_cross_entropy(
     _checks.float_dtype("hidden", hidden)
     _checks.float_dtype("weight", weight)
     _check_options(label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch)
-    _check_target(target, hidden.shape[:-1], "hidden")
-    if not isinstance(shift_target, bool):
-        raise ValueError(f"shift_target must be True or False, got {shift_target!r}")
-    if empty_mean not in ("zero", "nan"):
-        raise ValueError(f"empty_mean must be 'zero' or 'nan', got {empty_mean!r}")
-    if shift_target and (target.dim() == 0 or tuple(target.shape) != tuple(hidden.shape[:-1])):
-        raise ShapeMismatchError(f"with shift_target=True target must have hidden's leading shape "
-                                 f"{tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
+    _check_target_options(target, hidden.shape[:-1], "hidden", shift_target, empty_mean)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ShapeMismatchError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is "
                                  f"{hidden.shape[-1]}")
