@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,7 @@ import torch
 
 import liger_compat
 from benchmarks import models_gpu
+from benchmarks._stats import median_interval
 from liger_compat import _config
 
 #: the kernels whose leaving out is timed: the layer kernels and the loss (the MLP's activation
@@ -313,20 +313,6 @@ def paired(row: dict, side: str) -> float:
     host between rounds (a host-bound step moves 10-25 % within a process) cancels in each ratio."""
     ms = row["ms_rounds"]
     return statistics.median(a / b for a, b in zip(ms[side], ms["native"]))
-
-
-def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
-    """A distribution-free interval for the median of ``values``: the order statistics k and
-    n + 1 - k, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (the whole range
-    where n is too small for the level)."""
-    xs, n = sorted(values), len(values)
-    k, below = 0, 0.0
-    while k < n // 2:
-        below += math.comb(n, k) / 2 ** n  # P(X = k) added: P(X < k + 1)
-        if below > (1 - level) / 2:
-            break
-        k += 1
-    return (xs[k - 1], xs[n - k]) if k else (xs[0], xs[-1])
 
 
 #: the table's columns of kernels left out: the header, and the kernels a family's side may name

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 import liger_compat
+from benchmarks._stats import median_interval
 from liger_compat.compat import tiny_vlms
 from liger_compat.compat.families import BY_NAME, FAMILIES
 from liger_compat.compat.tiny_models import EXTRA, FamilyUnavailable, build
@@ -290,7 +291,8 @@ def time_family(family: str, args) -> dict:
 def time_family_paired(family: str, args) -> dict:
     """Native and patched median step times of ``family`` in this process, interleaved: one model,
     ``liger_compat.revert()`` / ``apply()`` between batches of ``--steps`` steps, ``--rounds``
-    rounds with the order reversed every other one (the two sides meet the same machine state)."""
+    rounds with the order reversed every other one (the two sides meet the same machine state).
+    ``--alternate`` (``--steps 1``): the row also has each round's patched / native ratio."""
     got = _timing_model(family, args)
     if isinstance(got, dict):
         return got
@@ -317,8 +319,11 @@ def time_family_paired(family: str, args) -> dict:
     liger_compat.apply()
     del model, got
     _release()
-    return {"family": family, "ms_native": statistics.median(times["native"]),
-            "ms_patched": statistics.median(times["patched"])}
+    row = {"family": family, "ms_native": statistics.median(times["native"]),
+           "ms_patched": statistics.median(times["patched"])}
+    if getattr(args, "alternate", False):  # every round is one step a side: the ratios round by round
+        row["ratio_rounds"] = [p / n for n, p in zip(times["native"], times["patched"])]
+    return row
 
 
 def _child_times(which: str, args, families: list[str], on_row=None) -> dict[str, dict]:
@@ -336,7 +341,7 @@ def _child_times(which: str, args, families: list[str], on_row=None) -> dict[str
     cmd = [sys.executable, "-m", "benchmarks.models_gpu", "--time-only", "--families", ",".join(families),
            *model_argv(args), "--steps", str(args.steps), "--device", args.device, "--rounds", str(args.rounds)]
     if which == "paired":
-        cmd += ["--paired", "--baseline", args.baseline]
+        cmd += ["--paired", "--baseline", args.baseline, *(["--alternate"] if args.alternate else [])]
     rows = {}
     with tempfile.TemporaryFile("w+") as errf:  # a file, not a pipe: a full pipe would stall the child
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errf, text=True) as proc:
@@ -363,6 +368,8 @@ def fresh_timing(args, families: list[str], on_process=None) -> list[dict]:
             if "ms_native" in row:
                 runs["native"].setdefault(fam, []).append(row["ms_native"])
                 runs["patched"].setdefault(fam, []).append(row["ms_patched"])
+                if "ratio_rounds" in row:
+                    runs.setdefault("ratio_rounds", {}).setdefault(fam, []).extend(row["ratio_rounds"])
             else:
                 skipped[fam] = row.get("skipped") or row.get("error", "?")
             if on_process is not None:  # after every family: a run cut short keeps the families done
@@ -397,11 +404,19 @@ def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], famil
         if not n or not p:
             rows.append({"family": fam, "skipped": skipped.get(fam, "no timing (yet, or see the log)")})
             continue
-        ratio = (statistics.median(b / a for a, b in zip(n, p)) if paired
-                 else statistics.median(p) / statistics.median(n))
-        rows.append({"family": fam, "ms_native": statistics.median(n), "ms_patched": statistics.median(p),
-                     "ratio": ratio, "ms_native_runs": n, "ms_patched_runs": p,
-                     "native_spread": (max(n) - min(n)) / statistics.median(n)})
+        rounds = runs.get("ratio_rounds", {}).get(fam)
+        if rounds:  # step by step: the median of the rounds' ratios, with its 95 % interval
+            ratio = statistics.median(rounds)
+        else:
+            ratio = (statistics.median(b / a for a, b in zip(n, p)) if paired
+                     else statistics.median(p) / statistics.median(n))
+        row = {"family": fam, "ms_native": statistics.median(n), "ms_patched": statistics.median(p),
+               "ratio": ratio, "ms_native_runs": n, "ms_patched_runs": p,
+               "native_spread": (max(n) - min(n)) / statistics.median(n)}
+        if rounds:
+            row["ratio_interval"] = list(median_interval(rounds))
+            row["ratio_rounds"] = rounds
+        rows.append(row)
     return rows
 
 
@@ -415,8 +430,11 @@ def timing_markdown(rows: list[dict], meta: dict) -> str:
     if meta.get("baseline") == "nographs":
         how = how.replace("native and patched", "both sides") + (
             "; both sides patched, the fused loss's CUDA graphs off (`LIGER_COMPAT_FLCE_GRAPHS=0`) and on")
-    out = [f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
-           f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; {how}", "",
+    setup = (f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
+             f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16")
+    if meta.get("alternate"):
+        return _alternate_markdown(rows, meta, setup, base, ours)
+    out = [f"{setup}; {how}", "",
            f"| family | ms {base} | ms {ours} | {ours} / {base} | {base} spread over processes |",
            "|---|---|---|---|---|"]
     for r in rows:
@@ -430,6 +448,31 @@ def timing_markdown(rows: list[dict], meta: dict) -> str:
         slower = [r["family"] for r in timed_rows if r["ratio"] > 1.0]
         out += ["", f"{ours} slower than {base} on {len(slower)} of {len(timed_rows)} families"
                 + (f": {', '.join(slower)}" if slower else "")]
+    return "\n".join(out)
+
+
+def _alternate_markdown(rows: list[dict], meta: dict, setup: str, base: str, ours: str) -> str:
+    """The step-by-step table: per family the median of the rounds' ratios and its 95 % interval, and
+    the families above 1, and those whose interval lies wholly above 1 (slower, resolved)."""
+    procs = f"{meta['fresh']} fresh process{'es' if meta['fresh'] != 1 else ''}"
+    out = [f"{setup}; {procs}, the sides alternating step by step ({meta['rounds']} rounds, each one "
+           f"untimed and one timed step a side, the order reversed every other round); the ratio the median over "
+           f"rounds of the round's {ours} / {base}, with a distribution-free 95 % interval", "",
+           f"| family | ms {base} | ms {ours} | {ours} / {base} | 95 % interval |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['family']} | {r['skipped']} | | | |")
+            continue
+        lo, hi = r["ratio_interval"]
+        out.append(f"| {r['family']} | {r['ms_native']:.2f} | {r['ms_patched']:.2f} | {r['ratio']:.3f} "
+                   f"| {lo:.3f}-{hi:.3f} |")
+    timed_rows = [r for r in rows if "ratio" in r]
+    if timed_rows:
+        above = [r["family"] for r in timed_rows if r["ratio"] > 1.0]
+        resolved = [r["family"] for r in timed_rows if r["ratio_interval"][0] > 1.0]
+        out += ["", f"{ours} / {base} above 1 on {len(above)} of {len(timed_rows)} families"
+                + (f": {', '.join(above)}" if above else "")
+                + f"; its interval wholly above 1 on {len(resolved)}" + (f": {', '.join(resolved)}" if resolved else "")]
     return "\n".join(out)
 
 
@@ -465,11 +508,18 @@ def main(argv=None) -> int:
     ap.add_argument("--paired", action="store_true",
                     help="with --fresh: every process times both sides, interleaved (--rounds batches a side)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved batches a side and process (--paired)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="with --fresh --paired: the sides alternate step by step (one untimed and one timed step "
+                         "a side a round, --steps is 1), the ratio the median of the rounds' ratios with a 95 %% interval")
     ap.add_argument("--baseline", choices=("native", "nographs"), default="native",
                     help="with --paired: the side patched is timed against: native, or patched with the fused "
                          "loss's CUDA graphs off (LIGER_COMPAT_FLCE_GRAPHS=0)")
     ap.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)  # one --fresh child
     args = ap.parse_args(argv)
+    if args.alternate:
+        if not ((args.fresh or args.time_only) and args.paired):
+            ap.error("--alternate needs --fresh N --paired")
+        args.steps = 1
     if args.small:
         args.layers, args.hidden, args.vocab, args.batch, args.seq = 2, 1024, 128256, 2, 1024
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -500,6 +550,8 @@ def main(argv=None) -> int:
     cmd = _results.command("benchmarks.models_gpu", sys.argv[1:] if argv is None else argv)
     if args.fresh:
         meta.update(fresh=args.fresh, steps=args.steps, paired=args.paired, rounds=args.rounds)
+        if args.alternate:
+            meta["alternate"] = True
         if args.paired and args.baseline != "native":
             meta["baseline"] = args.baseline
 

@@ -321,6 +321,53 @@ def test_paired_timing_runs_both_sides_in_fresh_processes_on_cpu(tmp_path):
     assert (tmp_path / "p.md").read_text().startswith("regenerate: `python -m benchmarks.models_gpu --device cpu")
 
 
+def test_alternate_rows_take_the_median_of_the_rounds_ratios_with_an_interval():
+    """--alternate: the ratio is the median over every round (of every process) of that round's own
+    ratio, and the table names the families whose 95 % interval lies wholly above 1."""
+    import random
+
+    from benchmarks import models_gpu
+    from benchmarks._stats import median_interval
+
+    rng = random.Random()
+    slow = [1.05 + 0.01 * rng.random() for _ in range(20)]  # every round above 1: resolved
+    level = [0.9 + 0.2 * rng.random() for _ in range(20)]
+    runs = {"native": {"s": [10.0], "l": [10.0]}, "patched": {"s": [10.5], "l": [9.0]},
+            "ratio_rounds": {"s": slow, "l": level}}
+    rows = {r["family"]: r for r in models_gpu._fresh_rows(runs, {}, ["s", "l"], paired=True)}
+    srt = sorted(level)
+    assert rows["l"]["ratio"] == pytest.approx((srt[9] + srt[10]) / 2)  # not the 9.0 / 10.0 of the medians
+    lo, hi = rows["l"]["ratio_interval"]
+    assert (lo, hi) == median_interval(level) and lo <= rows["l"]["ratio"] <= hi
+    assert rows["s"]["ratio_interval"][0] > 1.0
+    meta = dict(transformers="t", torch="p", gpu="g", batch=2, seq=8, hidden=4, layers=1, vocab=9, fresh=1, steps=1,
+                paired=True, rounds=20, alternate=True)
+    md = models_gpu.timing_markdown([rows["s"], rows["l"]], meta)
+    assert "the sides alternating step by step (20 rounds" in md
+    last = md.strip().splitlines()[-1]
+    assert last.startswith("patched / native above 1 on ") and last.endswith("its interval wholly above 1 on 1: s")
+    assert f"| {lo:.3f}-{hi:.3f} |" in md
+
+
+def test_alternate_timing_alternates_the_sides_on_cpu(tmp_path):
+    """A CPU smoke run of --fresh --paired --alternate: one round's ratio per round, an interval."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "benchmarks.models_gpu", "--device", "cpu", "--seq", "8", "--hidden", "64",
+           "--vocab", "96", "--layers", "1", "--fresh", "1", "--paired", "--alternate", "--rounds", "3",
+           "--families", "llama", "--out", str(tmp_path), "--name", "a"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads((tmp_path / "a.json").read_text())
+    (row,) = data["rows"]
+    assert data["meta"]["alternate"] and data["meta"]["steps"] == 1 and len(row["ratio_rounds"]) == 3
+    lo, hi = row["ratio_interval"]
+    assert lo <= row["ratio"] <= hi and lo > 0
+    bad = subprocess.run(cmd[:-4] + ["--fresh", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--alternate needs --fresh N --paired" in bad.stderr
+
+
 def test_host_profile_writes_its_table_and_profiles_on_cpu(tmp_path):
     import json
     import subprocess
