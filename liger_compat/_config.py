@@ -76,6 +76,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("flce_logits", "LIGER_COMPAT_FLCE_LOGITS", "auto", ", ".join(FLCE_LOGITS)),
     Setting("flce_sparse", "LIGER_COMPAT_FLCE_SPARSE", "1", _ONOFF),
     Setting("flce_fp32_grad_weight", "LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT", "0", _ONOFF),
+    Setting("flce_sparse_grads", "LIGER_COMPAT_FLCE_SPARSE_GRADS", "0", _ONOFF),
     Setting("flce_graphs", "LIGER_COMPAT_FLCE_GRAPHS", "1", _ONOFF),
     Setting("mlp_recompute", "LIGER_COMPAT_MLP_RECOMPUTE", "1",
             f"1, 0, or comma-separated names from {', '.join(MLP_RECOMPUTE_PARTS)}"),
@@ -133,7 +134,7 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 class Settings(Record):
     _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
-               "flce_sparse", "flce_fp32_grad_weight", "flce_graphs", "mlp_recompute", "rms_norm_small_torch",
+               "flce_sparse", "flce_fp32_grad_weight", "flce_sparse_grads", "flce_graphs", "mlp_recompute", "rms_norm_small_torch",
                "mlp_small_native", "decode_native", "cpu_native", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
@@ -141,7 +142,7 @@ class Settings(Record):
                  flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1",
                  decode_native: bool = True, cpu_native: bool = True, flce_sparse: bool = True,
                  flce_fp32_grad_weight: bool = False, flce_graphs: bool = True,
-                 rms_norm_small_torch: bool = True, mlp_small_native: bool = True) -> None:
+                 flce_sparse_grads: bool = False, rms_norm_small_torch: bool = True, mlp_small_native: bool = True) -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug
@@ -160,6 +161,11 @@ class Settings(Record):
         #: weight's size plus those rows in memory while the loss runs), instead of a sum in the
         #: weight's dtype (one rounding a chunk)
         self.flce_fp32_grad_weight = flce_fp32_grad_weight
+        #: the chunked fused loss on a GPU with tensor descriptors runs its two gradient matmuls
+        #: block-sparse where a probe of its first chunk finds the softmax sparse (trained-like
+        #: logits; ``kernels/_sparse_grads_triton.py``), in every call the pass of which is not a
+        #: replayed CUDA graph; off: dense (exact) gradient matmuls
+        self.flce_sparse_grads = flce_sparse_grads
         #: a small scalar fused loss on a GPU replays its pass as a CUDA graph from its third call
         #: with the same shapes and weight (``kernels/_graphs.py``): one launch instead of a dozen
         #: through Triton's and torch's host code; off: every call runs eagerly

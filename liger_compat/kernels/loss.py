@@ -1150,7 +1150,7 @@ def fused_linear_cross_entropy(
     logits_impl: str | None = None,
     compact_ignored: bool | None = None,
     ce_variant: str = "split",
-    sparse_grads: bool = False,
+    sparse_grads: bool | None = None,
     shift_target: bool = False,
     empty_mean: str = "zero",
 ):
@@ -1184,7 +1184,8 @@ def fused_linear_cross_entropy(
     a call to count them), ``False`` computes them, ``None`` (default) compacts only a loss of at
     least :data:`COMPACT_MIN_MACS` rows x vocabulary x hidden (:func:`compact_for`);
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout;
-    ``sparse_grads=True`` (experimental: 0.69-0.90x the dense pass's time on trained-like and
+    ``sparse_grads=True`` (``None``, the default: ``LIGER_COMPAT_FLCE_SPARSE_GRADS``, off unless set,
+    and never for a call whose pass replays as a CUDA graph; experimental: 0.69-0.90x the dense pass's time on trained-like and
     peaked logits, 0.99-1.06x on near-uniform ones, 2.1-2.9 GiB of extra memory instead of
     0.55-1.0 at 8192 rows of 7B-9B heads; one H200, ``benchmarks/NOTES.md``) runs the chunked
     mode's two gradient matmuls block-sparse over the vocabulary sorted by mean logit after a dense
@@ -1244,11 +1245,14 @@ def fused_linear_cross_entropy(
         check_config(config)
     if compact_ignored is not None and not isinstance(compact_ignored, bool):
         raise ValueError(f"compact_ignored must be True, False or None, got {compact_ignored!r}")
-    if not isinstance(sparse_grads, bool):
-        raise ValueError(f"sparse_grads must be True or False, got {sparse_grads!r}")
-    # token accuracy needs the argmax's first index in the vocabulary's own order (ties)
-    knobs = _knobs(logits_impl, compact_for(h2.shape[0], v, hdim, compact_ignored), ce_variant,
-                   bool(sparse_grads) and not want_acc)
+    if sparse_grads is not None and not isinstance(sparse_grads, bool):
+        raise ValueError(f"sparse_grads must be True, False or None, got {sparse_grads!r}")
+    knobs = _knobs(logits_impl, compact_for(h2.shape[0], v, hdim, compact_ignored), ce_variant)
+    if sparse_grads is None:  # the setting, but a graphed pass (a small, host-bound loss) stays dense
+        sparse_grads = (_config.settings.flce_sparse_grads and not compiling
+                        and not _graphable(h2, weight, backend, knobs))
+    if sparse_grads and not want_acc:  # token accuracy needs the argmax's first index in the vocabulary's own order
+        knobs = knobs._replace(sparse_grads=True)
     # the chunked mode's Function shifts the targets and sets the NaN itself (inside its CUDA
     # graph where one replays); every other path gets shifted targets and sets it here
     dense = not compiling and mode is None and backend == "torch" and dense_for(h2.shape[0], v, device)

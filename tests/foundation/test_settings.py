@@ -183,6 +183,23 @@ def test_flce_sparse_from_the_environment_and_configure(monkeypatch):
         liger_compat.configure(flce_sparse="sometimes")
 
 
+def test_flce_sparse_grads_from_the_environment_and_configure(monkeypatch):
+    """``LIGER_COMPAT_FLCE_SPARSE_GRADS``: off by default, on with 1, listed in the report's settings;
+    ``configure(...)`` sets it and names itself as the source, and rejects what is not on / off."""
+    assert _config._from_env({}).flce_sparse_grads is False
+    on = _config._from_env({"LIGER_COMPAT_FLCE_SPARSE_GRADS": "on"})
+    assert on.flce_sparse_grads is True and on.source["flce_sparse_grads"] == "LIGER_COMPAT_FLCE_SPARSE_GRADS"
+    bad = _config._from_env({"LIGER_COMPAT_FLCE_SPARSE_GRADS": "often"})
+    assert bad.flce_sparse_grads is False and "ignored" in bad.source["flce_sparse_grads"]
+    monkeypatch.setattr(_config.settings, "flce_sparse_grads", False)
+    monkeypatch.setitem(_config.settings.source, "flce_sparse_grads", "test")
+    liger_compat.configure(flce_sparse_grads=True)
+    row = next(x for x in _config.describe() if x["variable"] == "LIGER_COMPAT_FLCE_SPARSE_GRADS")
+    assert _config.settings.flce_sparse_grads is True and row["value"] == "1" and row["source"] == "configure()"
+    with pytest.raises(ValueError, match="flce_sparse_grads must be on or off"):
+        liger_compat.configure(flce_sparse_grads="sometimes")
+
+
 def test_flce_fp32_grad_weight_from_the_environment_and_configure(monkeypatch):
     """``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: off by default, on with 1; ``configure(...)`` sets it
     and the report says where it came from; a bad value is refused by name."""

@@ -716,3 +716,38 @@ def test_flce_block_sparse_chunks_on_gpu(softcap, monkeypatch):
     assert abs(float(out[True][0]) - float(out[False][0])) <= 1e-5 * abs(float(ref.detach()))
     assert rel_err(out[True][1], g64[0]) <= 1.5 * rel_err(out[False][1], g64[0])
     assert rel_err(out[True][2], g64[1]) <= 1.1 * rel_err(out[False][2], g64[1])
+
+
+def test_flce_sparse_grads_setting_on_gpu(monkeypatch):
+    """``LIGER_COMPAT_FLCE_SPARSE_GRADS`` on, a call naming no ``sparse_grads`` (as a patched model's
+    loss calls it): with the loss's CUDA graphs off it runs the sparse pass of ``sparse_grads=True``
+    (the same pairs left out, the same gradients); with them on, the same call (small enough to be
+    graphed: 2048 x 128256 x 1024) stays dense in every call, the eager first two included."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.regimes import make_inputs
+    from liger_compat.kernels import _sparse_grads_triton as sg
+
+    hid, w, t, _ = make_inputs("trained", 2048, 1024, 128256, device="cuda", seed=int(torch.randint(0, 2**16, ())))
+    monkeypatch.setattr(_config.settings, "flce_chunk_mb", "64")  # 256 rows a chunk
+
+    def run(**kw):
+        monkeypatch.setattr(sg, "last_pairs", None)
+        a, b = hid.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = fused_linear_cross_entropy(a, b, t, **kw)
+        grads = torch.autograd.grad(loss, (a, b))
+        return loss.detach(), grads, None if sg.last_pairs is None else int(sg.last_pairs[0])
+
+    explicit = run(sparse_grads=True)
+    assert explicit[2] is not None and explicit[2] > 0
+    monkeypatch.setattr(_config.settings, "flce_sparse_grads", True)
+    monkeypatch.setattr(_config.settings, "flce_graphs", False)
+    by_setting = run()
+    assert by_setting[2] == explicit[2]
+    assert abs(float(by_setting[0]) - float(explicit[0])) <= 1e-6 * abs(float(explicit[0]))
+    for g, g_explicit in zip(by_setting[1], explicit[1]):
+        assert rel_err(g, g_explicit) <= 1e-3
+    monkeypatch.setattr(_config.settings, "flce_graphs", True)
+    assert [run()[2] for _ in range(3)] == [None, None, None]

@@ -201,12 +201,61 @@ def test_the_dense_pass_runs_where_the_sparse_one_does_not_apply(opts, monkeypat
     assert sg.last_pairs is None
 
 
-def test_sparse_grads_must_be_a_bool():
+def test_sparse_grads_must_be_a_bool_or_none():
     from liger_compat.kernels import fused_linear_cross_entropy
 
     hid, w, t = _inputs(6)
-    with pytest.raises(ValueError, match="sparse_grads must be True or False"):
+    with pytest.raises(ValueError, match="sparse_grads must be True, False or None"):
         fused_linear_cross_entropy(hid, w, t, sparse_grads="yes")
+
+
+@pytest.mark.parametrize("setting", [False, True])
+def test_the_setting_decides_a_call_that_names_no_sparse_grads(setting, monkeypatch):
+    """``LIGER_COMPAT_FLCE_SPARSE_GRADS`` (how a patched model's loss gets it: it names no
+    ``sparse_grads``): on, the call runs the sparse pass of ``sparse_grads=True``, the same pairs
+    left out and the same gradients; off, the dense pass of ``sparse_grads=False``. An explicit
+    ``sparse_grads`` wins over the setting."""
+    from liger_compat import _config
+    from liger_compat.kernels import _sparse_grads_triton as sg
+
+    hid, w, t = _inputs(int(torch.randint(0, 2**16, ())), n=112)
+    _chunks_of(monkeypatch, 32, w.shape[0])
+    monkeypatch.setattr(_config.settings, "flce_sparse_grads", setting)
+    monkeypatch.setattr(sg, "last_pairs", None)
+    got = _grads(hid, w, t)
+    pairs = None if sg.last_pairs is None else int(sg.last_pairs[0])
+    monkeypatch.setattr(sg, "last_pairs", None)
+    want = _grads(hid, w, t, sparse_grads=setting)
+    assert pairs == (None if sg.last_pairs is None else int(sg.last_pairs[0]))
+    assert (pairs is not None and pairs > 0) == setting  # the inputs have pairs to leave out
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    monkeypatch.setattr(sg, "last_pairs", None)
+    _grads(hid, w, t, sparse_grads=not setting)
+    assert (sg.last_pairs is not None) == (not setting)
+
+
+def test_a_graphed_call_stays_dense_under_the_setting(monkeypatch):
+    """A call whose pass may replay as a CUDA graph (a small, host-bound loss on a GPU) stays dense
+    with the setting on: the sparse pass reads its probe on the host, which a graph cannot."""
+    from liger_compat import _config
+    from liger_compat.kernels import _sparse_grads_triton as sg
+    from liger_compat.kernels import loss
+
+    hid, w, t = _inputs(7, n=112)
+    _chunks_of(monkeypatch, 32, w.shape[0])
+    monkeypatch.setattr(_config.settings, "flce_sparse_grads", True)
+    seen = []
+
+    def graphable(h, w_, backend, knobs):
+        seen.append(knobs.sparse_grads)
+        return True
+
+    monkeypatch.setattr(loss, "_graphable", graphable)
+    monkeypatch.setattr(loss, "_graphed_pass", lambda *a, **k: None)  # runs eagerly: no CUDA here
+    monkeypatch.setattr(sg, "last_pairs", None)
+    _grads(hid, w, t)
+    assert seen and sg.last_pairs is None
 
 
 def test_tile_lists_match_the_kept_pairs():
