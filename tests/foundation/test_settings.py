@@ -166,50 +166,26 @@ def test_return_logits_read_from_the_environment_at_import():
     assert r.stdout.split() == ["False", "None"]
 
 
-def test_flce_sparse_from_the_environment_and_configure(monkeypatch):
-    """``LIGER_COMPAT_FLCE_SPARSE``: on by default, off with 0; ``configure(flce_sparse=...)`` sets
-    it and the report names configure() as its source; a bad value names the keyword."""
+@pytest.mark.parametrize("attr,default", [("flce_sparse", True), ("flce_sparse_grads", False),
+                                          ("flce_fp32_grad_weight", False)])
+def test_a_fused_loss_switch_from_the_environment_and_configure(attr, default, monkeypatch):
+    """``LIGER_COMPAT_FLCE_SPARSE`` (on by default), ``..._SPARSE_GRADS`` and ``..._FP32_GRAD_WEIGHT``
+    (off): the variable flips the default and is named as the source, a bad value is ignored and
+    named; ``configure(<attr>=...)`` sets it and the report names configure() as its source, and a
+    bad value raises naming the keyword."""
     import liger_compat
 
-    assert _config._from_env({}).flce_sparse is True
-    off = _config._from_env({"LIGER_COMPAT_FLCE_SPARSE": "0"})
-    assert off.flce_sparse is False and off.source["flce_sparse"] == "LIGER_COMPAT_FLCE_SPARSE"
-    monkeypatch.setattr(_config.settings, "flce_sparse", True)
+    env = _ENV_OF[attr]
+    assert getattr(_config._from_env({}), attr) is default
+    flipped = _config._from_env({env: "0" if default else "on"})
+    assert getattr(flipped, attr) is (not default) and flipped.source[attr] == env
+    bad = _config._from_env({env: "often"})
+    assert getattr(bad, attr) is default and "ignored" in bad.source[attr]
+    monkeypatch.setattr(_config.settings, attr, default)
     monkeypatch.setattr(_config.settings, "source", dict(_config.settings.source))
-    liger_compat.configure(flce_sparse=False)
-    row = next(x for x in _config.describe() if x["variable"] == "LIGER_COMPAT_FLCE_SPARSE")
-    assert _config.settings.flce_sparse is False and row["value"] == "0" and row["source"] == "configure()"
-    with pytest.raises(ValueError, match="flce_sparse must be on or off"):
-        liger_compat.configure(flce_sparse="sometimes")
-
-
-def test_flce_sparse_grads_from_the_environment_and_configure(monkeypatch):
-    """``LIGER_COMPAT_FLCE_SPARSE_GRADS``: off by default, on with 1, listed in the report's settings;
-    ``configure(...)`` sets it and names itself as the source, and rejects what is not on / off."""
-    assert _config._from_env({}).flce_sparse_grads is False
-    on = _config._from_env({"LIGER_COMPAT_FLCE_SPARSE_GRADS": "on"})
-    assert on.flce_sparse_grads is True and on.source["flce_sparse_grads"] == "LIGER_COMPAT_FLCE_SPARSE_GRADS"
-    bad = _config._from_env({"LIGER_COMPAT_FLCE_SPARSE_GRADS": "often"})
-    assert bad.flce_sparse_grads is False and "ignored" in bad.source["flce_sparse_grads"]
-    monkeypatch.setattr(_config.settings, "flce_sparse_grads", False)
-    monkeypatch.setitem(_config.settings.source, "flce_sparse_grads", "test")
-    liger_compat.configure(flce_sparse_grads=True)
-    row = next(x for x in _config.describe() if x["variable"] == "LIGER_COMPAT_FLCE_SPARSE_GRADS")
-    assert _config.settings.flce_sparse_grads is True and row["value"] == "1" and row["source"] == "configure()"
-    with pytest.raises(ValueError, match="flce_sparse_grads must be on or off"):
-        liger_compat.configure(flce_sparse_grads="sometimes")
-
-
-def test_flce_fp32_grad_weight_from_the_environment_and_configure(monkeypatch):
-    """``LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT``: off by default, on with 1; ``configure(...)`` sets it
-    and the report says where it came from; a bad value is refused by name."""
-    assert _config._from_env({}).flce_fp32_grad_weight is False
-    on = _config._from_env({"LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT": "1"})
-    assert on.flce_fp32_grad_weight is True and on.source["flce_fp32_grad_weight"] == "LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT"
-    monkeypatch.setattr(_config.settings, "flce_fp32_grad_weight", False)
-    monkeypatch.setitem(_config.settings.source, "flce_fp32_grad_weight", "test")
-    liger_compat.configure(flce_fp32_grad_weight=True)
-    row = next(x for x in _config.describe() if x["variable"] == "LIGER_COMPAT_FLCE_FP32_GRAD_WEIGHT")
-    assert _config.settings.flce_fp32_grad_weight is True and row["value"] == "1" and row["source"] == "configure()"
-    with pytest.raises(ValueError, match="flce_fp32_grad_weight must be on or off"):
-        liger_compat.configure(flce_fp32_grad_weight="sometimes")
+    liger_compat.configure(**{attr: not default})
+    row = next(x for x in _config.describe() if x["variable"] == env)
+    assert getattr(_config.settings, attr) is (not default)
+    assert row["value"] == ("0" if default else "1") and row["source"] == "configure()"
+    with pytest.raises(ValueError, match=f"{attr} must be on or off"):
+        liger_compat.configure(**{attr: "sometimes"})
