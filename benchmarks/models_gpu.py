@@ -397,7 +397,8 @@ def fresh_timing(args, families: list[str], on_process=None) -> list[dict]:
 def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], families: list[str],
                 paired: bool = False) -> list[dict]:
     """Per family: median times over the processes and the ratio patched / native (paired: the
-    median of each process's own ratio)."""
+    median of each process's own ratio; with ``runs["ratio_rounds"]``, the rounds' own ratios of
+    ``--alternate`` over every process, their median and its 95 % interval)."""
     rows = []
     for fam in families:
         n, p = runs["native"].get(fam, []), runs["patched"].get(fam, [])
@@ -421,58 +422,44 @@ def _fresh_rows(runs: dict[str, dict[str, list]], skipped: dict[str, str], famil
 
 
 def timing_markdown(rows: list[dict], meta: dict) -> str:
+    """The ``--fresh`` table; with ``--alternate`` its last column is each ratio's 95 % interval, and
+    the summary also names the families whose interval lies wholly above 1 (slower, resolved)."""
     procs = f"{meta['fresh']} fresh process{'es' if meta['fresh'] != 1 else ''}"
-    how = (f"{procs}, each timing native and patched interleaved ({meta['rounds']} "
-           f"rounds of {meta['steps']} steps a side, median), the ratio the median of the processes' ratios"
-           if meta.get("paired") else
-           f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)")
+    alternate = meta.get("alternate")
     base, ours = ("graphs off", "graphs on") if meta.get("baseline") == "nographs" else ("native", "patched")
+    if alternate:
+        how = (f"{procs}, the sides alternating step by step ({meta['rounds']} rounds, each one untimed and one timed "
+               f"step a side, the order reversed every other round); the ratio the median over rounds of the "
+               f"round's {ours} / {base}, with a distribution-free 95 % interval")
+    elif meta.get("paired"):
+        how = (f"{procs}, each timing native and patched interleaved ({meta['rounds']} "
+               f"rounds of {meta['steps']} steps a side, median), the ratio the median of the processes' ratios")
+    else:
+        how = f"{meta['fresh']} fresh processes each, alternating, {meta['steps']} steps each (median)"
     if meta.get("baseline") == "nographs":
         how = how.replace("native and patched", "both sides") + (
             "; both sides patched, the fused loss's CUDA graphs off (`LIGER_COMPAT_FLCE_GRAPHS=0`) and on")
-    setup = (f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
-             f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16")
-    if meta.get("alternate"):
-        return _alternate_markdown(rows, meta, setup, base, ours)
-    out = [f"{setup}; {how}", "",
-           f"| family | ms {base} | ms {ours} | {ours} / {base} | {base} spread over processes |",
-           "|---|---|---|---|---|"]
+    last = "95 % interval" if alternate else f"{base} spread over processes"
+    out = [f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['gpu']}; batch {meta['batch']} x "
+           f"{meta['seq']}, hidden {meta['hidden']}, {meta['layers']} layers, vocab {meta['vocab']}, bf16; {how}", "",
+           f"| family | ms {base} | ms {ours} | {ours} / {base} | {last} |", "|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
             out.append(f"| {r['family']} | {r['skipped']} | | | |")
             continue
-        out.append(f"| {r['family']} | {r['ms_native']:.2f} | {r['ms_patched']:.2f} | {r['ratio']:.3f} "
-                   f"| {100 * r['native_spread']:.0f} % |")
-    timed_rows = [r for r in rows if "ratio" in r]
-    if timed_rows:
-        slower = [r["family"] for r in timed_rows if r["ratio"] > 1.0]
-        out += ["", f"{ours} slower than {base} on {len(slower)} of {len(timed_rows)} families"
-                + (f": {', '.join(slower)}" if slower else "")]
-    return "\n".join(out)
-
-
-def _alternate_markdown(rows: list[dict], meta: dict, setup: str, base: str, ours: str) -> str:
-    """The step-by-step table: per family the median of the rounds' ratios and its 95 % interval, and
-    the families above 1, and those whose interval lies wholly above 1 (slower, resolved)."""
-    procs = f"{meta['fresh']} fresh process{'es' if meta['fresh'] != 1 else ''}"
-    out = [f"{setup}; {procs}, the sides alternating step by step ({meta['rounds']} rounds, each one "
-           f"untimed and one timed step a side, the order reversed every other round); the ratio the median over "
-           f"rounds of the round's {ours} / {base}, with a distribution-free 95 % interval", "",
-           f"| family | ms {base} | ms {ours} | {ours} / {base} | 95 % interval |", "|---|---|---|---|---|"]
-    for r in rows:
-        if "skipped" in r:
-            out.append(f"| {r['family']} | {r['skipped']} | | | |")
-            continue
-        lo, hi = r["ratio_interval"]
-        out.append(f"| {r['family']} | {r['ms_native']:.2f} | {r['ms_patched']:.2f} | {r['ratio']:.3f} "
-                   f"| {lo:.3f}-{hi:.3f} |")
+        cell = ("{:.3f}-{:.3f}".format(*r["ratio_interval"]) if alternate
+                else f"{100 * r['native_spread']:.0f} %")
+        out.append(f"| {r['family']} | {r['ms_native']:.2f} | {r['ms_patched']:.2f} | {r['ratio']:.3f} | {cell} |")
     timed_rows = [r for r in rows if "ratio" in r]
     if timed_rows:
         above = [r["family"] for r in timed_rows if r["ratio"] > 1.0]
-        resolved = [r["family"] for r in timed_rows if r["ratio_interval"][0] > 1.0]
-        out += ["", f"{ours} / {base} above 1 on {len(above)} of {len(timed_rows)} families"
-                + (f": {', '.join(above)}" if above else "")
-                + f"; its interval wholly above 1 on {len(resolved)}" + (f": {', '.join(resolved)}" if resolved else "")]
+        listed = f"{len(above)} of {len(timed_rows)} families" + (f": {', '.join(above)}" if above else "")
+        if alternate:
+            resolved = [r["family"] for r in timed_rows if r["ratio_interval"][0] > 1.0]
+            out += ["", f"{ours} / {base} above 1 on {listed}; its interval wholly above 1 on {len(resolved)}"
+                    + (f": {', '.join(resolved)}" if resolved else "")]
+        else:
+            out += ["", f"{ours} slower than {base} on {listed}"]
     return "\n".join(out)
 
 

@@ -32,7 +32,8 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
               return_logits: bool | None = None, decode_native: bool | None = None,
               cpu_native: bool | None = None, flce_sparse: bool | None = None,
               flce_fp32_grad_weight: bool | None = None, flce_graphs: bool | None = None,
-              flce_sparse_grads: bool | None = None, rms_norm_small_torch: bool | None = None, mlp_small_native: bool | None = None) -> None:
+              flce_sparse_grads: bool | None = None, rms_norm_small_torch: bool | None = None,
+              mlp_small_native: bool | None = None) -> None:
     """Change settings at run time.
 
     ``enabled=False`` reverts every patch and keeps liger_compat off; ``enabled=True`` turns it
@@ -62,8 +63,8 @@ def configure(*, enabled: bool | None = None, kernels: str | Iterable[str] | Non
     softmax, and where it is sparse (trained-like logits) the later chunks leave out the pairs of
     (128 rows, 256 vocabulary columns) whose entries are all negligible, their mass given back to
     grad_hidden; 2 to 3 GiB of memory instead of 0.5 to 1 while the loss runs at a 7B-9B head.
-    A call small enough to replay its pass as a CUDA graph stays dense. ``flce_graphs=False`` runs every call of the fused loss
-    eagerly (``LIGER_COMPAT_FLCE_GRAPHS``: by default a scalar loss on a GPU of at most ~2**39
+    A call small enough to replay its pass as a CUDA graph stays dense. ``flce_graphs=False`` runs
+    every call of the fused loss eagerly (``LIGER_COMPAT_FLCE_GRAPHS``: by default a scalar loss on a GPU of at most ~2**39
     rows x vocabulary x hidden, a host-bound small step's, replays its pass as a CUDA graph from
     the third call with the same shapes and weight; the graph keeps one chunk of logits and the
     gradients reserved). ``rms_norm_small_torch=False`` runs our RMSNorm kernel at every size

@@ -134,15 +134,16 @@ def parse_kernels(value: str | list[str] | tuple[str, ...] | set[str] | None) ->
 
 class Settings(Record):
     _fields = ("disabled", "kernels", "debug", "return_logits", "flce_mode", "flce_chunk_mb", "flce_logits",
-               "flce_sparse", "flce_fp32_grad_weight", "flce_sparse_grads", "flce_graphs", "mlp_recompute", "rms_norm_small_torch",
-               "mlp_small_native", "decode_native", "cpu_native", "source")
+               "flce_sparse", "flce_fp32_grad_weight", "flce_sparse_grads", "flce_graphs", "mlp_recompute",
+               "rms_norm_small_torch", "mlp_small_native", "decode_native", "cpu_native", "source")
 
     def __init__(self, disabled: bool = False, kernels: frozenset[str] | None = None, debug: bool = False,
                  source: dict[str, str] | None = None, flce_mode: str = "auto", return_logits: bool = False,
                  flce_chunk_mb: str = "", flce_logits: str = "auto", mlp_recompute: str = "1",
                  decode_native: bool = True, cpu_native: bool = True, flce_sparse: bool = True,
                  flce_fp32_grad_weight: bool = False, flce_graphs: bool = True,
-                 flce_sparse_grads: bool = False, rms_norm_small_torch: bool = True, mlp_small_native: bool = True) -> None:
+                 flce_sparse_grads: bool = False, rms_norm_small_torch: bool = True,
+                 mlp_small_native: bool = True) -> None:
         self.disabled = disabled
         self.kernels: frozenset[str] = frozenset(ALL_KERNELS) if kernels is None else kernels
         self.debug = debug

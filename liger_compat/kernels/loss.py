@@ -371,15 +371,16 @@ DEFAULT_KNOBS = FlceKnobs()
 _CE_VARIANTS = ("split", "row")  # the same as _ce_triton.CE_KERNEL_VARIANTS (kept here: Triton is optional)
 
 
-def _knobs(logits_impl, compact_ignored, ce_variant, sparse_grads=False) -> FlceKnobs:
+def _knobs(logits_impl, compact_ignored, ce_variant) -> FlceKnobs:
     """The keyword arguments of the entry point, checked (``logits_impl=None``: the setting;
-    ``compact_ignored`` already resolved by :func:`compact_for`; ``sparse_grads`` by the caller)."""
+    ``compact_ignored`` already resolved by :func:`compact_for`); ``sparse_grads`` is off here, the
+    entry point sets it (``_replace``) where it applies."""
     impl = _config.flce_logits() if logits_impl is None else _config.check_flce_logits(logits_impl, "logits_impl")
     if not isinstance(compact_ignored, bool):
         raise ValueError(f"compact_ignored must be True, False or None, got {compact_ignored!r}")
     if ce_variant not in _CE_VARIANTS:
         raise ValueError(f"ce_variant must be one of {', '.join(_CE_VARIANTS)}, got {ce_variant!r}")
-    return FlceKnobs(impl, compact_ignored, ce_variant, bool(sparse_grads))
+    return FlceKnobs(impl, compact_ignored, ce_variant)
 
 
 def _sparse_chunks():
@@ -1185,8 +1186,8 @@ def fused_linear_cross_entropy(
     least :data:`COMPACT_MIN_MACS` rows x vocabulary x hidden (:func:`compact_for`);
     ``ce_variant`` (``"split"``, ``"row"``) is the cross-entropy kernel's launch layout;
     ``sparse_grads=True`` (``None``, the default: ``LIGER_COMPAT_FLCE_SPARSE_GRADS``, off unless set,
-    and never for a call whose pass replays as a CUDA graph; experimental: 0.69-0.90x the dense pass's time on trained-like and
-    peaked logits, 0.99-1.06x on near-uniform ones, 2.1-2.9 GiB of extra memory instead of
+    and never for a call whose pass replays as a CUDA graph; experimental: 0.69-0.90x the dense
+    pass's time on trained-like and peaked logits, 0.99-1.06x on near-uniform ones, 2.1-2.9 GiB of extra memory instead of
     0.55-1.0 at 8192 rows of 7B-9B heads; one H200, ``benchmarks/NOTES.md``) runs the chunked
     mode's two gradient matmuls block-sparse over the vocabulary sorted by mean logit after a dense
     first chunk whose first rows probe the softmax (``_sparse_grads_triton``; eager calls on a GPU
