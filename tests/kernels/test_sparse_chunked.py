@@ -209,30 +209,34 @@ def test_sparse_grads_must_be_a_bool_or_none():
         fused_linear_cross_entropy(hid, w, t, sparse_grads="yes")
 
 
-@pytest.mark.parametrize("setting", [False, True])
-def test_the_setting_decides_a_call_that_names_no_sparse_grads(setting, monkeypatch):
+def test_the_setting_decides_a_call_that_names_no_sparse_grads(monkeypatch):
     """``LIGER_COMPAT_FLCE_SPARSE_GRADS`` (how a patched model's loss gets it: it names no
     ``sparse_grads``): on, the call runs the sparse pass of ``sparse_grads=True``, the same pairs
     left out and the same gradients; off, the dense pass of ``sparse_grads=False``. An explicit
-    ``sparse_grads`` wins over the setting."""
+    ``sparse_grads=False`` wins over the setting on (an explicit True with the setting off is what
+    every other test here runs)."""
     from liger_compat import _config
     from liger_compat.kernels import _sparse_grads_triton as sg
 
     hid, w, t = _inputs(int(torch.randint(0, 2**16, ())), n=112)
     _chunks_of(monkeypatch, 32, w.shape[0])
-    monkeypatch.setattr(_config.settings, "flce_sparse_grads", setting)
-    monkeypatch.setattr(sg, "last_pairs", None)
-    got = _grads(hid, w, t)
-    pairs = None if sg.last_pairs is None else int(sg.last_pairs[0])
-    monkeypatch.setattr(sg, "last_pairs", None)
-    want = _grads(hid, w, t, sparse_grads=setting)
-    assert pairs == (None if sg.last_pairs is None else int(sg.last_pairs[0]))
-    assert (pairs is not None and pairs > 0) == setting  # the inputs have pairs to leave out
-    for a, b in zip(got, want):
+
+    def run(setting, **kw):
+        monkeypatch.setattr(_config.settings, "flce_sparse_grads", setting)
+        monkeypatch.setattr(sg, "last_pairs", None)
+        got = _grads(hid, w, t, **kw)
+        return got, None if sg.last_pairs is None else int(sg.last_pairs[0])
+
+    on, on_pairs = run(True)
+    explicit, explicit_pairs = run(True, sparse_grads=True)
+    dense, dense_pairs = run(True, sparse_grads=False)
+    off, off_pairs = run(False)
+    assert on_pairs is not None and on_pairs > 0  # the inputs have pairs to leave out
+    assert on_pairs == explicit_pairs and dense_pairs is None and off_pairs is None
+    for a, b in zip(on, explicit):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    monkeypatch.setattr(sg, "last_pairs", None)
-    _grads(hid, w, t, sparse_grads=not setting)
-    assert (sg.last_pairs is not None) == (not setting)
+    for a, b in zip(off, dense):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_graphed_call_stays_dense_under_the_setting(monkeypatch):
